@@ -1,0 +1,16 @@
+"""Console entry point `deepinfer`: imports every command module so each registers itself on the app."""
+
+from __future__ import annotations
+
+from deepinfer_bench import cmd_env  # noqa: F401
+from deepinfer_bench.app import app
+
+__all__ = ["app"]
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Results: DataFrame -> rich table (stdout), CSV + meta.json on disk (never overwriting an earlier run)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_DIR = REPO_ROOT / "golden" / "tiny"
+DEFAULT_OUT_DIR = Path("results")
+
+out_console = Console()  # tables
+err_console = Console(stderr=True)  # progress, logs, verdicts
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if value == 0:
+            return "0"
+        if abs(value) >= 1e4 or abs(value) < 1e-3:
+            return f"{value:.3e}"
+        return f"{value:.4g}" if abs(value) < 10 else f"{value:.2f}"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def render_df(df: pd.DataFrame, title: str, *, console: Console | None = None, styles: Mapping[str, str] | None = None,
+              columns: list[str] | None = None) -> None:
+    """Print `df` as a rich table: numbers right-aligned, NaN as '-'."""
+    cols = columns or list(df.columns)
+    table = Table(title=title, header_style="bold", show_lines=False)
+    for c in cols:
+        numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
+        table.add_column(c, justify="right" if numeric else "left", style=(styles or {}).get(c))
+    for _, row in df[cols].iterrows():
+        cells = []
+        for c in cols:
+            text = _fmt(row[c])
+            if c in ("verdict", "status", "pass") and text in ("FAIL", "mismatch", "error", "no"):
+                text = f"[red]{text}[/red]"
+            elif c in ("verdict", "status", "pass") and text in ("PASS", "match", "ok", "yes"):
+                text = f"[green]{text}[/green]"
+            cells.append(text)
+        table.add_row(*cells)
+    (console or out_console).print(table)
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        sha = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "numpy", "pandas", "safetensors", "deepinfer"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def base_meta(**extra: Any) -> dict[str, Any]:
+    from engine.envs import get_envs
+
+    meta = {
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "argv": sys.argv,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "versions": tool_versions(),
+        "env": get_envs().snapshot(),
+    }
+    meta.update(extra)
+    return meta
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def save_results(df: pd.DataFrame, out_dir: str | Path, name: str, meta: Mapping[str, Any] | None = None) -> Path:
+    """Write `<out_dir>/<name>-<timestamp>/{<name>.csv, meta.json}`; a new folder each run, nothing overwritten.
+
+    Returns the CSV path.
+    """
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(out_dir) / f"{name}-{stamp}"
+    run_dir, k = base, 1
+    while run_dir.exists():
+        k += 1
+        run_dir = base.with_name(f"{base.name}-{k}")
+    run_dir.mkdir(parents=True)
+    csv_path = run_dir / f"{name}.csv"
+    df.to_csv(csv_path, index=False)
+    full = base_meta(**(dict(meta) if meta else {}))
+    full["columns"] = list(df.columns)
+    (run_dir / "meta.json").write_text(json.dumps(full, indent=2, default=_json_default) + "\n")
+    return csv_path

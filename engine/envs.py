@@ -1,0 +1,128 @@
+"""The only module that reads the process environment.
+
+Every `DEEPINFER_*` flag is declared once here with its type, default and a one-line doc. `read_envs(environ)` is a
+pure function (tests pass a dict); `get_envs()` caches the result for the real process. Third-party variables that
+the Neuron runtime reads (`NEURON_*`) are set or recorded here too, never scattered through the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+
+def _flag(default: Any, doc: str, *, graph: bool = False, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "graph": graph, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Envs:
+    DEEPINFER_NEURON_GRAPH_MODE: str = _flag(
+        "eager", "How the decode step is cut into compiled graphs: eager (none), regions (two per layer), layer (one)",
+        graph=True, choices=("eager", "regions", "layer"))
+    DEEPINFER_NEURON_REGION_TIMING: bool = _flag(
+        False, "Run each region stage by stage with a device sync and a timer at every split() boundary")
+    DEEPINFER_NEURON_MOE_CAPACITY: float = _flag(
+        0.0, "Capacity factor of the grouped expert path for prefill chunks (0 = dense path only)", graph=True)
+    DEEPINFER_BACKEND: str = _flag("auto", "Engine backend: auto, host (CPU torch) or neuron", graph=True,
+                                   choices=("auto", "host", "neuron"))
+    DEEPINFER_KERNEL_EXECUTOR: str = _flag(
+        "auto", "Where NKI kernels run: auto, stand-in, simulator or neuron", graph=True,
+        choices=("auto", "stand-in", "simulator", "neuron"))
+    DEEPINFER_NUM_THREADS: int = _flag(0, "torch intra-op threads on the host (0 = torch's default)")
+    DEEPINFER_DIST_TIMEOUT_S: float = _flag(120.0, "Seconds a rank waits on a collective before the job fails")
+    # Recorded, not interpreted: third-party variables that change what a Neuron run does.
+    recorded: tuple[tuple[str, str], ...] = ()
+
+    def graph_hash(self) -> str:
+        """Hash of the flags that change compiled graphs or kernel choice (compile-cache key, results meta)."""
+        sel = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("graph")}
+        return hashlib.sha256(json.dumps(sel, sort_keys=True).encode()).hexdigest()[:12]
+
+    def snapshot(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "recorded"}
+        d["recorded"] = dict(self.recorded)
+        d["graph_hash"] = self.graph_hash()
+        return d
+
+    @staticmethod
+    def describe() -> list[tuple[str, str, str, str]]:
+        """(name, type, default, doc) for every flag."""
+        return [(f.name, f.type if isinstance(f.type, str) else f.type.__name__, repr(f.default), f.metadata["doc"])
+                for f in dataclasses.fields(Envs) if f.name != "recorded"]
+
+
+_RECORDED_PREFIXES = ("NEURON_", "NKI_", "XLA_", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def _parse(name: str, typ: str, raw: str, choices: tuple[str, ...] | None) -> Any:
+    raw = raw.strip()
+    if typ == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("", "0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={raw!r}: expected 0/1/true/false")
+    if typ == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if typ == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected a number") from None
+    if choices and raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw
+
+
+def read_envs(environ: Mapping[str, str]) -> Envs:
+    """Parse the DEEPINFER_* flags from `environ` (pure). Unknown DEEPINFER_* names are an error (typo guard)."""
+    values: dict[str, Any] = {}
+    known = {f.name: f for f in dataclasses.fields(Envs) if f.name != "recorded"}
+    for key, raw in environ.items():
+        if not key.startswith("DEEPINFER_"):
+            continue
+        if key not in known:
+            raise ValueError(f"unknown environment flag {key} (known: {', '.join(sorted(known))})")
+        f = known[key]
+        typ = f.type if isinstance(f.type, str) else f.type.__name__
+        values[key] = _parse(key, typ, raw, f.metadata.get("choices"))
+    recorded = tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_RECORDED_PREFIXES)))
+    return Envs(**values, recorded=recorded)
+
+
+@cache
+def get_envs() -> Envs:
+    return read_envs(os.environ)
+
+
+def environ() -> MutableMapping[str, str]:
+    """The process environment, for the few places that must hand it to a child process or the Neuron runtime."""
+    return os.environ
+
+
+def neuron_worker_env(rank: int, *, logical_nc_config: int = 2, cores_per_rank: int = 1) -> dict[str, str]:
+    """Runtime variables for one Neuron worker rank: basic mode, one NeuronCore per rank (nki.md §3.2)."""
+    first = rank * cores_per_rank
+    cores = str(first) if cores_per_rank == 1 else f"{first}-{first + cores_per_rank - 1}"
+    return {
+        "NEURON_RT_VISIBLE_CORES": cores,
+        "NEURON_RT_NUM_CORES": str(cores_per_rank),
+        "NEURON_LOGICAL_NC_CONFIG": str(logical_nc_config),
+        "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2",
+    }
+
+
+def apply_env(updates: Mapping[str, str]) -> None:
+    """Set variables for the Neuron runtime of this process (called before the runtime starts)."""
+    os.environ.update(updates)
+    get_envs.cache_clear()
