@@ -1,0 +1,273 @@
+"""Torch references of every DeepSeek-V4 op: the single definition of each op.
+
+The engine's host path calls these functions, and each NKI kernel in this package is checked against them, so
+"the kernel matches the reference" and "the engine matches the golden" are statements about the same code.
+Formulas: shared/spec/deepseek_v4.md §2 (section numbers below). Math runs in fp32; results are cast back to the
+input dtype where the official code does so. Shapes use B batch, T tokens, H heads, D dims, N keys, n hc streams.
+Only torch APIs that torch 2.9 has.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "rms_norm", "swiglu", "linear", "grouped_out_proj",
+    "rope_inv_freq", "rope_cos_sin", "rope_apply",
+    "hc_mixes", "hc_collapse", "hc_expand", "hc_head", "hc_attn_out",
+    "compress_pool", "index_score", "index_topk",
+    "sparse_attn", "sparse_attn_partial", "sparse_attn_merge",
+    "gate_scores", "route",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Norms, activations, projections
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32, cast back to x.dtype. `weight=None` is the unweighted form."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (§2.6). `limit <= 0` disables the clamps."""
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return F.silu(g) * u
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T in x's dtype (weights are dequantised at load time). x [..., K], weight [N, K]."""
+    return F.linear(x, weight.to(x.dtype))
+
+
+def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped low-rank output projection (§2.3): o [T, H*D] split into `groups` contiguous head groups;
+    wo_a [G*R, H*D/G] viewed [G, R, H*D/G]; returns [T, G*R] = concat_g(wo_a[g] @ o_g)."""
+    t = o.shape[0]
+    og = o.view(t, groups, -1)  # [T, G, H*D/G]
+    w = wo_a.to(o.dtype).view(groups, -1, og.shape[-1])  # [G, R, H*D/G]
+    return torch.einsum("tgd,grd->tgr", og, w).reshape(t, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE: interleaved pairs (2i, 2i+1) on the trailing rope dims (§2.3); YaRN only for compressed layers (§1.2)
+
+
+def rope_inv_freq(rope_dim: int, base: float, yarn: tuple[float, int, float, float] | None = None) -> torch.Tensor:
+    """Inverse frequencies [rope_dim/2] (fp32). `yarn = (factor, original_seq_len, beta_fast, beta_slow)` blends
+    the low frequencies down by `factor` with a linear ramp between the correction dims; no attention factor."""
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if yarn is None or yarn[1] <= 0:
+        return freqs
+    factor, orig, beta_fast, beta_slow = yarn
+
+    def corr_dim(num_rot: float) -> float:
+        return rope_dim * math.log(orig / (num_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    smooth = 1 - ramp
+    return freqs / factor * (1 - smooth) + freqs * smooth
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [..., rope_dim/2] (fp32) for integer `positions` [...]."""
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., rd/2]
+    return ang.cos(), ang.sin()
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of x [..., rd] by angle (cos, sin) [..., rd/2] (broadcast over x's middle dims).
+    `inverse=True` rotates by the negative angle (the conjugate). Returns a new tensor in x.dtype."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    s = -sin if inverse else sin
+    out = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mHC (§2.2)
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+             iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mixing weights of one mHC site for streams x [T, n, D] (any dtype; math in fp32).
+
+    Returns pre [T, n], post [T, n] and comb [T, n, n] (comb[j, k]: from stream j to stream k, doubly stochastic
+    after `iters` Sinkhorn steps: softmax rows + eps, a column normalisation, then (iters-1) x (rows, columns))."""
+    n = hc_mult
+    v = x.flatten(-2).float()  # [T, n*D]
+    mix = F.linear(v, fn.float()) * torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)  # [T, (2+n)*n]
+    pre = torch.sigmoid(scale[0] * mix[:, :n] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(scale[1] * mix[:, n:2 * n] + base[n:2 * n])
+    comb = (scale[2] * mix[:, 2 * n:] + base[2 * n:]).view(-1, n, n)
+    comb = comb.softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre[j] * x[j]: x [T, n, D], pre [T, n] -> [T, D] in x.dtype (fp32 math)."""
+    return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'[k] = post[k] * y + sum_j comb[j, k] * X[j] (note the transposed use of comb).
+    y [T, D], residual [T, n, D], post [T, n], comb [T, n, n] -> [T, n, D] in y.dtype."""
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("tjk,tjd->tkd", comb, residual.float())
+    return out.to(y.dtype)
+
+
+def hc_attn_out(o: torch.Tensor, wo_b: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+    """Attention tail fused with the mHC expand: hc_expand(o @ wo_b^T, residual, post, comb).
+    o [T, G*R] (after the grouped wo_a), wo_b [D, G*R] -> [T, n, D]."""
+    return hc_expand(linear(o, wo_b), residual, post, comb)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final stream collapse (§2.2 hc_head): x [T, n, D] -> [T, D] in x.dtype."""
+    v = x.flatten(-2).float()
+    mix = F.linear(v, fn.float()) * torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)  # [T, n]
+    pre = torch.sigmoid(mix * scale + base) + hc_eps
+    return hc_collapse(x, pre)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compressor pooling (§2.4) and the lightning indexer (§2.5)
+
+
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
+                  prev_score: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-channel softmax pooling of W consecutive blocks of m tokens (fp32).
+
+    kv, score: [W, m, C] projections of the tokens of each block (score already includes `ape`).
+    HCA (overlap=False): C = d; entry_w = sum_j softmax_j(score) * kv over the block's m tokens.
+    CSA (overlap=True): C = 2d; entry_w pools 2m slots: the first-half channels of block w-1 and the second-half
+    channels of block w. For w = 0 the previous block is `prev_kv`/`prev_score` [m, C] (first half used) when
+    given, else absent (score -inf). Returns [W, d] fp32.
+    """
+    kv, score = kv.float(), score.float()
+    if not overlap:
+        return (kv * score.softmax(dim=1)).sum(dim=1)
+    w, m, c = kv.shape
+    d = c // 2
+    slots_kv = kv.new_zeros(w, 2 * m, d)
+    slots_sc = kv.new_full((w, 2 * m, d), float("-inf"))
+    slots_kv[:, m:] = kv[:, :, d:]
+    slots_sc[:, m:] = score[:, :, d:]
+    slots_kv[1:, :m] = kv[:-1, :, :d]
+    slots_sc[1:, :m] = score[:-1, :, :d]
+    if prev_kv is not None:
+        slots_kv[0, :m] = prev_kv[:, :d].float()
+        slots_sc[0, :m] = prev_score[:, :d].float()
+    return (slots_kv * slots_sc.softmax(dim=1)).sum(dim=1)
+
+
+def index_score(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores I(t, w) = sum_h weights[t, h] * relu(q[t, h] . keys[w]) in fp32.
+    q [B, T, Hi, Di], keys [B, N, Di], weights [B, T, Hi] (already scaled by Di^-0.5 * Hi^-0.5) -> [B, T, N]."""
+    s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
+    return torch.einsum("bthn,bth->btn", s, weights.float())
+
+
+def index_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal top-k of indexer scores with deterministic tie-breaking (higher score first, then lower index).
+
+    scores [B, T, N]; num_visible [B, T] (entries w < num_visible are causal for that query). Returns
+    (idx [B, T, k'] int64, valid [B, T, k'] bool) with k' = min(k, N); picks beyond the visible entries are invalid.
+    A stable sort keeps the choice identical however the entries are split across ranks and merged.
+    """
+    n = scores.shape[-1]
+    kk = min(k, n)
+    pos = torch.arange(n, device=scores.device)
+    visible = pos < num_visible.unsqueeze(-1)  # [B, T, N]
+    masked = scores.float().masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, T, k']
+    valid = order < num_visible.unsqueeze(-1)
+    return order, valid
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sparse attention with a per-head sink (§2.3): K = V (one shared head), keys given per query by a validity mask
+
+
+def sparse_attn_partial(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Un-normalised attention over a share of the keys, for an exact merge across shares (context parallelism).
+
+    q [B, T, H, D], kv [B, N, D], valid [B, T, N] -> (acc [B, T, H, D], m [B, T, H], l [B, T, H]) in fp32 with
+    m = max valid logit (-inf if none), l = sum exp(logit - m), acc = sum exp(logit - m) * kv."""
+    logits = torch.einsum("bthd,bnd->bthn", q.float(), kv.float()) * scale  # [B, T, H, N]
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    m = logits.amax(-1)  # [B, T, H]
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(logits - m_safe.unsqueeze(-1))  # exp(-inf) = 0 for masked keys
+    acc = torch.einsum("bthn,bnd->bthd", p, kv.float())
+    return acc, m, p.sum(-1)
+
+
+def sparse_attn_merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                      sink: torch.Tensor) -> torch.Tensor:
+    """Merge partial results (per-head max / sum-exp) and count the sink logit `sink` [H] exactly once.
+    Returns o [B, T, H, D] fp32 = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink))."""
+    sink = sink.float()
+    m_all = torch.stack([p[1] for p in parts], 0)  # [R, B, T, H]
+    m = torch.maximum(m_all.amax(0), sink)  # sink is finite, so m is finite
+    acc = torch.zeros_like(parts[0][0])
+    den = torch.exp(sink - m)
+    for a, mr, lr in parts:
+        w = torch.where(torch.isinf(mr), torch.zeros_like(mr), torch.exp(mr - m))  # [B, T, H]
+        acc = acc + a * w.unsqueeze(-1)
+        den = den + lr * w
+    return acc / den.unsqueeze(-1)
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """o_h = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink_h)), l_j = scale * q_h . kv_j over valid keys.
+    q [B, T, H, D], kv [B, N, D], valid [B, T, N], sink [H] -> [B, T, H, D] in q.dtype."""
+    return sparse_attn_merge([sparse_attn_partial(q, kv, valid, scale)], sink).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MoE routing (§2.6)
+
+
+def gate_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(x @ gate^T)) in fp32: x [T, D], gate [E, D] -> [T, E]."""
+    return F.softplus(F.linear(x.float(), gate_weight.float())).sqrt()
+
+
+def route(scores: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None = None,
+          hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice and weights. scores [T, E] fp32; `bias` [E] shifts selection only; `hash_ids` [T, K] (from
+    tid2eid) replaces selection in hash layers. Returns (weights [T, K] fp32, indices [T, K] int64); weights are
+    the unbiased scores of the chosen experts, normalised to sum 1, times route_scale."""
+    if hash_ids is not None:
+        idx = hash_ids.long()
+    else:
+        sel = scores + bias.float() if bias is not None else scores
+        idx = sel.topk(topk, dim=-1).indices
+    w = scores.gather(1, idx)
+    w = w / w.sum(-1, keepdim=True)
+    return w * route_scale, idx
