@@ -158,29 +158,29 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 def compress_pool(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
                   prev_score: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-channel softmax pooling of W consecutive blocks of m tokens (fp32).
+    """Per-channel softmax pooling of W consecutive blocks of m tokens (fp32), with optional leading batch dims.
 
-    kv, score: [W, m, C] projections of the tokens of each block (score already includes `ape`).
+    kv, score: [..., W, m, C] projections of the tokens of each block (score already includes `ape`).
     HCA (overlap=False): C = d; entry_w = sum_j softmax_j(score) * kv over the block's m tokens.
     CSA (overlap=True): C = 2d; entry_w pools 2m slots: the first-half channels of block w-1 and the second-half
-    channels of block w. For w = 0 the previous block is `prev_kv`/`prev_score` [m, C] (first half used) when
-    given, else absent (score -inf). Returns [W, d] fp32.
+    channels of block w. For w = 0 the previous block is `prev_kv`/`prev_score` [..., m, C] (first half used) when
+    given, else absent (score -inf). Returns [..., W, d] fp32.
     """
     kv, score = kv.float(), score.float()
     if not overlap:
-        return (kv * score.softmax(dim=1)).sum(dim=1)
-    w, m, c = kv.shape
+        return (kv * score.softmax(dim=-2)).sum(dim=-2)
+    *lead, w, m, c = kv.shape
     d = c // 2
-    slots_kv = kv.new_zeros(w, 2 * m, d)
-    slots_sc = kv.new_full((w, 2 * m, d), float("-inf"))
-    slots_kv[:, m:] = kv[:, :, d:]
-    slots_sc[:, m:] = score[:, :, d:]
-    slots_kv[1:, :m] = kv[:-1, :, :d]
-    slots_sc[1:, :m] = score[:-1, :, :d]
+    slots_kv = kv.new_zeros(*lead, w, 2 * m, d)
+    slots_sc = kv.new_full((*lead, w, 2 * m, d), float("-inf"))
+    slots_kv[..., m:, :] = kv[..., d:]
+    slots_sc[..., m:, :] = score[..., d:]
+    slots_kv[..., 1:, :m, :] = kv[..., :-1, :, :d]
+    slots_sc[..., 1:, :m, :] = score[..., :-1, :, :d]
     if prev_kv is not None:
-        slots_kv[0, :m] = prev_kv[:, :d].float()
-        slots_sc[0, :m] = prev_score[:, :d].float()
-    return (slots_kv * slots_sc.softmax(dim=1)).sum(dim=1)
+        slots_kv[..., 0, :m, :] = prev_kv[..., :d].float()
+        slots_sc[..., 0, :m, :] = prev_score[..., :d].float()
+    return (slots_kv * slots_sc.softmax(dim=-2)).sum(dim=-2)
 
 
 def index_score(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

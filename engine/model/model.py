@@ -1,0 +1,131 @@
+"""The DeepSeek-V4 model: embedding and stream expansion, decoder blocks with two mHC sites each, `hc_head`, the
+final norm and head, and the MTP block (§2). Module and parameter names are DeepSeek's official ones, so
+`load_state_dict` takes the loader's output as it is."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.attention import Attention
+from engine.model.cache import KVCache, StepPlan
+from engine.model.layers import Embedding, Linear, RMSNorm, _empty
+from engine.model.moe import MoE
+from nki_kernels.reference import hc_collapse, hc_expand, hc_head, hc_mixes, linear, rms_norm
+
+# Tensors that stay fp32 whatever the compute dtype (official: mHC, sinks, ape, router, compressor, head, norms).
+_FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "gate.weight", "compressor.wkv.weight", "compressor.wgate.weight",
+                  "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
+
+
+def keeps_fp32(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.startswith("hc_") or name.endswith(_FP32_SUFFIXES)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, local_experts: range | None = None) -> None:
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg, layer_id, local_experts)
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _empty(cfg.mix_hc, cfg.hc_dim))
+            setattr(self, f"hc_{site}_base", _empty(cfg.mix_hc))
+            setattr(self, f"hc_{site}_scale", _empty(3))
+
+    def _mix(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                        getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, input_ids: torch.Tensor) -> torch.Tensor:
+        """x: residual streams [T, n, dim] -> [T, n, dim]."""
+        eps = self.cfg.norm_eps
+        pre, post, comb = self._mix(x, "attn")
+        h = rms_norm(hc_collapse(x, pre), self.attn_norm.weight, eps)
+        x = hc_expand(self.attn(h, plan, cache.layers[self.layer_id]), x, post, comb)
+        pre, post, comb = self._mix(x, "ffn")
+        h = rms_norm(hc_collapse(x, pre), self.ffn_norm.weight, eps)
+        return hc_expand(self.ffn(h, input_ids), x, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction block (`mtp.0.*`): a sliding-only decoder layer fed with the main model's last streams
+    and the embedding of the next token, with its own hc_head and norm; shares the embedding and head (§2.7)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, local_experts: range | None = None) -> None:
+        super().__init__(cfg, layer_id, local_experts)
+        self.e_proj = Linear(cfg.dim, cfg.dim)
+        self.h_proj = Linear(cfg.dim, cfg.dim)
+        self.enorm = RMSNorm(cfg.dim)
+        self.hnorm = RMSNorm(cfg.dim)
+        self.norm = RMSNorm(cfg.dim)
+        self.hc_head_fn = _empty(cfg.hc_mult, cfg.hc_dim)
+        self.hc_head_base = _empty(cfg.hc_mult)
+        self.hc_head_scale = _empty(1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, local_experts: range | None = None, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([Block(cfg, i, local_experts) for i in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim)
+        self.head = Linear(cfg.dim, cfg.vocab_size)
+        self.hc_head_fn = _empty(cfg.hc_mult, cfg.hc_dim)
+        self.hc_head_base = _empty(cfg.hc_mult)
+        self.hc_head_scale = _empty(1)
+        self.mtp = nn.ModuleList(
+            [MTPBlock(cfg, cfg.n_layers + i, local_experts) for i in range(cfg.n_mtp_layers if with_mtp else 0)])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Take official-named tensors (already dequantised); cast to the compute dtype except fp32-kept ones."""
+        own = self.state_dict(keep_vars=True)
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        cast = {}
+        for name, p in own.items():
+            t = state[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {name}: shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
+            if not t.is_floating_point():
+                cast[name] = t
+            else:
+                cast[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
+        self.load_state_dict(cast, strict=True, assign=True)
+
+    def hidden(self, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        """input_ids [T] -> last-layer residual streams [T, n, dim]."""
+        e = self.embed.weight[input_ids]  # [T, dim]
+        x = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            x = layer(x, plan, cache, input_ids)
+        return x
+
+    def logits(self, x: torch.Tensor, hc: nn.Module | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
+        """Streams [T, n, dim] -> fp32 logits [T, vocab] via hc_head, the final norm and the head."""
+        hc = hc or self
+        h = hc_head(x, hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, self.cfg.hc_eps, self.cfg.norm_eps)
+        h = rms_norm(h, (norm or self.norm).weight, self.cfg.norm_eps)
+        return linear(h.float(), self.head.weight)
+
+    def mtp_logits(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+                   k: int = 0) -> torch.Tensor:
+        """MTP block k: streams x [T, n, dim] at positions t and the ids of tokens t+1 -> logits for tokens t+2."""
+        blk: MTPBlock = self.mtp[k]
+        eps = self.cfg.norm_eps
+        e = rms_norm(self.embed.weight[next_ids], blk.enorm.weight, eps)
+        h = rms_norm(x, blk.hnorm.weight, eps)
+        x0 = linear(e, blk.e_proj.weight).unsqueeze(1) + linear(h, blk.h_proj.weight)
+        x1 = blk(x0, plan, cache, next_ids)
+        return self.logits(x1, blk, blk.norm)

@@ -1,0 +1,134 @@
+"""ModelRunner: the model, its KV cache and one `execute` per scheduler step (prefill chunks and decodes mixed).
+
+The runner owns tensors only; which sequence sits in which slot and which blocks it owns is decided by the
+pure-Python scheduler/block manager (engine/scheduler.py, engine/kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model.cache import KVCache, SeqStep, StepPlan
+from engine.model.model import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not one of float32, bfloat16") from None
+
+
+class SequenceLike(Protocol):
+    slot: int | None
+    block_table: list[int]
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+def default_block_size(cfg: ModelConfig) -> int:
+    """Smallest multiple of every compress ratio that is at least 16 (128 for the real models)."""
+    size = 1
+    for r in set(cfg.compress_ratios):
+        if r:
+            size = size * r // math.gcd(size, r)
+    return size * max(1, -(-16 // size))
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_num_seqs: int = 8
+    num_kv_blocks: int = 256
+    block_size: int | None = None  # None: default_block_size(cfg)
+    max_model_len: int = 4096
+    dtype: str = "float32"
+    batch_decode: bool = True  # vectorised decode path (False: every sequence goes through the chunk path)
+    with_mtp: bool = False  # keep MTP weights (loaded anyway by `deepinfer generate`? no: only when asked)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, model: Transformer, rc: RunnerConfig) -> None:
+        self.cfg, self.model, self.rc = cfg, model, rc
+        self.dtype = parse_dtype(rc.dtype)
+        self.max_num_seqs, self.num_kv_blocks = rc.max_num_seqs, rc.num_kv_blocks
+        self.block_size = rc.block_size or default_block_size(cfg)
+        self.max_model_len = min(rc.max_model_len, cfg.max_position_embeddings)
+        layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
+        self.cache = KVCache(cfg, rc.max_num_seqs, rc.num_kv_blocks, self.block_size, self.dtype, layer_ids)
+
+    # -- construction ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], rc: RunnerConfig) -> ModelRunner:
+        model = Transformer(cfg, with_mtp=rc.with_mtp)
+        if not rc.with_mtp:
+            state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+        model.load_weights(state, parse_dtype(rc.dtype))
+        return cls(cfg, model, rc)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, rc: RunnerConfig) -> ModelRunner:
+        from engine.loader import load_checkpoint
+
+        cfg = ModelConfig.from_json(Path(model_dir))
+        state = load_checkpoint(model_dir, cfg, dtype=torch.float32, include_mtp=rc.with_mtp)
+        return cls.from_state_dict(cfg, state, rc)
+
+    # -- execution -------------------------------------------------------------------------------------------------
+    def free_slot(self, slot: int) -> None:
+        self.cache.reset_slot(slot)
+
+    @torch.inference_mode()
+    def forward(self, steps: list[SeqStep], input_ids: torch.Tensor, logit_index: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """Run one step. `steps` carry each sequence's slot, start position, token count and block table;
+        `input_ids` [T] holds their tokens back to back. Returns fp32 logits of `logit_index` tokens (default: the
+        last token of each step) [len, vocab], or the final streams [T, n, dim] with `return_hidden`."""
+        for s in steps:
+            if s.start + s.n > self.max_model_len:
+                raise ValueError(f"sequence needs {s.start + s.n} positions, max_model_len is {self.max_model_len}")
+            need = -(-(s.start + s.n) // self.block_size)
+            if len(s.block_table) < need:
+                raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
+        plan = StepPlan.build(steps, self.block_size, batch_decode=self.rc.batch_decode)
+        x = self.model.hidden(input_ids, plan, self.cache)
+        if return_hidden:
+            return x
+        if logit_index is None:
+            logit_index = torch.tensor([s.token_start + s.n - 1 for s in steps])
+        return self.model.logits(x[logit_index])
+
+    def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
+        """Scheduler entry point: for each (seq, n), process seq.all_token_ids[num_computed : num_computed + n] at
+        those positions in seq.slot with seq.block_table. Returns fp32 logits [len(batch), vocab] of each entry's
+        last processed token. Does not advance num_computed_tokens."""
+        steps, ids, offset = [], [], 0
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            ids.extend(seq.all_token_ids[start: start + n])
+            steps.append(SeqStep(slot=seq.slot, start=start, n=n, token_start=offset,
+                                 block_table=torch.tensor(seq.block_table, dtype=torch.long)))
+            offset += n
+        return self.forward(steps, torch.tensor(ids, dtype=torch.long))
+
+
+def build_runner(config: Any) -> ModelRunner:
+    """Build a runner from an engine config (duck-typed: model_dir, dtype, max_num_seqs, num_kv_blocks, block_size,
+    max_model_len)."""
+    rc = RunnerConfig(
+        max_num_seqs=config.max_num_seqs, num_kv_blocks=config.num_kv_blocks,
+        block_size=getattr(config, "block_size", None), max_model_len=config.max_model_len,
+        dtype=str(config.dtype))
+    return ModelRunner.from_model_dir(config.model_dir, rc)
