@@ -132,3 +132,50 @@ def build_runner(config: Any) -> ModelRunner:
         block_size=getattr(config, "block_size", None), max_model_len=config.max_model_len,
         dtype=str(config.dtype))
     return ModelRunner.from_model_dir(config.model_dir, rc)
+
+
+@torch.inference_mode()
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
+                    prefill_chunk: int | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """All prompts as one batch, without the scheduler: prefill (in one step, or in chunks of `prefill_chunk` tokens
+    per sequence per step), then batched greedy decode. Returns per prompt the generated ids and the fp32 logits
+    [max_new_tokens, vocab] each token was chosen from. Used by `deepinfer golden` and the engine tests."""
+    if len(prompts) > runner.max_num_seqs:
+        raise ValueError(f"{len(prompts)} prompts but the runner has {runner.max_num_seqs} slots")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    bs = runner.block_size
+    tables, nxt = [], 0
+    for p in prompts:
+        need = -(-(len(p) + max_new_tokens) // bs)
+        if nxt + need > runner.num_kv_blocks:
+            raise ValueError(f"KV pool too small: {runner.num_kv_blocks} blocks of {bs} for this batch")
+        tables.append(torch.arange(nxt, nxt + need))
+        nxt += need
+    for slot in range(len(prompts)):
+        runner.free_slot(slot)
+    seqs = [list(p) for p in prompts]
+    done = [0] * len(prompts)  # tokens already in the cache
+    outs: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(len(o) < max_new_tokens for o in outs):
+        steps, ids, off = [], [], 0
+        for i, s in enumerate(seqs):
+            if len(outs[i]) >= max_new_tokens:
+                continue
+            n = len(s) - done[i]
+            if prefill_chunk and n > 1:
+                n = min(n, prefill_chunk)
+            steps.append(SeqStep(slot=i, start=done[i], n=n, token_start=off, block_table=tables[i]))
+            ids.extend(s[done[i]: done[i] + n])
+            off += n
+        lg = runner.forward(steps, torch.tensor(ids, dtype=torch.long))
+        for step, row in zip(steps, lg, strict=True):
+            i = step.slot
+            done[i] += step.n
+            if done[i] == len(seqs[i]):  # caught up: this step's last logits pick the next token
+                tok = int(torch.argmax(row))
+                outs[i].append(tok)
+                logits[i].append(row)
+                seqs[i].append(tok)
+    return outs, [torch.stack(x) for x in logits]
