@@ -1,0 +1,76 @@
+"""`deepinfer kernels` library: run every case of the NKI kernels and return one row per case (no printing)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+COLUMNS = ["kernel", "case", "shapes", "dtype", "executor", "max_abs_err", "max_rel_err", "tol", "pass", "time_ms",
+           "note"]
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    shapes: str
+    dtype: str
+    executor: str
+    max_abs_err: float
+    max_rel_err: float
+    tol: str
+    pass_: bool
+    time_ms: float
+    note: str = ""
+
+
+def select_cases(kernel: str | None = None, include_slow: bool = False) -> list:
+    from nki_kernels import registry
+
+    names = [kernel] if kernel else list(registry.KERNELS)
+    out = []
+    for name in names:
+        out += [c for c in registry.load(name).CASES if include_slow or not c.slow]
+    return out
+
+
+def run_kernels(kernel: str | None = None, executor: str = "auto", *, simulator: bool = False,
+                include_slow: bool = False) -> pd.DataFrame:
+    """One row per case: errors vs the torch reference, verdict and wall time of the kernel call.
+
+    A case passes only if the kernel ran on the resolved executor (dispatch counter moved) and the reference
+    path was not taken in its place."""
+    from nki_kernels import dispatch, registry
+    from nki_kernels.cases import compare
+
+    dispatch.set_default("auto", simulator=simulator)
+    ex = dispatch.resolve_executor(executor, simulator=simulator)
+    rows: list[Row] = []
+    for c in select_cases(kernel, include_slow):
+        mod = registry.load(c.kernel)
+        before = dict(dispatch.COUNTS)
+        rtol, atol = c.tol
+        tol = f"rtol={rtol:g} atol={atol:g}"
+        try:
+            run = mod.run_case(c, ex)
+        except Exception as e:  # a failing case is a row, not a crash
+            rows.append(Row(c.kernel, c.name, "", c.dtype, ex, float("nan"), float("nan"), tol, False, float("nan"),
+                            f"{type(e).__name__}: {e}"[:200]))
+            continue
+        v = compare(run, rtol, atol)
+        moved = {k: n - before.get(k, 0) for k, n in dispatch.COUNTS.items() if n != before.get(k, 0)}
+        ran_kernel = any(k[1] == ex for k in moved) and not any(k[1] == "reference" for k in moved)
+        note = v.note if ran_kernel else f"kernel not dispatched on {ex}: {moved}"
+        rows.append(Row(c.kernel, c.name, run.shapes, c.dtype, ex, v.max_abs_err, v.max_rel_err, tol,
+                        v.ok and ran_kernel, run.time_ms, note))
+    df = pd.DataFrame([asdict(r) for r in rows])
+    if df.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    return df.rename(columns={"pass_": "pass"})[COLUMNS]
+
+
+def proves(executor: str) -> str:
+    from nki_kernels.dispatch import PROVES
+
+    return PROVES[executor]

@@ -1,0 +1,144 @@
+"""The one place that imports `nki`: the real one (AWS Neuron repository, NKI >= 0.3) or the NumPy stand-in.
+
+Kernel modules do `from nki_kernels._nki import nki, nl, nisa` and decorate with `@nki.jit`. Here `nki.jit` returns
+a `Kernel` handle that keeps the plain function; at call time the handle binds `nki`/`nl`/`nisa` in a copy of the
+kernel module's globals to the chosen backend (the real modules for the compiler/simulator/device, the stand-in
+modules for a CPU run) and runs it. So the same source compiles with the real `nki` and runs on the stand-in, even
+on a machine that has both (the trn2 check diffs them).
+
+Nothing here is imported by `import nki_kernels`; the real `nki` is probed lazily (and the PyPI placeholder,
+which has no `jit`, is treated as absent). This module never reads the environment: the caller decides the
+executor (see `nki_kernels.dispatch`).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib
+import types
+from typing import Any
+
+
+@functools.cache
+def real_nki() -> tuple[Any, Any, Any] | None:
+    """(nki, nki.language, nki.isa) of the real NKI, or None when absent or the PyPI placeholder."""
+    try:
+        mod = importlib.import_module("nki")
+    except Exception:  # the placeholder raises ImportError; anything else also means "not usable"
+        return None
+    if not hasattr(mod, "jit"):
+        return None
+    try:
+        return mod, importlib.import_module("nki.language"), importlib.import_module("nki.isa")
+    except Exception:
+        return None
+
+
+@functools.cache
+def stand_in() -> tuple[Any, Any, Any]:
+    from nki_kernels import stand_in as si
+
+    return si, si.language, si.isa
+
+
+def has_neuron_device() -> bool:
+    """A Neuron device node exists (the vllm-neuron probe, nki.md §3.3)."""
+    return bool(glob.glob("/dev/neuron*"))
+
+
+def backend(kind: str) -> tuple[Any, Any, Any]:
+    if kind == "stand-in":
+        return stand_in()
+    if kind == "real":
+        r = real_nki()
+        if r is None:
+            raise RuntimeError("the real `nki` (NKI >= 0.3 from the AWS Neuron repository) is not installed")
+        return r
+    raise ValueError(f"unknown nki backend {kind!r}")
+
+
+class _Lazy:
+    """Module-level default for `nl` / `nisa` in kernel modules: the real one if installed, else the stand-in.
+
+    `Kernel` rebinds these names before running, so kernels never see the proxy at run time; it only serves
+    module-level attribute access (e.g. dtypes in wrappers)."""
+
+    def __init__(self, index: int):
+        self._index = index
+
+    def __getattr__(self, name: str) -> Any:
+        mods = real_nki() or stand_in()
+        return getattr(mods[self._index], name)
+
+
+# Modules whose plain functions are sub-kernels (inlined by the NKI compiler), rebound along with the kernel.
+SUBKERNEL_MODULES = ("nki_kernels._tiles",)
+
+
+def _rebind(fn: types.FunctionType, mods: tuple[Any, Any, Any], memo: dict[str, dict]) -> types.FunctionType:
+    """Copy `fn` with `nki`/`nl`/`nisa` bound to `mods` in its module globals, recursively for sub-kernels."""
+    mod_name = fn.__module__
+    g = memo.get(mod_name)
+    if g is None:
+        src_globals = fn.__globals__
+        g = dict(src_globals)
+        memo[mod_name] = g
+        g.update(nki=mods[0], nl=mods[1], nisa=mods[2])
+        for name, obj in src_globals.items():
+            f = obj.fn if isinstance(obj, Kernel) else obj
+            if not isinstance(f, types.FunctionType):
+                continue
+            if f.__module__ == mod_name:
+                g[name] = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
+            elif f.__module__ in SUBKERNEL_MODULES:
+                g[name] = _rebind(f, mods, memo)
+    f = g.get(fn.__name__)
+    if isinstance(f, types.FunctionType) and f.__code__ is fn.__code__:
+        return f
+    return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class Kernel:
+    """What `@nki.jit` returns here: the plain kernel function plus per-backend bound copies."""
+
+    def __init__(self, fn: types.FunctionType):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._bound: dict[str, types.FunctionType] = {}
+
+    def bind(self, kind: str) -> types.FunctionType:
+        """A copy of the kernel whose globals (and those of its helper sub-kernels) use backend `kind`."""
+        if kind not in self._bound:
+            self._bound[kind] = _rebind(self.fn, backend(kind), {})
+        return self._bound[kind]
+
+    def run(self, executor: str, *args):
+        """Run on `executor` ('stand-in' | 'simulator' | 'neuron') with NumPy array / compile-time arguments."""
+        if executor == "stand-in":
+            si = stand_in()[0]
+            return si.run(self.bind("stand-in"), *args)
+        real, _, _ = backend("real")
+        jitted = real.jit(self.bind("real"))
+        if executor == "simulator":
+            return real.simulate(jitted)(*args)
+        if executor == "neuron":
+            return jitted(*args)
+        raise ValueError(f"unknown executor {executor!r}")
+
+    def __call__(self, *args):
+        raise TypeError(f"call {self.__name__} through its wrapper (or Kernel.run(executor, ...)), not directly")
+
+
+def _jit(fn=None, **kwargs):
+    if kwargs:
+        raise TypeError(f"nki.jit options {sorted(kwargs)} are not used by this project (platform via env only)")
+    if fn is None:
+        return _jit
+    return Kernel(fn)
+
+
+nki = types.SimpleNamespace(jit=_jit)
+nl: Any = _Lazy(1)
+nisa: Any = _Lazy(2)

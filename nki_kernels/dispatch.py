@@ -1,0 +1,77 @@
+"""Executor choice and dispatch counting for the kernel wrappers (nki.md §6.2).
+
+Order for `executor="auto"`: a real Neuron device with the real `nki` -> the kernel on the device; the real `nki`
+with the simulator requested -> `nki.simulate`; otherwise -> the NumPy stand-in. The torch reference runs only when
+asked for by name (`executor="reference"`). Every call is counted per (kernel, executor), so a test can prove which
+path ran and a fallback can never pass as kernel coverage.
+
+This module reads no environment variables: the CLI passes `simulator=True` when `NKI_SIMULATOR=1` was recorded
+by `engine.envs` (nki_kernels never imports engine).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from nki_kernels import _nki
+
+EXECUTORS = ("auto", "stand-in", "simulator", "neuron", "reference")
+
+COUNTS: Counter[tuple[str, str]] = Counter()
+
+PROVES = {
+    "stand-in": "kernel logic verified on the NumPy stand-in (not compiled)",
+    "simulator": "kernel compiled by the real NKI front end and run on the official CPU simulator (nki.simulate)",
+    "neuron": "kernel compiled with the real NKI and run on a Neuron device",
+    "reference": "torch reference only (no kernel ran)",
+}
+
+
+def resolve_executor(requested: str = "auto", *, simulator: bool = False) -> str:
+    """The concrete executor for `requested`; raises when an explicit one is unavailable here."""
+    if requested not in EXECUTORS:
+        raise ValueError(f"unknown executor {requested!r}; expected one of {', '.join(EXECUTORS)}")
+    have_real = _nki.real_nki() is not None
+    if requested == "auto":
+        if have_real and _nki.has_neuron_device():
+            return "neuron"
+        if have_real and simulator:
+            return "simulator"
+        return "stand-in"
+    if requested in ("simulator", "neuron") and not have_real:
+        raise RuntimeError(f"executor {requested!r} needs the real `nki` (AWS Neuron repository), which is absent")
+    if requested == "neuron" and not _nki.has_neuron_device():
+        raise RuntimeError("executor 'neuron' needs a Neuron device (/dev/neuron*)")
+    return requested
+
+
+_default = {"executor": "auto", "simulator": False}
+
+
+def set_default(executor: str = "auto", *, simulator: bool = False) -> None:
+    """Process default used by wrappers called with executor=None (set once by the CLI/engine from its config)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}")
+    _default.update(executor=executor, simulator=simulator)
+
+
+def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
+             reference: Callable[[], Any] | None = None) -> tuple[str, Any]:
+    """Run kernel `name` on the resolved executor; returns (executor, raw result). Counts the call."""
+    ex = resolve_executor(executor or _default["executor"], simulator=_default["simulator"])
+    COUNTS[(name, ex)] += 1
+    if ex == "reference":
+        if reference is None:
+            raise ValueError(f"{name}: no reference path")
+        return ex, reference()
+    return ex, kernel.run(ex, *args)
+
+
+def counts(name: str | None = None) -> dict[tuple[str, str], int]:
+    return {k: v for k, v in COUNTS.items() if name is None or k[0] == name}
+
+
+def reset_counts() -> None:
+    COUNTS.clear()
