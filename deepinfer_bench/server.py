@@ -1,0 +1,477 @@
+"""OpenAI-compatible HTTP server over the engine: what `vllm bench serve --backend openai` drives.
+
+`create_app(engine, tokenizer, config)` returns a FastAPI app. One `EngineLoop` thread batches every in-flight
+request (continuous batching); each HTTP request gets an asyncio queue fed from that thread. Wire format, error
+shapes and limits follow shared/spec/serving.md (§1.3 streaming, §3 request/response/errors).
+
+Endpoints: POST /v1/completions, GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop
+from deepinfer_bench.openai_protocol import APIError, normalize_prompts, parse_completion_request
+
+
+class TextCodec(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    model_root: str  # absolute path of the model/tokenizer directory (`root` in /v1/models)
+    max_model_len: int
+    vocab_size: int | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_prompts_per_request: int = 256
+    default_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+@dataclass
+class Counters:
+    """Server-side totals for /metrics (the engine's own gauges come from `EngineLoop.stats`)."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    rejected: int = 0
+
+
+class IncrementalDetokenizer:
+    """Text for one generated token at a time, never splitting a multi-byte character.
+
+    Decodes a short window of ids (starting a few tokens back, prompt included) and emits the text that the newest
+    token added; while the window ends in U+FFFD (an incomplete UTF-8 sequence) it emits nothing and waits.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int]) -> None:
+        self._decode = decode
+        self._ids = list(prompt_ids[-self.CONTEXT:])
+        self._start = 0  # window start
+        self._done = len(self._ids)  # ids[:_done] already turned into text
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        before = self._decode(self._ids[self._start:self._done])
+        after = self._decode(self._ids[self._start:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._start = max(self._start, self._done - self.CONTEXT)
+        self._done = len(self._ids)
+        return after[len(before):]
+
+
+@dataclass
+class _Seq:
+    """One prompt of a completion request: its engine request and the text produced so far."""
+
+    index: int
+    request_id: str
+    prompt_len: int
+    detok: IncrementalDetokenizer | None
+    stop: list[str]
+    text: str = ""  # emitted
+    held: str = ""  # decoded but held back (could be the start of a stop string)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+    def feed(self, new_ids: list[int], engine_finished: bool, engine_reason: str | None,
+             ) -> list[tuple[str, str | None]]:
+        """Turn new token ids into (text, finish_reason) events, one per token; applies stop strings."""
+        events: list[tuple[str, str | None]] = []
+        for k, tok in enumerate(new_ids):
+            self.num_tokens += 1
+            last = engine_finished and k == len(new_ids) - 1
+            self.held += self.detok.push(tok) if self.detok else ""
+            if last and self.detok:
+                self.held += self.detok.flush()
+            delta, hit = self._release(final=last)
+            if hit:
+                self.finish_reason = "stop"
+                events.append((delta, "stop"))
+                return events
+            if last:
+                self.finish_reason = engine_reason or "stop"
+            events.append((delta, self.finish_reason))
+        if engine_finished and not new_ids:
+            self.finish_reason = engine_reason or "stop"
+            events.append((self.held, self.finish_reason))
+            self.text += self.held
+            self.held = ""
+        return events
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        if not self.stop:
+            delta, self.held = self.held, ""
+            self.text += delta
+            return delta, False
+        cut = min((i for i in (self.held.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            delta, self.held = self.held[:cut], ""
+            self.text += delta
+            return delta, True
+        keep = 0 if final else max((n for s in self.stop for n in range(1, len(s)) if self.held.endswith(s[:n])),
+                                   default=0)
+        delta = self.held[:len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep:]
+        self.text += delta
+        return delta, False
+
+
+def _context_error(max_len: int, prompt_len: int) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
+                         f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. "
+                         "Please reduce the length of the input prompt.", param="prompt",
+                    code="context_length_exceeded")
+
+
+def _param_from_message(msg: str) -> str | None:
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop", "ignore_eos"):
+        if name in msg:
+            return name
+    return None
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body too large: {declared} bytes (limit {limit}).", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"Request body too large (limit {limit} bytes).", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always runs `on_close` (abort what is unfinished), even when the client left."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
+               *, make_sampling_params: Callable[..., Any]) -> FastAPI:
+    """The FastAPI app. `make_sampling_params(**fields)` builds the engine's SamplingParams (raises ValueError)."""
+    loop_runner = EngineLoop(engine)
+    counters = Counters()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        loop_runner.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop_runner.stop)
+
+    app = FastAPI(title="deepinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine_loop = loop_runner
+    app.state.counters = counters
+    app.state.config = config
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(400, str(exc.errors()[:1])).body(), status_code=400)
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (config.served_model_name, config.model_root):
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def require_alive() -> None:
+        if not loop_runner.alive:
+            raise APIError(503, f"The engine is not running ({loop_runner.error!r}).", code="engine_dead")
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        if tokenizer is None:
+            raise APIError(400, "This model has no tokenizer: send the prompt as token ids.", param="prompt")
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_ids(ids: list[int], param: str) -> None:
+        hi = config.vocab_size
+        bad = [t for t in ids if t < 0 or (hi is not None and t >= hi)]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of range [0, {hi}).", param=param)
+
+    # -- endpoints -----------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        require_alive()
+        return Response(status_code=200)
+
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models() -> dict[str, Any]:
+        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "deepinfer", "root": config.model_root, "parent": None,
+                "max_model_len": config.max_model_len, "permission": []}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize", dependencies=[Depends(check_auth)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await _read_json(request, config.max_body_bytes)
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            raise APIError(400, "`prompt` (a string) is required.", param="prompt")
+        check_model(body.get("model"))
+        ids = await asyncio.to_thread(encode, body["prompt"], bool(body.get("add_special_tokens", True)))
+        return {"tokens": ids, "count": len(ids), "max_model_len": config.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(check_auth)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await _read_json(request, config.max_body_bytes)
+        toks = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise APIError(400, "`tokens` (a list of token ids) is required.", param="tokens")
+        check_model(body.get("model"))
+        check_ids(toks, "tokens")
+        if tokenizer is None:
+            raise APIError(400, "This model has no tokenizer.", param="tokens")
+        return {"prompt": tokenizer.decode(toks)}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        st = loop_runner.stats
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP deepinfer:{name} {doc}", f"# TYPE deepinfer:{name} {kind}"])
+            lines.extend(f"deepinfer:{name}{labels} {value:g}" for labels, value in samples)
+
+        label = f'{{model_name="{config.served_model_name}"}}'
+        metric("num_requests_running", "gauge", "Requests in the running batch.", [(label, st.num_running)])
+        metric("num_requests_waiting", "gauge", "Requests waiting for KV blocks or a batch slot.",
+               [(label, st.num_waiting)])
+        metric("kv_cache_usage_perc", "gauge", "Fraction of the KV block pool in use (0-1).", [(label, st.kv_usage)])
+        metric("kv_blocks_used", "gauge", "KV blocks in use.", [(label, st.num_kv_blocks_used)])
+        metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, st.num_kv_blocks_total)])
+        metric("engine_alive", "gauge", "1 while the engine loop runs.", [(label, float(loop_runner.alive))])
+        metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
+               [(label, counters.prompt_tokens)])
+        metric("generation_tokens_total", "counter", "Tokens generated.", [(label, counters.generation_tokens)])
+        reasons = [(f'{{model_name="{config.served_model_name}",finished_reason="{r}"}}', n)
+                   for r, n in sorted(counters.requests.items())]
+        metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)
+        metric("requests_total", "counter", "Completion requests admitted (one per prompt).",
+               [(label, sum(counters.requests.values()) + st.num_running + st.num_waiting)])
+        metric("requests_rejected_total", "counter", "Requests refused with an error.", [(label, counters.rejected)])
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    async def completions(request: Request) -> Response:
+        try:
+            return await _completions(request)
+        except APIError:
+            counters.rejected += 1
+            raise
+
+    async def _completions(request: Request) -> Response:
+        req = parse_completion_request(await _read_json(request, config.max_body_bytes))
+        check_model(req.model)
+        require_alive()
+        prompts = normalize_prompts(req.prompt)
+        if len(prompts) > config.max_prompts_per_request:
+            raise APIError(413, f"Too many prompts in one request: {len(prompts)} (limit "
+                                f"{config.max_prompts_per_request}).", param="prompt")
+        if req.max_tokens is not None and req.max_tokens > config.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {config.max_model_len} tokens; "
+                                f"max_tokens={req.max_tokens} exceeds it.", param="max_tokens",
+                           code="context_length_exceeded")
+        ids_list: list[list[int]] = []
+        for p in prompts:
+            ids = await asyncio.to_thread(encode, p, req.add_special_tokens) if isinstance(p, str) else p
+            check_ids(ids, "prompt")
+            if len(ids) >= config.max_model_len:
+                raise _context_error(config.max_model_len, len(ids))
+            ids_list.append(ids)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(s == "" for s in stop):
+            raise APIError(400, "Stop strings must not be empty.", param="stop")
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        aio_loop = asyncio.get_running_loop()
+        seqs: list[_Seq] = []
+
+        def make_sink(i: int) -> Callable[[Any], None]:
+            def sink(item: Any) -> None:
+                try:
+                    aio_loop.call_soon_threadsafe(queue.put_nowait, (i, item))
+                except RuntimeError:  # event loop already closed (shutdown)
+                    pass
+            return sink
+
+        def abort_unfinished() -> None:
+            for s in seqs:
+                if s.finish_reason is None:
+                    s.finish_reason = "abort"
+                    counters.requests["abort"] = counters.requests.get("abort", 0) + 1
+                    loop_runner.abort(s.request_id)
+
+        try:
+            for i, ids in enumerate(ids_list):
+                wanted = req.max_tokens if req.max_tokens is not None else config.default_max_tokens
+                fields: dict[str, Any] = {"max_tokens": min(wanted, config.max_model_len - len(ids)),
+                                          "ignore_eos": req.ignore_eos}
+                for name in ("temperature", "top_p", "seed", "stop_token_ids"):
+                    if getattr(req, name) is not None:
+                        fields[name] = getattr(req, name)
+                if req.top_k not in (None, 0, -1):  # -1 / 0 mean "disabled" for OpenAI-style clients
+                    fields["top_k"] = req.top_k
+                try:
+                    params = make_sampling_params(**fields)
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e), param=_param_from_message(str(e))) from None
+                rid = f"{base_id}-{i}"
+                detok = IncrementalDetokenizer(tokenizer.decode, ids) if tokenizer is not None else None
+                seq = _Seq(i, rid, len(ids), detok, stop)
+                try:
+                    await loop_runner.add(ids, params, rid, make_sink(i))
+                except EngineDeadError as e:
+                    raise APIError(503, str(e), code="engine_dead") from None
+                except ValueError as e:  # RequestRejected and friends
+                    code = "context_length_exceeded" if "maximum context length" in str(e) else None
+                    raise APIError(400, str(e), param="prompt", code=code) from None
+                seqs.append(seq)
+                counters.prompt_tokens += len(ids)
+        except BaseException:
+            abort_unfinished()
+            raise
+
+        created = int(time.time())
+        head = {"id": base_id, "object": "text_completion", "created": created, "model": config.served_model_name}
+
+        async def events() -> AsyncIterator[tuple[_Seq, str, str | None]]:
+            """(seq, text, finish_reason) per generated token, until every prompt has finished."""
+            live = len(seqs)
+            while live:
+                i, item = await queue.get()
+                seq = seqs[i]
+                if seq.finish_reason is not None:
+                    continue  # finished on a stop string; its engine request was aborted
+                if isinstance(item, BaseException):
+                    raise APIError(503, str(item), code="engine_dead")
+                evs = seq.feed(list(item.new_token_ids), bool(item.finished), item.finish_reason)
+                counters.generation_tokens += min(len(evs), len(item.new_token_ids))
+                for text, reason in evs:
+                    yield seq, text, reason
+                if seq.finish_reason is not None:
+                    live -= 1
+                    counters.requests[seq.finish_reason] = counters.requests.get(seq.finish_reason, 0) + 1
+                    if not item.finished:
+                        loop_runner.abort(seq.request_id)
+
+        def usage() -> dict[str, int]:
+            p = sum(s.prompt_len for s in seqs)
+            c = sum(s.num_tokens for s in seqs)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+        if not req.stream:
+            return await _collect(request, events(), abort_unfinished, head, seqs, usage)
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                async for seq, text, reason in events():
+                    choice = {"index": seq.index, "text": text, "logprobs": None, "finish_reason": reason,
+                              "stop_reason": None}
+                    yield _sse({**head, "choices": [choice]})
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": usage()})
+            except APIError as e:
+                yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+
+        return _SSEResponse(sse(), on_close=abort_unfinished)
+
+    return app
+
+
+async def _collect(request: Request, events: AsyncIterator[Any], abort_unfinished: Callable[[], None],
+                   head: dict[str, Any], seqs: list[_Seq], usage: Callable[[], dict[str, int]]) -> JSONResponse:
+    """Non-streaming reply; aborts the engine requests if the client disconnects while waiting."""
+
+    async def drain() -> None:
+        async for _ in events:
+            pass
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            t.cancel()
+        abort_unfinished()
+    if work not in done:
+        return JSONResponse({}, status_code=499)
+    work.result()  # re-raise APIError from the engine
+    choices = [{"index": s.index, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason,
+                "stop_reason": None} for s in seqs]
+    return JSONResponse({**head, "choices": choices, "usage": usage()})

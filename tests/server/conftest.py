@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.server.fakes import make_fake_app
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with TestClient(make_fake_app()) as c:
+        yield c
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], *, timeout_s: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server process on a free loopback port; return it once /health answers 200."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, *args, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop_server(proc)
+    raise RuntimeError(f"server did not become healthy within {timeout_s}s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def live_server() -> Iterator[str]:
+    """uvicorn in its own process over the fake engine (5 ms per step), on 127.0.0.1:<free port>."""
+    proc, base = start_server(["-m", "uvicorn", "--factory", "tests.server.fakes:make_slow_app",
+                               "--log-level", "warning"])
+    try:
+        yield base
+    finally:
+        stop_server(proc)
