@@ -1,0 +1,208 @@
+"""Continuous batching with chunked prefill. Pure Python: decides WHICH tokens run each step, never touches tensors.
+
+Each `schedule()` builds one step under two limits: at most `max_num_seqs` sequences (= fixed KV slots) and at most
+`max_num_batched_tokens` tokens. Running sequences that decode get 1 token each first, then running sequences in
+the middle of a (chunked) prefill, then waiting requests are admitted in FIFO order with what is left.
+
+Priority is arrival order. When a running sequence cannot grow (pool full), the NEWEST running sequence is
+preempted (recompute: blocks and slot freed, requeued at the front of the waiting queue, prefilled again later);
+a sequence never preempts an older one. The oldest request can therefore always progress (it fits the empty pool,
+or it was rejected on arrival), so every request finishes and none starves. A request that can never fit
+(prompt + max_tokens over `max_model_len`, or more blocks than the whole pool) is rejected on arrival.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_cache import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served with this engine configuration."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    num_kv_blocks: int = 64
+    block_size: int = 128
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                             f"{self.max_num_seqs} (every running sequence decodes one token per step)")
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+@dataclass
+class ScheduledBatch:
+    """One engine step. `entries` is exactly the runner's `execute` argument."""
+
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.entries)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """Entries whose chunk reaches the last token: they produce a new token this step."""
+        return [i for i, (s, n) in enumerate(self.entries) if s.num_computed_tokens + n == s.num_tokens]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs)
+        self.waiting: list[Sequence] = []  # sorted by arrival order
+        self.running: list[Sequence] = []  # sorted by arrival order
+        self.num_preemptions = 0
+        self._freed_slots: list[int] = []
+
+    # ---- requests in and out --------------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected (with the reason) if such a request could never be served."""
+        cfg = self.config
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty")
+        if total > cfg.max_model_len:
+            raise RequestRejected(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                                  f"exceeds the maximum context length max_model_len={cfg.max_model_len}")
+        if not self.block_manager.can_ever_fit(total):
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens needs "
+                f"{self.block_manager.num_blocks_for(total)} KV blocks of {cfg.block_size} tokens, more than the "
+                f"whole pool (num_kv_blocks={cfg.num_kv_blocks}); raise --num-kv-blocks or lower max_tokens")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_request(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out (finished or aborted): its blocks and slot go back to the pool."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_freed_slots(self) -> list[int]:
+        """Slots released since the last call; the engine resets their state in the runner before reuse."""
+        slots, self._freed_slots = self._freed_slots, []
+        return slots
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        plan: dict[Sequence, int] = {}  # insertion order = batch order: decodes, then prefill chunks
+        for seq in self.running:
+            if budget and seq.num_uncomputed_tokens == 1:
+                plan[seq] = 1
+                budget -= 1
+        for seq in self.running:
+            if budget and seq not in plan and seq.num_uncomputed_tokens:
+                plan[seq] = min(seq.num_uncomputed_tokens, budget)
+                budget -= plan[seq]
+
+        # Reserve blocks oldest first; a sequence may only evict sequences newer than itself.
+        batch = ScheduledBatch()
+        for seq in list(self.running):
+            if seq not in plan or seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = plan[seq]
+            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                if victim is not seq:
+                    self._preempt(victim, batch)
+                    plan.pop(victim, None)
+                    continue
+                # Nobody newer to evict (older sequences hold the pool). A decode that cannot grow is preempted
+                # (requeued at the front); a prefill chunk shrinks to what fits, or waits a step holding its blocks.
+                if seq.num_uncomputed_tokens == 1:
+                    self._preempt(seq, batch)
+                    n = 0
+                else:
+                    n = max(0, min(n, bm.max_coverable_tokens(seq) - seq.num_computed_tokens))
+                if not n:
+                    plan.pop(seq)
+                break
+            if n:
+                bm.allocate(seq, seq.num_computed_tokens + n)
+                plan[seq] = n
+        budget = cfg.max_num_batched_tokens - sum(plan.values())
+
+        # Admit waiting requests in strict FIFO order (no overtaking, hence no starvation); not in a step that had
+        # to preempt (the pool is contended: admitting now would only be evicted again).
+        while not batch.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget, bm.max_coverable_tokens(seq) - seq.num_computed_tokens)
+            if n < 1 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.pop(0)
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
+            self._insert(self.running, seq)
+            plan[seq] = n
+            budget -= n
+        batch.entries = list(plan.items())
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the runner executed `batch`: those tokens are now in the KV state."""
+        for seq, n in batch.entries:
+            seq.num_computed_tokens += n
+
+    # ---- internals ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _insert(queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=lambda s: s.order)
+
+    def _release(self, seq: Sequence) -> None:
+        slot = self.block_manager.free(seq)
+        if slot is not None:
+            self._freed_slots.append(slot)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
