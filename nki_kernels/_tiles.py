@@ -47,3 +47,53 @@ def load_transposed(dst, src, dtype):
     tmp = nl.ndarray((num_m, num_k), dtype=dtype, buffer=nl.sbuf)
     nisa.dma_copy(tmp, src)
     transpose_to(dst, tmp)
+
+
+def load_xT(xT, x_rows, dtype):
+    """xT[0:kw, kc, 0:tp] = (x_rows[:, kc*128 : kc*128+kw])^T for every 128-wide chunk kc of K.
+
+    `x_rows` is an HBM view [tp, K] (tp <= 128); `xT` an SBUF tile [128, ceil(K/128), tp] of `dtype`: the
+    contraction dim on partitions, ready to be the stationary operand of `nc_matmul`."""
+    tp = x_rows.shape[0]
+    num_k = x_rows.shape[1]
+    for kc in range((num_k + 127) // 128):
+        k0 = kc * 128
+        kw = min(128, num_k - k0)
+        tmp = nl.ndarray((tp, kw), dtype=dtype, buffer=nl.sbuf)
+        nisa.dma_copy(tmp, x_rows[0:tp, k0:k0 + kw])
+        ps = nl.ndarray((kw, tp), dtype=dtype, buffer=nl.psum)
+        nisa.nc_transpose(ps, tmp)
+        nisa.tensor_copy(xT[0:kw, kc, 0:tp], ps)
+
+
+def matmul_rows(ps, xT, w_kn, n0, nw):
+    """ps[tp, nw] (fresh PSUM fp32) = x @ w[:, n0:n0+nw], accumulating over the 128-chunks of K.
+
+    `xT` from `load_xT`; `w_kn` an HBM view [K, N] (K-major weight, same dtype class as x)."""
+    tp = ps.shape[0]
+    num_k = w_kn.shape[0]
+    for kc in range((num_k + 127) // 128):
+        k0 = kc * 128
+        kw = min(128, num_k - k0)
+        wt = nl.ndarray((kw, nw), dtype=w_kn.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(wt, w_kn[k0:k0 + kw, n0:n0 + nw])
+        nisa.nc_matmul(ps, xT[0:kw, kc, 0:tp], wt)
+
+
+def expand_tile(out, t0, d0, yt, xs, post_t, comb_t):
+    """mHC expand of one [tp, dw] chunk: out[t0+p, k, d0+f] = post[p,k]*yt[p,f] + sum_j comb[p, j*n+k]*xs[p,j,f].
+
+    yt [tp, dw] (SBUF, any float dtype), xs [tp, n, dw] fp32, post_t [tp, n], comb_t [tp, n*n] fp32."""
+    tp = xs.shape[0]
+    num_s = xs.shape[1]
+    dw = xs.shape[2]
+    for k in range(num_s):
+        acc = nl.ndarray((tp, dw), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(acc, yt, nl.multiply, post_t[0:tp, k:k + 1])
+        for j in range(num_s):
+            tmp = nl.ndarray((tp, dw), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(tmp, xs[0:tp, j, 0:dw], nl.multiply, comb_t[0:tp, j * num_s + k:j * num_s + k + 1])
+            nisa.tensor_tensor(acc, acc, tmp, nl.add)
+        o = nl.ndarray((tp, dw), dtype=out.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(o, acc)
+        nisa.dma_copy(out[t0:t0 + tp, k:k + 1, d0:d0 + dw], o)

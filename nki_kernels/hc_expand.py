@@ -21,6 +21,7 @@ import torch
 
 from nki_kernels import _convert, dispatch
 from nki_kernels._nki import nisa, nki, nl
+from nki_kernels._tiles import expand_tile
 from nki_kernels.cases import Case, CaseRun, case, gen_for, randn, timed
 
 NAME = "hc_expand"
@@ -45,17 +46,7 @@ def hc_expand_kernel(y, residual, post, comb):
             nisa.dma_copy(yt, y[t0:t0 + tp, d0:d0 + dw])
             xs = nl.ndarray((tp, num_s, dw), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(xs, residual[t0:t0 + tp, 0:num_s, d0:d0 + dw])
-            for k in range(num_s):
-                acc = nl.ndarray((tp, dw), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(acc, yt, nl.multiply, post_t[0:tp, k:k + 1])
-                for j in range(num_s):
-                    tmp = nl.ndarray((tp, dw), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(tmp, xs[0:tp, j, 0:dw], nl.multiply,
-                                       comb_t[0:tp, j * num_s + k:j * num_s + k + 1])
-                    nisa.tensor_tensor(acc, acc, tmp, nl.add)
-                o = nl.ndarray((tp, dw), dtype=y.dtype, buffer=nl.sbuf)
-                nisa.tensor_copy(o, acc)
-                nisa.dma_copy(out[t0:t0 + tp, k:k + 1, d0:d0 + dw], o)
+            expand_tile(out, t0, d0, yt, xs, post_t, comb_t)
     return out
 
 
