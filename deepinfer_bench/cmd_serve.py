@@ -1,0 +1,129 @@
+"""`deepinfer serve` (OpenAI-compatible server over the engine) and `deepinfer bench serve` (the online sweep)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from deepinfer_bench.app import app, bench_app
+from deepinfer_bench.report import DEFAULT_MODEL_DIR, DEFAULT_OUT_DIR, err_console, render_df, save_results
+
+
+def resolve_backend(requested: str) -> str:
+    """`auto` -> neuron when torch-neuronx is importable, else host."""
+    if requested != "auto":
+        return requested
+    return "neuron" if importlib.util.find_spec("torch_neuronx") is not None else "host"
+
+
+def build_serving_engine(config: Any) -> Any:
+    """The engine for serving: Neuron worker environment first (basic mode, one NeuronCore for this rank, no MTP
+    lookahead: the engine never runs MTP while serving), then the engine with its fixed KV pool, weights loaded
+    before the first request so its TTFT does not include loading."""
+    from engine.envs import apply_env, neuron_worker_env
+    from engine.llm import LLMEngine
+
+    if config.backend == "neuron":
+        apply_env(neuron_worker_env(rank=0))
+    engine = LLMEngine(config)
+    _ = engine.runner  # load now
+    return engine
+
+
+def build_app(config: Any, *, served_model_name: str | None, api_key: str | None) -> Any:
+    from deepinfer_bench.server import ServerConfig, create_app
+    from engine.sampler import SamplingParams
+
+    engine = build_serving_engine(config)
+    root = str(Path(config.model_dir).resolve())
+    max_model_len = getattr(getattr(engine, "runner", None), "max_model_len", None) or config.max_model_len
+    scfg = ServerConfig(served_model_name=served_model_name or Path(root).name, model_root=root,
+                        max_model_len=min(max_model_len, config.max_model_len), vocab_size=engine.vocab_size,
+                        api_key=api_key)
+    return create_app(engine, engine.tokenizer, scfg, make_sampling_params=SamplingParams)
+
+
+@app.command("serve")
+def serve_cmd(
+    model_dir: Path = typer.Option(DEFAULT_MODEL_DIR, "--model-dir", help="Model directory (config.json, "
+                                   "safetensors, tokenizer.json). Default: the embedded tiny model."),
+    host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    served_model_name: str | None = typer.Option(None, help="Model id in /v1/models and requests (default: the "
+                                                 "model directory name; the directory path is accepted too)."),
+    num_kv_blocks: int = typer.Option(64, help="Fixed KV pool size in blocks."),
+    block_size: int = typer.Option(128, help="Token positions per KV block (multiple of every compress ratio)."),
+    max_num_seqs: int = typer.Option(32, help="Largest running batch (fixed KV slots)."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget per engine step (chunked prefill)."),
+    max_model_len: int = typer.Option(4096, help="Longest prompt + output, in tokens."),
+    cp: int = typer.Option(1, help="Context-parallel ranks."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    backend: str | None = typer.Option(None, help="auto | host | neuron (default: DEEPINFER_BACKEND)"),
+    api_key: str | None = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1/*, /tokenize."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (`vllm bench serve --backend openai` works against it)."""
+    import uvicorn
+
+    from engine.envs import get_envs
+    from engine.llm import EngineConfig
+
+    try:
+        config = EngineConfig(model_dir=str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+                              block_size=block_size, max_model_len=max_model_len, cp=cp,
+                              backend=resolve_backend(backend or get_envs().DEEPINFER_BACKEND))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    err_console.print(f"loading {model_dir} ({config.backend}, {dtype}) ...")
+    server_app = build_app(config, served_model_name=served_model_name, api_key=api_key)
+    err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port}")
+    uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+
+
+@bench_app.command("serve")
+def bench_serve_cmd(
+    base_url: str = typer.Option("http://127.0.0.1:8000", help="Server root (with or without /v1)."),
+    matrix: str = typer.Option("serve_quick", help="Matrix name in matrices/ or a TOML path."),
+    out: Path = typer.Option(DEFAULT_OUT_DIR, help="Results folder (a new run folder each time)."),
+    api_key: str | None = typer.Option(None, help="Bearer token for the server."),
+    compare: Path | None = typer.Option(None, help="Offline matrix CSV: add online/offline TTFT and TPOT ratios."),
+) -> None:
+    """Sweep concurrency x input length x output length against an OpenAI-compatible server (vLLM's metrics)."""
+    import pandas as pd
+
+    from deepinfer_bench.serve_bench import compare_offline, load_serve_matrix, run_serve_matrix
+
+    try:
+        m = load_serve_matrix(matrix)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+    def progress(k: int, n: int, row: dict[str, Any]) -> None:
+        err_console.print(f"[{k}/{n}] concurrency={row['concurrency']} input={row['input_len']} "
+                          f"output={row['output_len']}: {row['status']} "
+                          f"ttft_p50={row.get('ttft_ms_p50', float('nan')):.1f} ms "
+                          f"tpot_p50={row.get('tpot_ms_p50', float('nan')):.2f} ms")
+
+    df, info = run_serve_matrix(base_url, m, api_key=api_key, progress=progress)
+    render_df(df, f"Serving sweep: {m.name} against {info.model}",
+              columns=["concurrency", "input_len", "output_len", "completed", "failed", "ttft_ms_p50",
+                       "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "e2el_ms_p50", "output_tok_s",
+                       "status"])
+    for metric in ("ttft_ms_p50", "tpot_ms_p50"):
+        for o, part in df[df.status != "skipped"].groupby("output_len"):
+            pivot = part.pivot(index="concurrency", columns="input_len", values=metric)
+            pivot.columns = [f"in={c}" for c in pivot.columns]
+            render_df(pivot.reset_index(), f"{metric} (output_len={o}; rows concurrency, columns input_len)")
+    if compare is not None:
+        ratios = compare_offline(df, pd.read_csv(compare))
+        render_df(ratios, "online / offline (p50)")
+    path = save_results(df, out, f"serve-{m.name}", meta={
+        "kind": "serve", "base_url": base_url, "model": info.model, "root": info.root, "matrix": m.name,
+        "matrix_def": {k: getattr(m, k) for k in m.__dataclass_fields__}})
+    err_console.print(f"wrote {path}")
+    if (df.status == "failed").any():
+        raise typer.Exit(1)

@@ -1,0 +1,64 @@
+"""`deepinfer serve` / `deepinfer bench serve` command wiring (CliRunner), the bench against a live server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from deepinfer_bench import cmd_serve
+from deepinfer_bench.cli import app
+from deepinfer_bench.serve_bench import COLUMNS, load_serve_matrix
+
+runner = CliRunner()
+
+
+def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict = {}
+
+    class FakeApp:
+        class state:  # noqa: N801
+            class config:  # noqa: N801
+                served_model_name = "tiny"
+
+    def fake_build_app(config, *, served_model_name, api_key):
+        seen.update(config=config, name=served_model_name, key=api_key)
+        return FakeApp()
+
+    monkeypatch.setattr(cmd_serve, "build_app", fake_build_app)
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(run=kw))
+    r = runner.invoke(app, ["serve", "--num-kv-blocks", "32", "--max-model-len", "1024", "--cp", "1",
+                            "--api-key", "k", "--served-model-name", "m", "--backend", "host"])
+    assert r.exit_code == 0, r.output
+    cfg = seen["config"]
+    assert cfg.num_kv_blocks == 32 and cfg.max_model_len == 1024 and cfg.cp == 1 and cfg.backend == "host"
+    assert Path(cfg.model_dir).name == "tiny" and seen["name"] == "m" and seen["key"] == "k"
+    assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000
+    r = runner.invoke(app, ["serve", "--dtype", "float16", "--backend", "host"])
+    assert r.exit_code != 0 and "dtype" in r.output
+
+
+def test_serve_quick_matrix_parses() -> None:
+    m = load_serve_matrix("serve_quick")
+    assert m.concurrency and m.input_len and m.output_len and len(m.cells) >= 4
+    with pytest.raises(ValueError, match="not found"):
+        load_serve_matrix("no_such_matrix")
+
+
+def test_bench_serve_command(live_server: str, tmp_path: Path) -> None:
+    mpath = tmp_path / "tiny_sweep.toml"
+    mpath.write_text("concurrency = [1, 3]\ninput_len = [5]\noutput_len = [4]\nmin_prompts = 3\n"
+                     "prompts_per_concurrency = 1\ntoken_id_high = 200\n")
+    offline = tmp_path / "offline.csv"
+    pd.DataFrame({"batch_size": [1, 3], "input_len": [5, 5], "output_len": [4, 4], "ttft_ms_p50": [1.0, 2.0],
+                  "tpot_ms_p50": [1.0, 1.0]}).to_csv(offline, index=False)
+    r = runner.invoke(app, ["bench", "serve", "--base-url", f"{live_server}/v1", "--matrix", str(mpath),
+                            "--out", str(tmp_path / "out"), "--compare", str(offline)])
+    assert r.exit_code == 0, r.output
+    (csv,) = (tmp_path / "out").glob("serve-tiny_sweep-*/serve-tiny_sweep.csv")
+    df = pd.read_csv(csv)
+    assert list(df.columns) == COLUMNS and len(df) == 2 and (df.status == "ok").all()
+    assert (csv.parent / "meta.json").exists()
+    assert "online / offline" in r.output
