@@ -29,6 +29,7 @@ class BlockManager:
         self._used_blocks: set[int] = set()
         self._free_slots: list[int] = list(range(max_num_seqs))  # min-heap: lowest slot first
         self._used_slots: set[int] = set()
+        self.peak_used_blocks = 0  # high-water mark since construction or reset_peak()
 
     # ---- observable state -----------------------------------------------------------------------------------
     @property
@@ -43,6 +44,9 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of the pool's blocks in use, in [0, 1]."""
         return len(self._used_blocks) / self.num_blocks
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = len(self._used_blocks)
 
     @property
     def num_free_slots(self) -> int:
@@ -86,6 +90,7 @@ class BlockManager:
             b = self._free_blocks.pop()
             self._used_blocks.add(b)
             seq.block_table.append(b)
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self._used_blocks))
 
     def free(self, seq: Sequence) -> int | None:
         """Return every block and the slot of `seq`. Returns the released slot (None if it held none)."""

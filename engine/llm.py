@@ -97,6 +97,7 @@ class EngineStats:
     num_kv_blocks: int
     num_used_blocks: int
     num_free_blocks: int
+    peak_used_blocks: int  # high-water mark since the engine started or reset_peak_usage()
     kv_usage: float  # used / total blocks
     num_prefill_tokens: int  # tokens processed in prefill chunks (recomputation after preemption included)
     num_generated_tokens: int
@@ -287,10 +288,15 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            num_kv_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks,
-                           num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
+                           num_free_blocks=bm.num_free_blocks, peak_used_blocks=bm.peak_used_blocks,
+                           kv_usage=bm.usage,
                            num_prefill_tokens=self._c.prefill_tokens, num_generated_tokens=self._c.generated_tokens,
                            num_preemptions=self.scheduler.num_preemptions, num_finished=self._c.finished,
                            num_steps=self._c.steps)
+
+
+    def reset_peak_usage(self) -> None:
+        self.scheduler.block_manager.reset_peak()
 
 
 class LLM:
