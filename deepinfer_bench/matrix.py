@@ -1,0 +1,287 @@
+"""Offline TTFT/TPOT matrix (`deepinfer bench matrix`): batch size x input length x output length through the engine.
+
+A matrix is a TOML file in `matrices/` (axes, warmup, repeats, optional engine sizing). One engine serves every
+cell; per cell: `warmup` runs (decode capped at `warmup_output_len`), then `repeats` timed runs of a batch of
+`batch_size` random token-id prompts of `input_len` tokens, greedy, `ignore_eos`, `max_tokens = output_len`.
+
+Metrics follow sglang `bench_one_batch` / vLLM (shared/spec/serving.md §4):
+- TTFT: from queueing the batch until EVERY request of it has its first token (prefill + first sample; with a
+  token budget below batch x input the prefill spans several steps, all counted);
+- TPOT: the duration of each later engine step (one token for every request), pooled over repeats;
+- e2e: queueing to the last token; prefill_tok_s = B*I / TTFT p50; decode_tok_s = B / TPOT p50;
+- kv_blocks_used: the pool's high-water mark during the timed runs.
+Cells that cannot run on this engine (too many sequences, context or blocks) get `status="skipped"` and a reason.
+The library returns a DataFrame and prints nothing; the command renders it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from engine.llm import EngineConfig, LLMEngine, RequestRejected, SamplingParams
+
+MATRICES_DIR = Path(__file__).resolve().parents[1] / "matrices"
+
+COLUMNS = [
+    "batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90",
+    "e2e_ms_p50", "e2e_ms_p90", "prefill_tok_s", "decode_tok_s", "kv_blocks_used", "num_preemptions", "repeats",
+    "status", "skip_reason",
+]
+
+Progress = Callable[[int, int, str], None]  # (cells done, cells total, label of the cell starting or "")
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    name: str
+    batch_size: tuple[int, ...]
+    input_len: tuple[int, ...]
+    output_len: tuple[int, ...]
+    description: str = ""
+    warmup: int = 1
+    repeats: int = 3
+    warmup_output_len: int = 8  # a shorter decode is enough to warm up (sglang caps it the same way)
+    seed: int = 0
+    # Engine sizing; None = derived from the axes so that every cell fits (see `engine_config`).
+    dtype: str = "float32"
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for axis in ("batch_size", "input_len", "output_len"):
+            vals = getattr(self, axis)
+            if isinstance(vals, int):
+                vals = (vals,)
+            vals = tuple(vals)
+            object.__setattr__(self, axis, vals)  # normalise lists from TOML inside the constructor
+            if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in vals):
+                raise ValueError(f"matrix {self.name!r}: {axis} must be a non-empty list of positive ints, got {vals}")
+        if self.warmup < 0 or self.repeats < 1 or self.warmup_output_len < 1:
+            raise ValueError(f"matrix {self.name!r}: need warmup >= 0, repeats >= 1, warmup_output_len >= 1 "
+                             f"(got {self.warmup}, {self.repeats}, {self.warmup_output_len})")
+        for name in ("max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"matrix {self.name!r}: {name} must be a positive int, got {v!r}")
+
+    @property
+    def cells(self) -> list[tuple[int, int, int]]:
+        """(batch_size, input_len, output_len), output slowest, then input, then batch."""
+        return [(b, i, o) for o in self.output_len for i in self.input_len for b in self.batch_size]
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> MatrixSpec:
+        path = Path(path)
+        raw = tomllib.loads(path.read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raw.setdefault("name", path.stem)
+        missing = [k for k in ("batch_size", "input_len", "output_len") if k not in raw]
+        if missing:
+            raise ValueError(f"{path}: missing {', '.join(missing)}")
+        return cls(**raw)
+
+
+def resolve_matrix(name_or_path: str | Path) -> Path:
+    """A TOML path, or the name of a file in `matrices/` (`quick` -> matrices/quick.toml)."""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.exists():
+            raise FileNotFoundError(f"no matrix file {p}")
+        return p
+    cand = MATRICES_DIR / f"{name_or_path}.toml"
+    if not cand.exists():
+        names = sorted(f.stem for f in MATRICES_DIR.glob("*.toml"))
+        raise FileNotFoundError(f"no matrix named {name_or_path!r} in {MATRICES_DIR} (have: {', '.join(names)})")
+    return cand
+
+
+def engine_config(spec: MatrixSpec, model_dir: str | Path | None, *, cp: int = 1, **overrides: Any) -> EngineConfig:
+    """The one engine config serving every cell: slots for the largest batch, context for the longest cell, a
+    pool big enough for the biggest cell and a prefill budget of the largest batch x input (unless the matrix or
+    `overrides` set them; None overrides are ignored)."""
+    block_size = spec.block_size or 128
+    max_len = spec.max_model_len or max(i + o for _, i, o in spec.cells)
+    kw: dict[str, Any] = dict(
+        model_dir=None if model_dir is None else str(model_dir), dtype=spec.dtype, cp=cp, seed=spec.seed,
+        max_num_seqs=max(spec.batch_size), block_size=block_size, max_model_len=max_len,
+        num_kv_blocks=spec.num_kv_blocks or max(b * -(-(i + o) // block_size) for b, i, o in spec.cells),
+        max_num_batched_tokens=spec.max_num_batched_tokens or max(max(b * i for b, i, _ in spec.cells),
+                                                                  max(spec.batch_size)),
+    )
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig(**kw)
+
+
+@dataclass
+class Row:
+    batch_size: int
+    input_len: int
+    output_len: int
+    ttft_ms_p50: float = math.nan
+    ttft_ms_p90: float = math.nan
+    tpot_ms_p50: float = math.nan
+    tpot_ms_p90: float = math.nan
+    e2e_ms_p50: float = math.nan
+    e2e_ms_p90: float = math.nan
+    prefill_tok_s: float = math.nan
+    decode_tok_s: float = math.nan
+    kv_blocks_used: int = 0
+    num_preemptions: int = 0
+    repeats: int = 0
+    status: str = "ok"
+    skip_reason: str = ""
+
+
+@dataclass
+class _Run:
+    ttft_s: float
+    e2e_s: float
+    decode_steps_s: list[float]
+
+
+def skip_reason(config: EngineConfig, batch_size: int, input_len: int, output_len: int) -> str:
+    """Why this cell cannot run on an engine with `config` ("" if it can)."""
+    if batch_size > config.max_num_seqs:
+        return f"batch_size {batch_size} > max_num_seqs {config.max_num_seqs}"
+    if input_len + output_len > config.max_model_len:
+        return f"input_len + output_len = {input_len + output_len} exceeds max_model_len {config.max_model_len}"
+    need = batch_size * -(-(input_len + output_len) // config.block_size)
+    if need > config.num_kv_blocks:
+        return f"needs {need} KV blocks of {config.block_size} tokens, the pool has {config.num_kv_blocks}"
+    return ""
+
+
+def _run_once(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> _Run:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    rids = [engine.add_request(p, params) for p in prompts]
+    pending_first = set(rids)
+    ttft: float | None = None
+    decode_steps: list[float] = []
+    while engine.has_unfinished():
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        if ttft is not None:
+            decode_steps.append(te - ts)
+            continue
+        pending_first -= {o.request_id for o in outs if o.new_token_ids}
+        if not pending_first:
+            ttft = te - t0
+    e2e = time.perf_counter() - t0
+    return _Run(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, decode_steps_s=decode_steps)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: int, output_len: int) -> Row:
+    row = Row(batch_size, input_len, output_len)
+    reason = skip_reason(engine.config, batch_size, input_len, output_len)
+    if reason:
+        row.status, row.skip_reason = "skipped", reason
+        return row
+    rng = random.Random(f"{spec.seed}-{batch_size}-{input_len}-{output_len}")
+    vocab = engine.vocab_size
+    lo = 2 if vocab > 2 else 0  # keep clear of BOS/EOS-like low ids
+
+    def prompts() -> list[list[int]]:
+        return [[rng.randrange(lo, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+
+    try:
+        for _ in range(spec.warmup):
+            _run_once(engine, prompts(), min(output_len, spec.warmup_output_len))
+        engine.reset_peak_usage()
+        preempt0 = engine.stats().num_preemptions
+        runs = [_run_once(engine, prompts(), output_len) for _ in range(spec.repeats)]
+    except RequestRejected as e:
+        row.status, row.skip_reason = "skipped", str(e)
+        return row
+    ttft = [r.ttft_s * 1e3 for r in runs]
+    e2e = [r.e2e_s * 1e3 for r in runs]
+    tpot = [s * 1e3 for r in runs for s in r.decode_steps_s]
+    row.ttft_ms_p50, row.ttft_ms_p90 = _pct(ttft, 50), _pct(ttft, 90)
+    row.tpot_ms_p50, row.tpot_ms_p90 = _pct(tpot, 50), _pct(tpot, 90)
+    row.e2e_ms_p50, row.e2e_ms_p90 = _pct(e2e, 50), _pct(e2e, 90)
+    row.prefill_tok_s = batch_size * input_len / (row.ttft_ms_p50 / 1e3)
+    row.decode_tok_s = batch_size / (row.tpot_ms_p50 / 1e3) if tpot else math.nan
+    stats = engine.stats()
+    row.kv_blocks_used = stats.peak_used_blocks
+    row.num_preemptions = stats.num_preemptions - preempt0
+    row.repeats = len(runs)
+    return row
+
+
+def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,
+               progress: Progress | None = None) -> pd.DataFrame:
+    """Run every cell of `spec` on one engine built from `config` (or over `runner`); one row per cell."""
+    engine = LLMEngine(config, runner)
+    cells = spec.cells
+    rows = []
+    for k, (b, i, o) in enumerate(cells):
+        if progress:
+            progress(k, len(cells), f"batch={b} in={i} out={o}")
+        rows.append(run_cell(engine, spec, b, i, o))
+    if progress:
+        progress(len(cells), len(cells), "")
+    return pd.DataFrame([asdict(r) for r in rows], columns=COLUMNS)
+
+
+def pivot(df: pd.DataFrame, metric: str) -> dict[int, pd.DataFrame]:
+    """One table per output_len: rows batch_size, columns `in=<input_len>`, values `metric` (skipped cells NaN)."""
+    out = {}
+    for o, part in df.groupby("output_len", sort=True):
+        t = part.pivot_table(index="batch_size", columns="input_len", values=metric, aggfunc="first", dropna=False)
+        t = t.reindex(index=sorted(part["batch_size"].unique()), columns=sorted(part["input_len"].unique()))
+        t.columns = [f"in={c}" for c in t.columns]
+        out[int(o)] = t.reset_index()
+    return out
+
+
+def save_plot(df: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """PNG: TTFT p50 and TPOT p50 against batch size, one line per (input_len, output_len)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = df[df["status"] == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric, label in ((axes[0], "ttft_ms_p50", "TTFT p50 (ms)"), (axes[1], "tpot_ms_p50", "TPOT p50 (ms)")):
+        for (i, o), part in ok.groupby(["input_len", "output_len"], sort=True):
+            part = part.sort_values("batch_size")
+            ax.plot(part["batch_size"], part[metric], marker="o", label=f"in={i} out={o}")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        if len(ok["batch_size"].unique()) > 1 and ok["batch_size"].min() > 0:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,117 @@
+"""`deepinfer bench matrix`: the library over the fake runner, and the command with the library stubbed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from deepinfer_bench import matrix as M
+from tests.fake_runner import FakeRunner
+
+REQUIRED = ["batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90",
+            "e2e_ms_p50", "prefill_tok_s", "decode_tok_s", "kv_blocks_used", "status", "skip_reason"]
+
+
+@pytest.mark.parametrize("name", ["quick", "trn2"])
+def test_shipped_matrices_parse_and_fit(name):
+    spec = M.MatrixSpec.from_toml(M.resolve_matrix(name))
+    assert spec.name == name and spec.cells
+    cfg = M.engine_config(spec, None)
+    assert all(not M.skip_reason(cfg, *c) for c in spec.cells), "a shipped matrix should fit its own engine"
+
+
+def test_matrix_spec_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("batch_size = [1]\ninput_len = [8]\noutput_len = [4]\nrepeat = 3\n")
+    with pytest.raises(ValueError, match="unknown keys repeat"):
+        M.MatrixSpec.from_toml(bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        M.MatrixSpec(name="x", batch_size=(0,), input_len=(1,), output_len=(1,))
+    with pytest.raises(FileNotFoundError, match="quick"):
+        M.resolve_matrix("no-such-matrix")
+
+
+def test_run_matrix_over_fake_runner(tmp_path):
+    spec = M.MatrixSpec(name="t", batch_size=(1, 3, 8), input_len=(10, 40), output_len=(5,), warmup=1, repeats=2,
+                        warmup_output_len=2, block_size=16, num_kv_blocks=12)
+    cfg = M.engine_config(spec, None, max_num_batched_tokens=64)
+    assert cfg.max_num_seqs == 8 and cfg.max_model_len == 45 and cfg.num_kv_blocks == 12
+    calls = []
+    df = M.run_matrix(spec, cfg, runner=FakeRunner(8, 12, 16, 45, step_delay_s=0.001),
+                      progress=lambda done, total, label: calls.append((done, total, label)))
+    assert list(df.columns) == M.COLUMNS and set(REQUIRED) <= set(df.columns)
+    assert len(df) == len(spec.cells) == 6
+    assert calls[0] == (0, 6, "batch=1 in=10 out=5") and calls[-1] == (6, 6, "")
+    ok = df[df.status == "ok"]
+    skipped = df[df.status == "skipped"]
+    # 8 x ceil(45 / 16) = 24 blocks > 12: skipped with the reason; 3 x 3 = 9 fits.
+    assert list(zip(skipped.batch_size, skipped.input_len, strict=True)) == [(8, 40)]
+    assert "needs 24 KV blocks" in skipped.skip_reason.iloc[0]
+    for r in ok.itertuples():
+        assert r.ttft_ms_p50 > 0 and r.ttft_ms_p90 >= r.ttft_ms_p50 and r.tpot_ms_p90 >= r.tpot_ms_p50 > 0
+        assert r.e2e_ms_p50 >= r.ttft_ms_p50
+        assert r.decode_tok_s == pytest.approx(r.batch_size / (r.tpot_ms_p50 / 1e3))
+        assert r.prefill_tok_s == pytest.approx(r.batch_size * r.input_len / (r.ttft_ms_p50 / 1e3))
+        # The last token is sampled but never fed: input_len + output_len - 1 positions per sequence.
+        assert r.kv_blocks_used == r.batch_size * math.ceil((r.input_len + r.output_len - 1) / 16)
+        assert r.repeats == 2 and r.skip_reason == ""
+    # TPOT excludes the first token: pure-decode steps after TTFT (budget 64 >= 8 x 10, so 1 prefill step).
+    pt = M.pivot(df, "tpot_ms_p50")
+    assert list(pt) == [5] and list(pt[5].columns) == ["batch_size", "in=10", "in=40"]
+    assert pt[5]["batch_size"].tolist() == [1, 3, 8] and math.isnan(pt[5]["in=40"].iloc[2])
+    png = M.save_plot(df, tmp_path / "m.png", title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_df(spec) -> pd.DataFrame:
+    rows = [M.Row(b, i, o, ttft_ms_p50=1.0, ttft_ms_p90=2.0, tpot_ms_p50=0.5, tpot_ms_p90=0.6, e2e_ms_p50=9.0,
+                  e2e_ms_p90=9.5, prefill_tok_s=10.0, decode_tok_s=2.0, kv_blocks_used=b, repeats=2)
+            for b, i, o in spec.cells]
+    rows[-1].status, rows[-1].skip_reason = "skipped", "needs 99 KV blocks"
+    return pd.DataFrame([r.__dict__ for r in rows], columns=M.COLUMNS)
+
+
+def test_cli_matrix_builds_config_and_writes_results(tmp_path, monkeypatch):
+    from deepinfer_bench.cli import app
+
+    seen = {}
+
+    def fake_run_matrix(spec, config, *, runner=None, progress=None):
+        seen["spec"], seen["config"] = spec, config
+        progress(0, len(spec.cells), "x")
+        return _fake_df(spec)
+
+    monkeypatch.setattr(M, "run_matrix", fake_run_matrix)
+    res = CliRunner().invoke(app, ["bench", "matrix", "--matrix", "quick", "--model-dir", str(tmp_path / "m"),
+                                   "--cp", "2", "--out", str(tmp_path / "out"), "--num-kv-blocks", "77"])
+    assert res.exit_code == 0, res.output
+    spec, cfg = seen["spec"], seen["config"]
+    assert spec.name == "quick"
+    assert cfg.cp == 2 and cfg.num_kv_blocks == 77 and cfg.model_dir == str(tmp_path / "m")
+    assert cfg.max_num_seqs == max(spec.batch_size)
+    (csv,) = (tmp_path / "out").glob("matrix-quick-*/matrix-quick.csv")
+    df = pd.read_csv(csv)
+    assert set(REQUIRED) <= set(df.columns) and len(df) == len(spec.cells)
+    meta = json.loads((csv.parent / "meta.json").read_text())
+    assert meta["matrix"] == "quick" and meta["engine_config"]["num_kv_blocks"] == 77
+    assert csv.with_suffix(".png").exists()
+    assert "TTFT p50 (ms)" in res.output and "TPOT p50 (ms)" in res.output
+    # A second run never overwrites the first.
+    assert CliRunner().invoke(app, ["bench", "matrix", "--out", str(tmp_path / "out")]).exit_code == 0
+    assert len(list((tmp_path / "out").glob("matrix-quick-*/matrix-quick.csv"))) == 2
+
+
+def test_cli_matrix_unknown_matrix_is_a_clean_error(tmp_path):
+    from deepinfer_bench.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "matrix", "--matrix", "nope", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "no matrix named 'nope'" in res.output
+
+
+def test_matrices_dir_is_repo_matrices():
+    assert M.MATRICES_DIR == Path(__file__).resolve().parents[1] / "matrices"
