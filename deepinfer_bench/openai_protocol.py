@@ -68,6 +68,7 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True
+    return_token_ids: StrictBool = False  # vLLM extension: generated token ids in each choice
     request_id: StrictStr | None = Field(default=None)
 
 

@@ -106,6 +106,7 @@ class _Seq:
     held: str = ""  # decoded but held back (could be the start of a stop string)
     num_tokens: int = 0
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     def feed(self, new_ids: list[int], engine_finished: bool, engine_reason: str | None,
              ) -> list[tuple[str, str | None]]:
@@ -113,6 +114,7 @@ class _Seq:
         events: list[tuple[str, str | None]] = []
         for k, tok in enumerate(new_ids):
             self.num_tokens += 1
+            self.token_ids.append(tok)
             last = engine_finished and k == len(new_ids) - 1
             self.held += self.detok.push(tok) if self.detok else ""
             if last and self.detok:
@@ -402,8 +404,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         created = int(time.time())
         head = {"id": base_id, "object": "text_completion", "created": created, "model": config.served_model_name}
 
-        async def events() -> AsyncIterator[tuple[_Seq, str, str | None]]:
-            """(seq, text, finish_reason) per generated token, until every prompt has finished."""
+        async def events() -> AsyncIterator[tuple[_Seq, str, str | None, list[int]]]:
+            """(seq, text, finish_reason, [token id]) per generated token, until every prompt has finished."""
             live = len(seqs)
             while live:
                 i, item = await queue.get()
@@ -414,8 +416,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                     raise APIError(503, str(item), code="engine_dead")
                 evs = seq.feed(list(item.new_token_ids), bool(item.finished), item.finish_reason)
                 counters.generation_tokens += min(len(evs), len(item.new_token_ids))
-                for text, reason in evs:
-                    yield seq, text, reason
+                for k, (text, reason) in enumerate(evs):
+                    yield seq, text, reason, list(item.new_token_ids[k:k + 1])
                 if seq.finish_reason is not None:
                     live -= 1
                     counters.requests[seq.finish_reason] = counters.requests.get(seq.finish_reason, 0) + 1
@@ -428,15 +430,17 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
         if not req.stream:
-            return await _collect(request, events(), abort_unfinished, head, seqs, usage)
+            return await _collect(request, events(), abort_unfinished, head, seqs, usage, req.return_token_ids)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def sse() -> AsyncIterator[str]:
             try:
-                async for seq, text, reason in events():
+                async for seq, text, reason, ids in events():
                     choice = {"index": seq.index, "text": text, "logprobs": None, "finish_reason": reason,
                               "stop_reason": None}
+                    if req.return_token_ids:
+                        choice["token_ids"] = ids
                     yield _sse({**head, "choices": [choice]})
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": usage()})
@@ -450,7 +454,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
 
 async def _collect(request: Request, events: AsyncIterator[Any], abort_unfinished: Callable[[], None],
-                   head: dict[str, Any], seqs: list[_Seq], usage: Callable[[], dict[str, int]]) -> JSONResponse:
+                   head: dict[str, Any], seqs: list[_Seq], usage: Callable[[], dict[str, int]],
+                   return_token_ids: bool) -> JSONResponse:
     """Non-streaming reply; aborts the engine requests if the client disconnects while waiting."""
 
     async def drain() -> None:
@@ -473,5 +478,5 @@ async def _collect(request: Request, events: AsyncIterator[Any], abort_unfinishe
         return JSONResponse({}, status_code=499)
     work.result()  # re-raise APIError from the engine
     choices = [{"index": s.index, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason,
-                "stop_reason": None} for s in seqs]
+                "stop_reason": None, **({"token_ids": s.token_ids} if return_token_ids else {})} for s in seqs]
     return JSONResponse({**head, "choices": choices, "usage": usage()})

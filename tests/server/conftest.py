@@ -57,7 +57,7 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def live_server() -> Iterator[str]:
     """uvicorn in its own process over the fake engine (5 ms per step), on 127.0.0.1:<free port>."""
     proc, base = start_server(["-m", "uvicorn", "--factory", "tests.server.fakes:make_slow_app",

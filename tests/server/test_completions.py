@@ -113,6 +113,16 @@ def test_multibyte_characters_never_split() -> None:
         assert "".join(texts) == want and not any("\ufffd" in t for t in texts)
 
 
+def test_return_token_ids(client: TestClient) -> None:
+    want = offline_greedy(TOK.encode("ids"), 6, ignore_eos=True)
+    r = completion(client, prompt="ids", max_tokens=6, ignore_eos=True, return_token_ids=True).json()
+    assert r["choices"][0]["token_ids"] == want
+    r = completion(client, prompt="ids", max_tokens=6, ignore_eos=True, return_token_ids=True, stream=True)
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in want]
+    assert "token_ids" not in completion(client, prompt="ids", max_tokens=2).json()["choices"][0]
+
+
 def test_stop_strings_and_stop_token_ids(client: TestClient) -> None:
     full = completion(client, prompt="Hello", max_tokens=30, ignore_eos=True).json()["choices"][0]["text"]
     stop = full[10:12]

@@ -120,10 +120,10 @@ def test_64_concurrent_streams_batched_and_exact(live_server: str) -> None:
     prompts = [TOK.encode(f"request number {i}") for i in range(64)]
     steps0 = metrics(live_server)["deepinfer:engine_steps_total"]
 
-    async def one(c: httpx.AsyncClient, ids: list[int]) -> tuple[list[str], str]:
+    async def one(c: httpx.AsyncClient, ids: list[int]) -> tuple[list[str], list[int], str]:
         body = {"model": SERVED, "prompt": ids, "max_tokens": 16, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        texts, last = [], ""
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        texts, out_ids, last = [], [], ""
         async with c.stream("POST", f"{live_server}/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -133,16 +133,18 @@ def test_64_concurrent_streams_batched_and_exact(live_server: str) -> None:
                         d = json.loads(last)
                         if d["choices"]:
                             texts.append(d["choices"][0]["text"])
-        return texts, last
+                            out_ids += d["choices"][0]["token_ids"]
+        return texts, out_ids, last
 
     async def go():
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as c:
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
     results = asyncio.run(go())
-    for ids, (texts, last) in zip(prompts, results, strict=True):
-        assert last == "[DONE]" and len(texts) == 16
-        assert "".join(texts) == TOK.decode(offline_greedy(ids, 16, ignore_eos=True))
+    for ids, (texts, out_ids, last) in zip(prompts, results, strict=True):
+        want = offline_greedy(ids, 16, ignore_eos=True)
+        assert last == "[DONE]" and len(texts) == 16 and out_ids == want
+        assert "".join(texts) == TOK.decode(want)
     steps = metrics(live_server)["deepinfer:engine_steps_total"] - steps0
     assert steps < 64 * 16 / 4, f"{steps} steps for 1024 tokens: requests were not batched"  # max_num_seqs = 8
 
