@@ -57,12 +57,15 @@ def matrix_cmd(
             render_df(table, f"{title}, output_len={o} (rows: batch size, columns: input length)")
     skipped = df[df["status"] != "ok"]
     if len(skipped):
-        render_df(skipped[["batch_size", "input_len", "output_len", "status", "skip_reason"]], "Skipped cells")
+        render_df(skipped[["batch_size", "input_len", "output_len", "status", "skip_reason"]],
+                  "Skipped / failed cells")
     meta = {"matrix": spec.name, "matrix_path": str(path), "spec": spec.__dict__, "engine_config": config.__dict__,
             "model_config_hash": _model_config_hash(model_dir)}
     csv_path = save_results(df, out, f"matrix-{spec.name}", meta)
     png = save_plot(df, csv_path.with_suffix(".png"), title=f"matrix {spec.name}")
     err_console.print(f"wrote {csv_path}, {csv_path.parent / 'meta.json'} and {png}")
+    if (df["status"] == "error").any():
+        raise typer.Exit(1)
 
 
 def _model_config_hash(model_dir: Path) -> str | None:

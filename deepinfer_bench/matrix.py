@@ -10,7 +10,9 @@ Metrics follow sglang `bench_one_batch` / vLLM (shared/spec/serving.md §4):
 - TPOT: the duration of each later engine step (one token for every request), pooled over repeats;
 - e2e: queueing to the last token; prefill_tok_s = B*I / TTFT p50; decode_tok_s = B / TPOT p50;
 - kv_blocks_used: the pool's high-water mark during the timed runs.
-Cells that cannot run on this engine (too many sequences, context or blocks) get `status="skipped"` and a reason.
+Cells that cannot run on this engine (too many sequences, context or blocks) get `status="skipped"` and a reason;
+a cell whose run raises a RuntimeError/MemoryError (device OOM, compile failure) gets `status="error"` and the
+message, and the matrix goes on.
 The library returns a DataFrame and prints nothing; the command renders it.
 """
 
@@ -216,6 +218,12 @@ def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: in
         runs = [_run_once(engine, prompts(), output_len) for _ in range(spec.repeats)]
     except RequestRejected as e:
         row.status, row.skip_reason = "skipped", str(e)
+        return row
+    except (RuntimeError, MemoryError) as e:  # e.g. device OOM or a compile failure: record it, go on
+        for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort(seq.seq_id)
+        engine.step()  # drain the abort outputs
+        row.status, row.skip_reason = "error", f"{type(e).__name__}: {e}"[:300]
         return row
     ttft = [r.ttft_s * 1e3 for r in runs]
     e2e = [r.e2e_s * 1e3 for r in runs]

@@ -68,6 +68,21 @@ def test_run_matrix_over_fake_runner(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_run_matrix_records_runtime_errors_and_goes_on():
+    class Failing(FakeRunner):
+        def execute(self, batch):
+            if sum(n for _, n in batch) > 40:
+                raise RuntimeError("out of device memory")
+            return super().execute(batch)
+
+    spec = M.MatrixSpec(name="e", batch_size=(1, 4), input_len=(16,), output_len=(3,), warmup=0, repeats=1,
+                        block_size=16)
+    cfg = M.engine_config(spec, None)
+    df = M.run_matrix(spec, cfg, runner=Failing(4, cfg.num_kv_blocks, 16, cfg.max_model_len))
+    assert df.status.tolist() == ["ok", "error"]
+    assert df.skip_reason.iloc[1] == "RuntimeError: out of device memory"
+
+
 def _fake_df(spec) -> pd.DataFrame:
     rows = [M.Row(b, i, o, ttft_ms_p50=1.0, ttft_ms_p90=2.0, tpot_ms_p50=0.5, tpot_ms_p90=0.6, e2e_ms_p50=9.0,
                   e2e_ms_p90=9.5, prefill_tok_s=10.0, decode_tok_s=2.0, kv_blocks_used=b, repeats=2)
