@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,38 @@ def resolve_backend(requested: str) -> str:
     if requested != "auto":
         return requested
     return "neuron" if importlib.util.find_spec("torch_neuronx") is not None else "host"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def tokenizer_root(model_dir: str | Path) -> Path:
+    """The directory `/v1/models` reports as `root`: where a client (vLLM's `get_tokenizer` -> HF `AutoTokenizer`)
+    loads the tokenizer from.
+
+    That is the model directory itself when its config.json is HF-format. An official-format config.json (no
+    `model_type`, `"dtype": "fp8"`) makes `AutoTokenizer.from_pretrained` fail while parsing the config, so then
+    the tokenizer files are copied once into a tokenizer-only directory (keyed by their content) and that is `root`.
+    """
+    model_dir = Path(model_dir).resolve()
+    cfg_path = model_dir / "config.json"
+    if not (model_dir / "tokenizer.json").exists():
+        return model_dir
+    if cfg_path.exists() and "model_type" in json.loads(cfg_path.read_text()):
+        return model_dir
+    files = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
+    digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / "deepinfer-tokenizers" / f"{model_dir.name}-{digest}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        for f in files:
+            shutil.copyfile(f, tmp / f.name)
+        try:
+            tmp.rename(out)
+        except OSError:  # another server made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def build_serving_engine(config: Any) -> Any:
@@ -38,9 +74,11 @@ def build_app(config: Any, *, served_model_name: str | None, api_key: str | None
     from engine.sampler import SamplingParams
 
     engine = build_serving_engine(config)
-    root = str(Path(config.model_dir).resolve())
+    model_dir = Path(config.model_dir).resolve()
+    root = str(tokenizer_root(model_dir))
     max_model_len = getattr(getattr(engine, "runner", None), "max_model_len", None) or config.max_model_len
-    scfg = ServerConfig(served_model_name=served_model_name or Path(root).name, model_root=root,
+    scfg = ServerConfig(served_model_name=served_model_name or model_dir.name, model_root=root,
+                        model_aliases=(str(model_dir),),
                         max_model_len=min(max_model_len, config.max_model_len), vocab_size=engine.vocab_size,
                         api_key=api_key)
     return create_app(engine, engine.tokenizer, scfg, make_sampling_params=SamplingParams)
@@ -117,6 +155,7 @@ def bench_serve_cmd(
         for o, part in df[df.status != "skipped"].groupby("output_len"):
             pivot = part.pivot(index="concurrency", columns="input_len", values=metric)
             pivot.columns = [f"in={c}" for c in pivot.columns]
+            pivot.index = pivot.index.astype(str)  # keep ints ints through render_df's row-wise formatting
             render_df(pivot.reset_index(), f"{metric} (output_len={o}; rows concurrency, columns input_len)")
     if compare is not None:
         ratios = compare_offline(df, pd.read_csv(compare))

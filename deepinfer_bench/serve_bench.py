@@ -112,6 +112,10 @@ class ServeMatrix:
     prompts_per_concurrency: int = 4  # num_prompts = max(min_prompts, prompts_per_concurrency * concurrency)
     min_prompts: int = 4
     warmup: int = 1  # requests per cell before timing (not measured)
+    # False: all requests dispatched at t=0, at most `concurrency` in flight (vLLM --max-concurrency).
+    # True: waves of `concurrency` requests, each wave after the previous one finished: the online twin of the
+    # offline matrix's batch (same batch from prefill to last token), so online/offline shows serving overhead.
+    waves: bool = False
     seed: int = 0
     token_id_low: int = 10  # random prompt ids in [low, high); high defaults to the model's vocab (capped)
     token_id_high: int | None = None
@@ -203,7 +207,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
 
 async def run_cell(client: httpx.AsyncClient, base_url: str, info: ServerInfo, m: ServeMatrix, concurrency: int,
                    input_len: int, output_len: int, headers: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
-    """One cell: warmup, then `num_prompts` requests at most `concurrency` in flight, all dispatched at t=0."""
+    """One cell: warmup, then `num_prompts` requests, at most `concurrency` in flight (see ServeMatrix.waves)."""
     row: dict[str, Any] = {"concurrency": concurrency, "input_len": input_len, "output_len": output_len,
                            "num_prompts": m.num_prompts(concurrency), "status": "ok", "skip_reason": ""}
     if info.max_model_len is not None and input_len + output_len > info.max_model_len:
@@ -228,7 +232,12 @@ async def run_cell(client: httpx.AsyncClient, base_url: str, info: ServerInfo, m
 
     payloads = [payload() for _ in range(row["num_prompts"])]
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in payloads))
+    if m.waves:
+        results = []
+        for k in range(0, len(payloads), concurrency):
+            results += await asyncio.gather(*(one(p) for p in payloads[k:k + concurrency]))
+    else:
+        results = await asyncio.gather(*(one(p) for p in payloads))
     row.update(summarize(list(results), time.perf_counter() - t0))
     errors = sorted({r.error for r in results if not r.success})
     if row["failed"]:

@@ -36,8 +36,9 @@ class TextCodec(Protocol):
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
-    model_root: str  # absolute path of the model/tokenizer directory (`root` in /v1/models)
+    model_root: str  # absolute path of the tokenizer directory clients load (`root` in /v1/models)
     max_model_len: int
+    model_aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the model directory path)
     vocab_size: int | None = None
     api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
@@ -240,7 +241,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in (config.served_model_name, config.model_root):
+        if name is not None and name not in (config.served_model_name, config.model_root, *config.model_aliases):
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def require_alive() -> None:

@@ -40,6 +40,21 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
     assert r.exit_code != 0 and "dtype" in r.output
 
 
+def test_tokenizer_root(tmp_path: Path) -> None:
+    official, hf, bare = tmp_path / "official", tmp_path / "hf", tmp_path / "bare"
+    for d in (official, hf, bare):
+        d.mkdir()
+    for d in (official, hf):
+        (d / "tokenizer.json").write_text("{}")
+        (d / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (official / "config.json").write_text('{"dim": 8, "dtype": "fp8"}')
+    (hf / "config.json").write_text('{"model_type": "deepseek_v4"}')
+    root = cmd_serve.tokenizer_root(official)
+    assert root != official and sorted(p.name for p in root.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert cmd_serve.tokenizer_root(official) == root  # stable
+    assert cmd_serve.tokenizer_root(hf) == hf.resolve() and cmd_serve.tokenizer_root(bare) == bare.resolve()
+
+
 def test_serve_quick_matrix_parses() -> None:
     m = load_serve_matrix("serve_quick")
     assert m.concurrency and m.input_len and m.output_len and len(m.cells) >= 4

@@ -151,7 +151,7 @@ def test_64_concurrent_streams_batched_and_exact(live_server: str) -> None:
 
 def test_bench_serve_against_live_server(live_server: str) -> None:
     m = ServeMatrix(name="t", concurrency=(1, 4), input_len=(8,), output_len=(6, 300), min_prompts=4,
-                    prompts_per_concurrency=1, warmup=1, token_id_high=200)
+                    prompts_per_concurrency=1, warmup=1, token_id_high=200, waves=True)
     df, info = run_serve_matrix(live_server, m)
     assert info.model == SERVED and info.max_model_len == 256
     ok = df[df.status == "ok"]

@@ -49,10 +49,19 @@ def offline(prompt_ids: list[list[int]]) -> list[list[int]]:
 
 
 def test_models_root_is_a_tokenizer_dir(tiny_server: str) -> None:
+    """vLLM bench loads `root` with HF AutoTokenizer; it must agree with the server's own tokenizer."""
     card = httpx.get(f"{tiny_server}/v1/models", timeout=10).json()["data"][0]
     root = Path(card["root"])
-    assert card["id"] == "tiny" and root == TINY.resolve()
+    assert card["id"] == "tiny" and root.is_absolute()
     assert (root / "tokenizer.json").exists() and (root / "tokenizer_config.json").exists()
+    text = "Hello world, \ufffd odd\ttext"
+    server_ids = httpx.post(f"{tiny_server}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(root))
+    assert tok(text, add_special_tokens=False).input_ids == server_ids["tokens"]
+    assert tok.vocab_size > 0 and tok.all_special_ids and tok.num_special_tokens_to_add() >= 0
+    body = {"model": str(TINY.resolve()), "prompt": "x", "max_tokens": 1}  # the model dir is accepted as a name
+    assert httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def test_text_prompt_with_openai_client(tiny_server: str) -> None:
