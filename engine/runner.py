@@ -17,6 +17,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
+from engine.parallel import Parallel, check_layout
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -39,12 +40,13 @@ class SequenceLike(Protocol):
     def all_token_ids(self) -> list[int]: ...
 
 
-def default_block_size(cfg: ModelConfig) -> int:
-    """Smallest multiple of every compress ratio that is at least 16 (128 for the real models)."""
+def default_block_size(cfg: ModelConfig, cp: int = 1) -> int:
+    """Smallest multiple of every compress ratio x cp that is at least 16 (128 x cp for the real models)."""
     size = 1
     for r in set(cfg.compress_ratios):
         if r:
             size = size * r // math.gcd(size, r)
+    size *= cp
     return size * max(1, -(-16 // size))
 
 
@@ -60,31 +62,40 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, model: Transformer, rc: RunnerConfig) -> None:
+    def __init__(self, cfg: ModelConfig, model: Transformer, rc: RunnerConfig, par: Parallel | None = None) -> None:
         self.cfg, self.model, self.rc = cfg, model, rc
+        self.par = par or Parallel()
         self.dtype = parse_dtype(rc.dtype)
         self.max_num_seqs, self.num_kv_blocks = rc.max_num_seqs, rc.num_kv_blocks
-        self.block_size = rc.block_size or default_block_size(cfg)
+        self.block_size = rc.block_size or default_block_size(cfg, self.par.cp)
         self.max_model_len = min(rc.max_model_len, cfg.max_position_embeddings)
         layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
-        self.cache = KVCache(cfg, rc.max_num_seqs, rc.num_kv_blocks, self.block_size, self.dtype, layer_ids)
+        self.cache = KVCache(cfg, rc.max_num_seqs, rc.num_kv_blocks, self.block_size, self.dtype, layer_ids,
+                             cp=self.par.cp)
 
     # -- construction ----------------------------------------------------------------------------------------------
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], rc: RunnerConfig) -> ModelRunner:
-        model = Transformer(cfg, with_mtp=rc.with_mtp)
-        if not rc.with_mtp:
-            state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
-        model.load_weights(state, parse_dtype(rc.dtype))
-        return cls(cfg, model, rc)
+    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], rc: RunnerConfig,
+                        par: Parallel | None = None) -> ModelRunner:
+        """Build from official-named tensors; under expert parallelism only this rank's experts are kept."""
+        par = par or Parallel()
+        check_layout(cfg, par.cp)
+        model = Transformer(cfg, par, with_mtp=rc.with_mtp)
+        wanted = model.state_dict(keep_vars=True).keys()
+        model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(rc.dtype))
+        return cls(cfg, model, rc, par)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, rc: RunnerConfig) -> ModelRunner:
+    def from_model_dir(cls, model_dir: str | Path, rc: RunnerConfig, par: Parallel | None = None) -> ModelRunner:
+        """Load from a checkpoint directory, reading only the tensors this rank needs (memory-mapped)."""
         from engine.loader import load_checkpoint
 
+        par = par or Parallel()
         cfg = ModelConfig.from_json(Path(model_dir))
-        state = load_checkpoint(model_dir, cfg, dtype=torch.float32, include_mtp=rc.with_mtp)
-        return cls.from_state_dict(cfg, state, rc)
+        check_layout(cfg, par.cp)
+        experts = par.local_experts(cfg.n_routed_experts) if par.enabled else None
+        state = load_checkpoint(model_dir, cfg, dtype=torch.float32, include_mtp=rc.with_mtp, experts=experts)
+        return cls.from_state_dict(cfg, state, rc, par)
 
     # -- execution -------------------------------------------------------------------------------------------------
     def free_slot(self, slot: int) -> None:
@@ -124,14 +135,14 @@ class ModelRunner:
         return self.forward(steps, torch.tensor(ids, dtype=torch.long))
 
 
-def build_runner(config: Any) -> ModelRunner:
+def build_runner(config: Any, par: Parallel | None = None) -> ModelRunner:
     """Build a runner from an engine config (duck-typed: model_dir, dtype, max_num_seqs, num_kv_blocks, block_size,
     max_model_len)."""
     rc = RunnerConfig(
         max_num_seqs=config.max_num_seqs, num_kv_blocks=config.num_kv_blocks,
         block_size=getattr(config, "block_size", None), max_model_len=config.max_model_len,
         dtype=str(config.dtype))
-    return ModelRunner.from_model_dir(config.model_dir, rc)
+    return ModelRunner.from_model_dir(config.model_dir, rc, par)
 
 
 @torch.inference_mode()

@@ -219,6 +219,9 @@ def sparse_attn_partial(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
     m = max valid logit (-inf if none), l = sum exp(logit - m), acc = sum exp(logit - m) * kv."""
     logits = torch.einsum("bthd,bnd->bthn", q.float(), kv.float()) * scale  # [B, T, H, N]
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    if logits.shape[-1] == 0:  # a rank may hold no key of a short sequence
+        m = logits.new_full(logits.shape[:-1], float("-inf"))
+        return q.new_zeros(q.shape, dtype=torch.float32), m, torch.zeros_like(m)
     m = logits.amax(-1)  # [B, T, H]
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(logits - m_safe.unsqueeze(-1))  # exp(-inf) = 0 for masked keys

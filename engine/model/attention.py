@@ -10,12 +10,15 @@ Both call the same reference ops, and tests check that they agree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.cache import LayerCache, SeqStep, StepPlan
 from engine.model.layers import Linear, RMSNorm, Rope, _empty
+from engine.parallel import Parallel
 from nki_kernels.reference import (
     compress_pool,
     grouped_out_proj,
@@ -25,15 +28,18 @@ from nki_kernels.reference import (
     rms_norm,
     rope_apply,
     sparse_attn,
+    sparse_attn_merge,
+    sparse_attn_partial,
 )
 
 
 class Compressor(nn.Module):
     """Gated pooling of m consecutive tokens into one entry; CSA (m=4) overlaps with the previous block (coff=2)."""
 
-    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int) -> None:
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, par: Parallel | None = None) -> None:
         super().__init__()
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        self.rank, self.cp = (par.rank, par.cp) if par is not None else (0, 1)
         coff = 2 if self.overlap else 1
         self.wkv = Linear(cfg.dim, coff * head_dim)
         self.wgate = Linear(cfg.dim, coff * head_dim)
@@ -73,9 +79,7 @@ class Compressor(nn.Module):
             prev = (st_kv[:m], st_score[:m]) if self.overlap else (None, None)
             pooled = compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
             w = torch.arange(start // m, start // m + n_close)
-            entries = self.finish(pooled, w * m, rope, dtype)
-            epb = pool.shape[1]
-            pool[table[w // epb], w % epb] = entries
+            self._store(self.finish(pooled, w * m, rope, dtype), w, pool, table)
             if self.overlap:
                 st_kv[:m] = blocks_kv[-1]
                 st_score[:m] = blocks_sc[-1]
@@ -105,21 +109,33 @@ class Compressor(nn.Module):
         else:
             pooled = compress_pool(skv, ssc, False)  # [C, D]
         w = pos[closing] // m
-        entries = self.finish(pooled, w * m, rope, dtype)
+        self._store(self.finish(pooled, w * m, rope, dtype), w, pool, tables[closing])
+
+    def _store(self, entries: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor) -> None:
+        """Write entries [K, D] with ids w [K] into the pool; under cp only this rank's share (w % cp == rank), at
+        local index w // cp. `tables` is one block table [nb] or one per entry [K, nb]."""
+        if self.cp > 1:
+            own = w % self.cp == self.rank
+            entries, w = entries[own], w[own]
+            tables = tables[own] if tables.dim() == 2 else tables
+        u = w // self.cp
         epb = pool.shape[1]
-        pool[tables[closing, w // epb], w % epb] = entries
+        if tables.dim() == 2:
+            pool[tables[torch.arange(len(u)), u // epb], u % epb] = entries
+        else:
+            pool[tables[u // epb], u % epb] = entries
 
 
 class Indexer(nn.Module):
     """Lightning indexer (CSA layers): its own CSA compressor at index_head_dim, scores with ReLU and head weights,
-    causal top-k of the compressed entries per query."""
+    causal top-k of the compressed entries per query (global across context-parallel ranks)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: Parallel | None = None) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
-        self.compressor = Compressor(cfg, 4, cfg.index_head_dim)
+        self.compressor = Compressor(cfg, 4, cfg.index_head_dim, par)
         self.rd = cfg.rope_head_dim
         self.weight_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
 
@@ -132,15 +148,39 @@ class Indexer(nn.Module):
         return q, w
 
 
+def global_topk(cands: torch.Tensor, k: int) -> torch.Tensor:
+    """Merge per-rank top-k candidates into the global top-k with the cp=1 order (score desc, then entry id asc).
+    cands [..., R*K, 2] = (score, global id), -inf score for padding -> chosen ids [..., k] (-1 where none)."""
+    sc, gid = cands[..., 0], cands[..., 1]
+    by_id = torch.sort(gid.masked_fill(torch.isinf(sc), float(2 ** 24)), dim=-1, stable=True).indices
+    sc, gid = sc.gather(-1, by_id), gid.gather(-1, by_id)
+    top = torch.sort(sc, dim=-1, descending=True, stable=True).indices[..., :k]
+    return gid.gather(-1, top).masked_fill(torch.isinf(sc.gather(-1, top)), -1).long()
+
+
 def gather_entries(pool: torch.Tensor, tables: torch.Tensor, num: int) -> torch.Tensor:
-    """Entries 0..num-1 of each sequence: pool [NB, epb, D], tables [B, max_blocks] -> [B, num, D]."""
+    """Local entries 0..num-1 of each sequence: pool [NB, epb, D], tables [B, max_blocks] -> [B, num, D]."""
     epb = pool.shape[1]
     nblk = -(-num // epb)
     return pool[tables[:, :nblk]].flatten(1, 2)[:, :num]
 
 
+@dataclass
+class _Group:
+    """One attention problem of a step: B sequences x T queries over this rank's keys."""
+
+    rows: torch.Tensor | slice  # token rows of the step
+    q: torch.Tensor  # [B, T, H, D]
+    keys: torch.Tensor  # [B, N, D] window share, then entry share
+    valid: torch.Tensor  # [B, T, N] causal + window (entries: causal only until the indexer picks)
+    n_win: int = 0
+    scores: torch.Tensor | None = None  # [B, T, E] indexer scores of this rank's entries (CSA)
+    visible: torch.Tensor | None = None  # [B, T] global count of causal entries
+    ids: torch.Tensor | None = None  # [E] global entry ids of this rank's entries
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
@@ -149,6 +189,8 @@ class Attention(nn.Module):
         self.win = cfg.window_size
         self.eps = cfg.norm_eps
         self.scale = cfg.head_dim ** -0.5
+        self.par = par if par is not None and par.enabled else None
+        self.rank, self.cp = (par.rank, par.cp) if self.par is not None else (0, 1)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank)
         self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim)
@@ -157,9 +199,8 @@ class Attention(nn.Module):
         self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim)
         self.attn_sink = _empty(cfg.n_heads)
-        if self.ratio:
-            self.compressor = Compressor(cfg, self.ratio, cfg.head_dim)
-            self.indexer = Indexer(cfg) if self.ratio == 4 else None
+        self.compressor = Compressor(cfg, self.ratio, cfg.head_dim, par) if self.ratio else None
+        self.indexer = Indexer(cfg, par) if self.ratio == 4 else None
         self.rope = Rope(cfg, compressed=bool(self.ratio))
 
     def _rope_tail(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -181,81 +222,144 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 aux["i"] = self.indexer.compressor.project(x)
                 aux["q"] = self.indexer.queries(x, qr, cos, sin)
-        o = torch.empty_like(q)
+        groups = []
         if plan.dec_tokens is not None:
-            o[plan.dec_tokens] = self._decode(q, kv, aux, plan, cache)
+            groups.append(self._decode(q, kv, aux, plan, cache))
         for s in plan.prefill:
             sl = slice(s.token_start, s.token_start + s.n)
-            o[sl] = self._chunk(q[sl], kv[sl], {k: tuple(v[sl] for v in val) for k, val in aux.items()}, s, cache)
+            groups.append(self._chunk(q[sl], kv[sl], {k: tuple(v[sl] for v in val) for k, val in aux.items()}, s,
+                                      cache, sl))
+        if self.indexer is not None:
+            self._select(groups)
+        o = torch.empty_like(q)
+        for g, og in zip(groups, self._attend(groups), strict=True):
+            o[g.rows] = og.flatten(0, 1)
         o = self._rope_tail(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
         o = grouped_out_proj(o.reshape(t, -1), self.wo_a.weight, self.cfg.o_groups)
         return linear(o, self.wo_b.weight)
 
+    def _select(self, groups: list[_Group]) -> None:
+        """The indexer's causal top-k for every group; global across ranks with ONE all-gather per layer."""
+        k = self.indexer.topk
+        picks = []
+        for g in groups:
+            if g.scores is None:
+                picks.append(None)
+                continue
+            nvis = (g.visible - self.rank).clamp(min=0).add(self.cp - 1).div(self.cp, rounding_mode="floor")
+            picks.append(index_topk(g.scores, nvis, k))  # local order among this rank's entries
+        if self.par is None:
+            for g, p in zip(groups, picks, strict=True):
+                if p is not None:
+                    sel = torch.zeros(g.scores.shape, dtype=torch.bool).scatter_(-1, p[0], p[1])
+                    g.valid[..., g.n_win:] &= sel
+            return
+        cands = []
+        for g, p in zip(groups, picks, strict=True):
+            if p is None:
+                continue
+            order, ok = p
+            c = torch.stack([g.scores.gather(-1, order).masked_fill(~ok, float("-inf")), g.ids[order].float()], -1)
+            if c.shape[-2] < k:  # same width on every rank
+                c = torch.cat([c, c.new_full((*c.shape[:-2], k - c.shape[-2], 2), float("-inf"))], -2)
+            cands.append(c.flatten(0, 1))  # [B*T, k, 2]
+        if not cands:
+            return
+        allc = torch.cat(self.par.all_gather(torch.cat(cands, 0), "index.topk"), 1)  # [sum BT, cp*k, 2]
+        chosen, off = global_topk(allc, k), 0
+        for g in groups:
+            if g.scores is None:
+                continue
+            b, tq, _ = g.scores.shape
+            ch = chosen[off: off + b * tq].view(b, tq, 1, -1)
+            off += b * tq
+            g.valid[..., g.n_win:] &= (g.ids.view(1, 1, -1, 1) == ch).any(-1)
+
+    def _attend(self, groups: list[_Group]) -> list[torch.Tensor]:
+        """Attention of every group over this rank's keys; under cp the shares are merged with ONE all-gather."""
+        if self.par is None:
+            return [sparse_attn(g.q, g.keys.to(g.q.dtype), g.valid, self.attn_sink, self.scale) for g in groups]
+        packed = []
+        for g in groups:
+            acc, mx, den = sparse_attn_partial(g.q, g.keys.to(g.q.dtype), g.valid, self.scale)
+            packed.append(torch.cat([acc, mx.unsqueeze(-1), den.unsqueeze(-1)], -1).flatten(0, 1))  # [BT, H, D+2]
+        parts = [(p[..., :-2], p[..., -2], p[..., -1]) for p in self.par.all_gather(torch.cat(packed), "attn.merge")]
+        merged = sparse_attn_merge(parts, self.attn_sink)  # [sum BT, H, D]
+        out, off = [], 0
+        for g in groups:
+            b, tq = g.q.shape[:2]
+            out.append(merged[off: off + b * tq].view(b, tq, *merged.shape[1:]).to(g.q.dtype))
+            off += b * tq
+        return out
+
+    def _owned(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos % self.cp == self.rank
+
+    def _entries(self, g: _Group, cache: LayerCache, tables: torch.Tensor, visible: torch.Tensor,
+                 aux_q: tuple | None) -> None:
+        """Append this rank's compressed entries (and indexer scores) for queries with `visible` [B, T] entries."""
+        cp = self.cp
+        num = int(visible.max())  # entries that exist (all ranks)
+        if num == 0:
+            return
+        nloc = max(0, -(-(num - self.rank) // cp))  # this rank's share
+        ids = self.rank + cp * torch.arange(nloc)  # their global ids
+        entries = gather_entries(cache.cmp_pool, tables, nloc)  # [B, E, D]
+        g.n_win = g.keys.shape[1]
+        g.keys = torch.cat([g.keys, entries.to(g.keys.dtype)], 1)
+        g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
+        if self.indexer is not None:
+            ikeys = gather_entries(cache.idx_pool, tables, nloc)  # [B, E, Di]
+            g.scores = index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
+            g.visible, g.ids = visible, ids
+
     # -- one sequence ----------------------------------------------------------------------------------------------
-    def _chunk(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, s: SeqStep, cache: LayerCache) -> torch.Tensor:
-        win, n, start = self.win, s.n, s.start
+    def _chunk(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, s: SeqStep, cache: LayerCache,
+               rows: slice) -> _Group:
+        win, n, start, cp = self.win, s.n, s.start, self.cp
+        wl = cache.win_kv.shape[1]  # ring rows on this rank (win / cp)
         qpos = torch.arange(start, start + n)
-        # window keys: up to win-1 earlier positions from the ring, then the chunk itself
+        # window keys: this rank's share of the win-1 earlier positions (from the ring), then of the chunk itself
         ppos = torch.arange(max(0, start - win + 1), start)
-        keys = torch.cat([cache.win_kv[s.slot, ppos % win], kv.to(cache.win_kv.dtype)], 0)
-        kpos = torch.cat([ppos, qpos])
+        ppos = ppos[self._owned(ppos)]
+        own_new = self._owned(qpos)
+        keys = torch.cat([cache.win_kv[s.slot, (ppos // cp) % wl], kv[own_new].to(cache.win_kv.dtype)], 0)
+        kpos = torch.cat([ppos, qpos[own_new]])
         valid = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - win)  # [n, Nw]
         keep = qpos[-win:]
-        cache.win_kv[s.slot, keep % win] = kv[-win:].to(cache.win_kv.dtype)
+        keep_own = self._owned(keep)
+        cache.win_kv[s.slot, (keep[keep_own] // cp) % wl] = kv[-win:][keep_own].to(cache.win_kv.dtype)
+        g = _Group(rows=rows, q=q[None], keys=keys[None], valid=valid[None])
         if self.ratio:
-            m = self.ratio
-            c = self.compressor
-            c.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_pool,
-                    s.block_table, self.rope, cache.cmp_pool.dtype)
+            self.compressor.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_pool,
+                                  s.block_table, self.rope, cache.cmp_pool.dtype)
             if self.indexer is not None:
                 self.indexer.compressor.chunk(*aux["i"], start, cache.idx_kv[s.slot], cache.idx_score[s.slot],
                                               cache.idx_pool, s.block_table, self.rope, cache.idx_pool.dtype)
-            num = (start + n) // m
-            if num:
-                entries = gather_entries(cache.cmp_pool, s.block_table[None], num)[0]  # [E, D]
-                visible = (qpos + 1) // m  # [n]
-                sel = torch.arange(num)[None] < visible[:, None]  # [n, E]
-                if self.indexer is not None:
-                    ikeys = gather_entries(cache.idx_pool, s.block_table[None], num)  # [1, E, Di]
-                    iq, iw = aux["q"]
-                    scores = index_score(iq[None], ikeys, iw[None])  # [1, n, E]
-                    idx, ok = index_topk(scores, visible[None], self.indexer.topk)
-                    sel = torch.zeros(1, n, num, dtype=torch.bool).scatter_(-1, idx, ok)[0]
-                keys = torch.cat([keys, entries], 0)
-                valid = torch.cat([valid, sel], 1)
-        o = sparse_attn(q[None], keys[None].to(q.dtype), valid[None], self.attn_sink, self.scale)
-        return o[0]
+            aux_q = (aux["q"][0][None], aux["q"][1][None]) if self.indexer is not None else None
+            self._entries(g, cache, s.block_table[None], ((qpos + 1) // self.ratio)[None], aux_q)
+        return g
 
     # -- many sequences, one token each ----------------------------------------------------------------------------
-    def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan,
-                cache: LayerCache) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _Group:
         tok, slots, pos, tables = plan.dec_tokens, plan.dec_slots, plan.dec_pos, plan.dec_tables
-        win = self.win
-        cache.win_kv[slots, pos % win] = kv[tok].to(cache.win_kv.dtype)
-        keys = cache.win_kv[slots]  # [B, win, D]
-        age = (pos[:, None] - torch.arange(win)[None]) % win  # ring row i holds position pos - age
-        valid = age <= pos[:, None]  # [B, win]
+        cp, wl = self.cp, cache.win_kv.shape[1]
+        own = self._owned(pos)
+        cache.win_kv[slots[own], (pos[own] // cp) % wl] = kv[tok[own]].to(cache.win_kv.dtype)
+        keys = cache.win_kv[slots]  # [B, wl, D]
+        # ring row i holds this rank's latest position r + cp*j <= pos with j % wl == i
+        jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")  # [B]
+        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl)[None]) % wl
+        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=(j >= 0)[:, None])  # valid [B, 1, wl]
         if self.ratio:
-            m = self.ratio
             ckv, csc = aux["c"]
             self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_pool,
                                    tables, self.rope, cache.cmp_pool.dtype)
+            aux_q = None
             if self.indexer is not None:
                 ikv, isc = aux["i"]
                 self.indexer.compressor.decode(ikv[tok], isc[tok], pos, slots, cache.idx_kv, cache.idx_score,
                                                cache.idx_pool, tables, self.rope, cache.idx_pool.dtype)
-            visible = (pos + 1) // m  # [B]
-            num = int(visible.max())
-            if num:
-                entries = gather_entries(cache.cmp_pool, tables, num)  # [B, E, D]
-                sel = torch.arange(num)[None] < visible[:, None]  # [B, E]
-                if self.indexer is not None:
-                    ikeys = gather_entries(cache.idx_pool, tables, num)  # [B, E, Di]
-                    iq, iw = aux["q"]
-                    scores = index_score(iq[tok][:, None], ikeys, iw[tok][:, None])  # [B, 1, E]
-                    idx, ok = index_topk(scores, visible[:, None], self.indexer.topk)
-                    sel = torch.zeros(len(tok), 1, num, dtype=torch.bool).scatter_(-1, idx, ok)[:, 0]
-                keys = torch.cat([keys, entries], 1)
-                valid = torch.cat([valid, sel], 1)
-        o = sparse_attn(q[tok][:, None], keys.to(q.dtype), valid[:, None], self.attn_sink, self.scale)
-        return o[:, 0]
+                aux_q = (aux["q"][0][tok][:, None], aux["q"][1][tok][:, None])
+            self._entries(g, cache, tables, ((pos + 1) // self.ratio)[:, None], aux_q)
+        return g

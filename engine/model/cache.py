@@ -47,26 +47,31 @@ class KVCache:
     """All layers' state for `num_slots` sequences and a pool of `num_blocks` x `block_size` positions."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 layer_ids: list[int], device: torch.device | str = "cpu") -> None:
+                 layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu") -> None:
+        """Under context parallelism (cp > 1) this holds one rank's share: win/cp ring rows and block_size/(m*cp)
+        entries per block (engine/parallel.py)."""
         for lid in layer_ids:
             m = cfg.compress_ratios[lid]
-            if m and block_size % m:
-                raise ValueError(f"block_size={block_size} is not a multiple of compress ratio {m} (layer {lid})")
+            if m and block_size % (m * cp):
+                raise ValueError(f"block_size={block_size} is not a multiple of compress ratio {m} x cp {cp} "
+                                 f"(layer {lid})")
+        if cfg.window_size % cp:
+            raise ValueError(f"window_size={cfg.window_size} is not divisible by cp={cp}")
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         d, di, win = cfg.head_dim, cfg.index_head_dim, cfg.window_size
         self.layers: dict[int, LayerCache] = {}
         for lid in layer_ids:
             m = cfg.compress_ratios[lid]
-            lc = LayerCache(ratio=m, win_kv=torch.zeros(num_slots, win, d, dtype=dtype, device=device))
+            lc = LayerCache(ratio=m, win_kv=torch.zeros(num_slots, win // cp, d, dtype=dtype, device=device))
             if m:
                 coff = 2 if m == 4 else 1
                 lc.cmp_kv = torch.zeros(num_slots, coff * m, coff * d, device=device)
                 lc.cmp_score = torch.full((num_slots, coff * m, coff * d), float("-inf"), device=device)
-                lc.cmp_pool = torch.zeros(num_blocks, block_size // m, d, dtype=dtype, device=device)
+                lc.cmp_pool = torch.zeros(num_blocks, block_size // (m * cp), d, dtype=dtype, device=device)
                 if m == 4:
                     lc.idx_kv = torch.zeros(num_slots, 2 * m, 2 * di, device=device)
                     lc.idx_score = torch.full((num_slots, 2 * m, 2 * di), float("-inf"), device=device)
-                    lc.idx_pool = torch.zeros(num_blocks, block_size // m, di, dtype=dtype, device=device)
+                    lc.idx_pool = torch.zeros(num_blocks, block_size // (m * cp), di, dtype=dtype, device=device)
             self.layers[lid] = lc
 
     def reset_slot(self, slot: int) -> None:

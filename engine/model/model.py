@@ -12,6 +12,7 @@ from engine.model.attention import Attention
 from engine.model.cache import KVCache, StepPlan
 from engine.model.layers import Embedding, Linear, RMSNorm, _empty
 from engine.model.moe import MoE
+from engine.parallel import Parallel
 from nki_kernels.reference import hc_collapse, hc_expand, hc_head, hc_mixes, linear, rms_norm
 
 # Tensors that stay fp32 whatever the compute dtype (official: mHC, sinks, ape, router, compressor, head, norms).
@@ -25,11 +26,11 @@ def keeps_fp32(name: str) -> bool:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, local_experts: range | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
-        self.attn = Attention(cfg, layer_id)
-        self.ffn = MoE(cfg, layer_id, local_experts)
+        self.attn = Attention(cfg, layer_id, par)
+        self.ffn = MoE(cfg, layer_id, par)
         self.attn_norm = RMSNorm(cfg.dim)
         self.ffn_norm = RMSNorm(cfg.dim)
         for site in ("attn", "ffn"):
@@ -57,8 +58,8 @@ class MTPBlock(Block):
     """Multi-token prediction block (`mtp.0.*`): a sliding-only decoder layer fed with the main model's last streams
     and the embedding of the next token, with its own hc_head and norm; shares the embedding and head (§2.7)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, local_experts: range | None = None) -> None:
-        super().__init__(cfg, layer_id, local_experts)
+    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
+        super().__init__(cfg, layer_id, par)
         self.e_proj = Linear(cfg.dim, cfg.dim)
         self.h_proj = Linear(cfg.dim, cfg.dim)
         self.enorm = RMSNorm(cfg.dim)
@@ -70,18 +71,18 @@ class MTPBlock(Block):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, local_experts: range | None = None, with_mtp: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, par: Parallel | None = None, with_mtp: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList([Block(cfg, i, local_experts) for i in range(cfg.n_layers)])
+        self.layers = nn.ModuleList([Block(cfg, i, par) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim)
         self.head = Linear(cfg.dim, cfg.vocab_size)
         self.hc_head_fn = _empty(cfg.hc_mult, cfg.hc_dim)
         self.hc_head_base = _empty(cfg.hc_mult)
         self.hc_head_scale = _empty(1)
         self.mtp = nn.ModuleList(
-            [MTPBlock(cfg, cfg.n_layers + i, local_experts) for i in range(cfg.n_mtp_layers if with_mtp else 0)])
+            [MTPBlock(cfg, cfg.n_layers + i, par) for i in range(cfg.n_mtp_layers if with_mtp else 0)])
 
     @property
     def dtype(self) -> torch.dtype:

@@ -4,13 +4,12 @@ parallelism): `local_experts` says which ones this process holds; the exchange i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.layers import Linear, _empty
+from engine.parallel import Parallel
 from nki_kernels.reference import gate_scores, linear, route, swiglu
 
 
@@ -49,17 +48,16 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, local_experts: range | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
-        self.n_experts = cfg.n_routed_experts
-        self.local = local_experts if local_experts is not None else range(cfg.n_routed_experts)
+        self.n_experts, self.topk = cfg.n_routed_experts, cfg.n_activated_experts
+        self.par = par if par is not None and par.enabled else None
+        self.local = self.par.local_experts(cfg.n_routed_experts) if self.par else range(cfg.n_routed_experts)
         self.gate = Gate(cfg, layer_id)
         self.experts = nn.ModuleList(
             [Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if i in self.local else None
              for i in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
-        # Set by the parallel runtime: (x, weights, indices, local_fn) -> routed sum over all experts (fp32 [T, dim]).
-        self.exchange: Callable | None = None
 
     def routed_local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over this process's experts of w_i * Expert_i(x): x [T, dim], weights/indices [T, K] -> fp32."""
@@ -73,10 +71,28 @@ class MoE(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] (ffn_norm applied) -> [T, dim]."""
+        if self.par is not None:
+            return self._forward_ep(x, input_ids)
         weights, indices = self.gate(x, input_ids)
-        if self.exchange is not None:
-            y = self.exchange(x, weights, indices, self.routed_local)
-        else:
-            y = self.routed_local(x, weights, indices)
-        y = y + self.shared_experts(x)
+        y = self.routed_local(x, weights, indices) + self.shared_experts(x)
         return y.to(x.dtype)
+
+    def _forward_ep(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Static MoE exchange (engine/parallel.py): route my 1/cp share of the tokens, ONE packed fp32 all-gather of
+        (x, weights, expert ids), my experts over every token, ONE all-reduce. The shared expert is added once, by the
+        token's owner."""
+        par, t, k = self.par, x.shape[0], self.topk
+        per = -(-t // par.cp)
+        lo, hi = min(t, par.rank * per), min(t, (par.rank + 1) * per)
+        weights, indices = self.gate(x[lo:hi], input_ids[lo:hi])
+        packed = torch.cat([x[lo:hi].float(), weights, indices.float()], -1)  # [t_own, dim + 2K]
+        if hi - lo < per:  # equal shapes for the all-gather; pad rows carry expert id -1
+            pad = packed.new_zeros(per - (hi - lo), packed.shape[1])
+            pad[:, -k:] = -1
+            packed = torch.cat([packed, pad], 0)
+        rows = torch.cat(par.all_gather(packed, "moe.exchange"), 0)[:t]  # [T, dim + 2K]
+        xs = rows[:, : -2 * k].to(x.dtype)
+        y = self.routed_local(xs, rows[:, -2 * k: -k], rows[:, -k:].long())
+        y[lo:hi] += self.shared_experts(x[lo:hi])
+        return par.all_reduce(y, "moe.combine").to(x.dtype)

@@ -1,0 +1,253 @@
+"""Context and expert parallelism on torch.distributed: the layout, counted collectives, and rank launch.
+
+Layout (cp ranks, the same `--cp N` for both):
+* Dense per-token work (embedding, mHC, norms, projections, compressor pooling, the head) is replicated: every rank
+  sees every token of a step, so the residual streams stay identical on all ranks.
+* KV is sharded by position: rank r holds window positions p with p % cp == r (ring rows (p // cp) % (win / cp)),
+  and compressed entries / indexer keys w with w % cp == r (local index w // cp). Each rank attends with every query
+  over its share and the shares are merged exactly (per-head max / sum-exp, sink counted once): one all-gather.
+* CSA's indexer top-k is global: local top-k over the rank's keys, one all-gather of (score, entry id), then a global
+  top-k ordered by (score desc, entry id asc), which is exactly the cp=1 order.
+* Routed experts are sharded (rank r holds experts [r*E/cp, (r+1)*E/cp)). Static MoE exchange: each rank routes its
+  1/cp share of the tokens, packs (x, routing weights, expert ids) into ONE fp32 tensor, one all-gather, computes its
+  experts for every token, and one all-reduce combines (the shared expert is added by the token's owner).
+
+Rank launch: `launch(job, cp, ...)` spawns cp processes on this host (gloo) and supervises them: a rank that raises
+or dies ends the whole job within a bounded time, naming the rank and the error; no orphans. Under `torchrun`
+(WORLD_SIZE set) the current process is one rank and `init_from_env()` joins the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or timed out; the message names the rank and the error."""
+
+
+class LayoutError(ValueError):
+    """A parallel layout that this model cannot use."""
+
+
+def check_layout(cfg: ModelConfig, cp: int) -> None:
+    """Reject invalid layouts up front, with the reason."""
+    if cp < 1:
+        raise LayoutError(f"cp={cp}: must be >= 1")
+    if cp == 1:
+        return
+    problems = []
+    if cfg.n_routed_experts % cp:
+        problems.append(f"cp={cp} does not divide n_routed_experts={cfg.n_routed_experts} (experts are sharded)")
+    if cfg.window_size % cp:
+        problems.append(f"cp={cp} does not divide window_size={cfg.window_size} (the window KV is sharded)")
+    if cp > cfg.window_size:
+        problems.append(f"cp={cp} is larger than window_size={cfg.window_size}")
+    if problems:
+        raise LayoutError("invalid parallel layout: " + "; ".join(problems))
+
+
+def pick_backend() -> str:
+    """The one place that chooses the process-group backend: gloo on the host, the Neuron stack's group on trn2."""
+    from engine.envs import get_envs
+
+    want = get_envs().DEEPINFER_BACKEND
+    if want == "neuron" or (want == "auto" and neuron_available()):
+        return "xla"  # torch-neuronx (PyTorch/XLA): `import torch_xla.distributed.xla_backend` registers it
+    return "gloo"
+
+
+def neuron_available() -> bool:
+    import glob
+    import importlib.util
+
+    return bool(glob.glob("/dev/neuron*")) and importlib.util.find_spec("torch_neuronx") is not None
+
+
+@dataclass
+class Parallel:
+    """This process's place in the layout plus counted collectives. cp=1 needs no process group."""
+
+    rank: int = 0
+    cp: int = 1
+    group: Any = None
+    counts: Counter = field(default_factory=Counter)
+    kill_at: int | None = None  # fault injection for tests: SIGKILL this rank at its n-th collective
+
+    @property
+    def enabled(self) -> bool:
+        return self.cp > 1
+
+    def local_experts(self, n_experts: int) -> range:
+        per = n_experts // self.cp
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def _tick(self, key: str) -> None:
+        self.counts[key] += 1
+        if self.kill_at is not None and sum(self.counts.values()) >= self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def all_gather(self, t: torch.Tensor, key: str) -> list[torch.Tensor]:
+        """All ranks' `t` (same shape on every rank), in rank order."""
+        self._tick(f"{key}:all_gather")
+        out = [torch.empty_like(t) for _ in range(self.cp)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
+
+    def all_reduce(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        self._tick(f"{key}:all_reduce")
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def report(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process groups
+
+
+def init_process_group(rank: int, cp: int, master_port: int, timeout_s: float) -> Parallel:
+    backend = pick_backend()
+    if backend == "xla":  # pragma: no cover - needs a Neuron machine
+        import torch_xla.distributed.xla_backend  # noqa: F401
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
+                            timeout=_dt.timedelta(seconds=timeout_s))
+    return Parallel(rank=rank, cp=cp, group=dist.group.WORLD)
+
+
+def init_from_env() -> Parallel:
+    """Join the group described by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    from engine.envs import get_envs
+
+    rec = dict(get_envs().recorded)
+    world = int(rec.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Parallel()
+    backend = pick_backend()
+    if backend == "xla":  # pragma: no cover
+        import torch_xla.distributed.xla_backend  # noqa: F401
+    timeout = _dt.timedelta(seconds=get_envs().DEEPINFER_DIST_TIMEOUT_S)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD)
+
+
+def under_torchrun() -> bool:
+    from engine.envs import get_envs
+
+    return int(dict(get_envs().recorded).get("WORLD_SIZE", "1")) > 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch and supervision
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tuple, results: Any,
+               timeout_s: float, kill_at: tuple[int, int] | None, threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        par = init_process_group(rank, cp, port, timeout_s)
+        if kill_at is not None and kill_at[0] == rank:
+            par.kill_at = kill_at[1]
+        out = job(par, *args)
+        results.put(("ok", rank, out if rank == 0 else None))
+        with contextlib.suppress(Exception):
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - report every failure to the supervisor, then exit non-zero
+        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}"))
+        results.close()
+        results.join_thread()  # flush the message before the hard exit
+        os._exit(1)
+
+
+def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: float | None = None,
+           kill_at: tuple[int, int] | None = None) -> Any:
+    """Run `job(par, *args)` on cp ranks (processes) and return rank 0's result.
+
+    Any rank that raises, dies (e.g. SIGKILL) or outlives `timeout_s` ends the job: the others are terminated
+    (SIGTERM, then SIGKILL after 5 s) and RankFailed names the rank and its error. `kill_at=(rank, n)` makes that
+    rank SIGKILL itself at its n-th collective (failure tests).
+    """
+    from engine.envs import get_envs
+
+    envs = get_envs()
+    coll_timeout = envs.DEEPINFER_DIST_TIMEOUT_S
+    timeout_s = timeout_s or max(600.0, coll_timeout * 4)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    threads = max(1, (envs.DEEPINFER_NUM_THREADS or torch.get_num_threads()) // cp)
+    procs = [ctx.Process(target=_rank_main, name=f"deepinfer-rank{r}", daemon=True,
+                         args=(r, cp, port, job, args, results, coll_timeout, kill_at, threads)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    done: set[int] = set()
+    result: Any = None
+    failure: str | None = None
+    try:
+        while len(done) < cp and failure is None:
+            try:
+                kind, rank, payload = results.get(timeout=0.2)
+                if kind == "ok":
+                    done.add(rank)
+                    if rank == 0:
+                        result = payload
+                else:
+                    failure = f"rank {rank} failed: {payload}"
+                continue
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                    sig = -p.exitcode if p.exitcode < 0 else None
+                    how = f"killed by signal {signal.Signals(sig).name}" if sig else f"exit code {p.exitcode}"
+                    failure = f"rank {r} died ({how}) before finishing"
+                    break
+            if failure is None and time.monotonic() > deadline:
+                failure = f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(set(range(cp)) - done)}"
+    finally:
+        _reap(procs, graceful=failure is None)
+    if failure:
+        raise RankFailed(failure)
+    return result
+
+
+def _reap(procs: list[Any], graceful: bool) -> None:
+    if graceful:
+        for p in procs:
+            p.join(timeout=30)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 5
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
