@@ -35,6 +35,8 @@ class LoopStats:
     num_kv_blocks_total: int = 0
     num_steps: int = 0
     last_step_s: float = 0.0
+    num_generated_tokens: int = 0  # engine's own count (-1 if it does not report one)
+    num_preemptions: int = 0
 
 
 def read_engine_stats(engine: Any) -> dict[str, float]:
@@ -146,6 +148,8 @@ class EngineLoop:
         st.num_kv_blocks_total = int(_pick(s, "num_total_blocks", "kv_blocks_total", "num_blocks", "num_kv_blocks"))
         default_usage = st.num_kv_blocks_used / st.num_kv_blocks_total if st.num_kv_blocks_total else 0.0
         st.kv_usage = _pick(s, "kv_usage", "kv_cache_usage", "kv_pool_usage", default=default_usage)
+        st.num_generated_tokens = int(_pick(s, "num_generated_tokens", "generated_tokens", default=-1))
+        st.num_preemptions = int(_pick(s, "num_preemptions", "preemptions"))
 
     def _run(self) -> None:
         try:

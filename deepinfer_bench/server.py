@@ -313,7 +313,12 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
         metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
                [(label, counters.prompt_tokens)])
-        metric("generation_tokens_total", "counter", "Tokens generated.", [(label, counters.generation_tokens)])
+        metric("generation_tokens_total", "counter", "Tokens generated and sent to clients.",
+               [(label, counters.generation_tokens)])
+        if st.num_generated_tokens >= 0:
+            metric("engine_generated_tokens_total", "counter", "Tokens the engine generated (aborted ones too).",
+                   [(label, st.num_generated_tokens)])
+        metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks.", [(label, st.num_preemptions)])
         reasons = [(f'{{model_name="{config.served_model_name}",finished_reason="{r}"}}', n)
                    for r, n in sorted(counters.requests.items())]
         metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)
@@ -372,35 +377,44 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                     counters.requests["abort"] = counters.requests.get("abort", 0) + 1
                     loop_runner.abort(s.request_id)
 
+        pending: list[tuple[_Seq, list[int], Any]] = []
+        for i, ids in enumerate(ids_list):
+            wanted = req.max_tokens if req.max_tokens is not None else config.default_max_tokens
+            fields: dict[str, Any] = {"max_tokens": min(wanted, config.max_model_len - len(ids)),
+                                      "ignore_eos": req.ignore_eos}
+            for name in ("temperature", "top_p", "seed", "stop_token_ids"):
+                if getattr(req, name) is not None:
+                    fields[name] = getattr(req, name)
+            if req.top_k not in (None, 0, -1):  # -1 / 0 mean "disabled" for OpenAI-style clients
+                fields["top_k"] = req.top_k
+            try:
+                params = make_sampling_params(**fields)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param=_param_from_message(str(e))) from None
+            detok = IncrementalDetokenizer(tokenizer.decode, ids) if tokenizer is not None else None
+            pending.append((_Seq(i, f"{base_id}-{i}", len(ids), detok, stop), ids, params))
+        # All prompts go to the engine thread at once (one step boundary, not one per prompt).
         try:
-            for i, ids in enumerate(ids_list):
-                wanted = req.max_tokens if req.max_tokens is not None else config.default_max_tokens
-                fields: dict[str, Any] = {"max_tokens": min(wanted, config.max_model_len - len(ids)),
-                                          "ignore_eos": req.ignore_eos}
-                for name in ("temperature", "top_p", "seed", "stop_token_ids"):
-                    if getattr(req, name) is not None:
-                        fields[name] = getattr(req, name)
-                if req.top_k not in (None, 0, -1):  # -1 / 0 mean "disabled" for OpenAI-style clients
-                    fields["top_k"] = req.top_k
-                try:
-                    params = make_sampling_params(**fields)
-                except (ValueError, TypeError) as e:
-                    raise APIError(400, str(e), param=_param_from_message(str(e))) from None
-                rid = f"{base_id}-{i}"
-                detok = IncrementalDetokenizer(tokenizer.decode, ids) if tokenizer is not None else None
-                seq = _Seq(i, rid, len(ids), detok, stop)
-                try:
-                    await loop_runner.add(ids, params, rid, make_sink(i))
-                except EngineDeadError as e:
-                    raise APIError(503, str(e), code="engine_dead") from None
-                except ValueError as e:  # RequestRejected and friends
-                    code = "context_length_exceeded" if "maximum context length" in str(e) else None
-                    raise APIError(400, str(e), param="prompt", code=code) from None
-                seqs.append(seq)
-                counters.prompt_tokens += len(ids)
-        except BaseException:
-            abort_unfinished()
+            added = await asyncio.gather(*(loop_runner.add(ids, params, seq.request_id, make_sink(seq.index))
+                                           for seq, ids, params in pending), return_exceptions=True)
+        except BaseException:  # cancelled: whatever was added must not run on
+            for seq, _, _ in pending:
+                loop_runner.abort(seq.request_id)
             raise
+        errors = [r for r in added if isinstance(r, BaseException)]
+        if errors:
+            for (seq, _, _), res in zip(pending, added, strict=True):
+                if not isinstance(res, BaseException):
+                    loop_runner.abort(seq.request_id)
+            e = errors[0]
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), code="engine_dead")
+            if isinstance(e, ValueError):  # RequestRejected and friends
+                code = "context_length_exceeded" if "maximum context length" in str(e) else None
+                raise APIError(400, str(e), param="prompt", code=code)
+            raise e
+        seqs.extend(seq for seq, _, _ in pending)
+        counters.prompt_tokens += sum(len(ids) for _, ids, _ in pending)
 
         created = int(time.time())
         head = {"id": base_id, "object": "text_completion", "created": created, "model": config.served_model_name}
@@ -434,6 +448,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             return await _collect(request, events(), abort_unfinished, head, seqs, usage, req.return_token_ids)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM: running totals in every token chunk (guidellm asks for it); vLLM's own client ignores them there.
+        continuous_usage = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         async def sse() -> AsyncIterator[str]:
             try:
@@ -442,7 +458,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                               "stop_reason": None}
                     if req.return_token_ids:
                         choice["token_ids"] = ids
-                    yield _sse({**head, "choices": [choice]})
+                    extra = {"usage": usage()} if continuous_usage else {}
+                    yield _sse({**head, "choices": [choice], **extra})
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": usage()})
             except APIError as e:

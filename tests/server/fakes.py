@@ -66,10 +66,11 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, *, max_num_seqs: int = 8, num_kv_blocks: int = 64, block_size: int = 16,
-                 max_model_len: int = 256, step_delay_s: float = 0.0, fail_at_step: int | None = None) -> None:
+                 max_model_len: int = 256, step_delay_s: float = 0.0, fail_at_step: int | None = None,
+                 reject_token: int | None = None) -> None:
         self.max_num_seqs, self.num_kv_blocks, self.block_size = max_num_seqs, num_kv_blocks, block_size
         self.max_model_len = max_model_len
-        self.step_delay_s, self.fail_at_step = step_delay_s, fail_at_step
+        self.step_delay_s, self.fail_at_step, self.reject_token = step_delay_s, fail_at_step, reject_token
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
         self.num_steps = 0
@@ -78,6 +79,8 @@ class FakeEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         total = len(prompt_token_ids) + params.max_tokens
+        if self.reject_token is not None and self.reject_token in prompt_token_ids:
+            raise RequestRejected(f"token {self.reject_token} is not allowed (test)")
         if total > self.max_model_len:
             raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                                   f"{total} exceeds the maximum context length max_model_len={self.max_model_len}")

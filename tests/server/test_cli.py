@@ -40,6 +40,29 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
     assert r.exit_code != 0 and "dtype" in r.output
 
 
+def test_neuron_backend_sets_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.envs
+    import engine.llm
+
+    applied: list[dict] = []
+
+    class Engine:
+        def __init__(self, config):
+            self.config = config
+            self.runner = object()
+
+    monkeypatch.setattr(engine.envs, "apply_env", applied.append)
+    monkeypatch.setattr(engine.llm, "LLMEngine", Engine)
+    cfg = engine.llm.EngineConfig(model_dir="golden/tiny", backend="neuron", num_kv_blocks=24)
+    eng = cmd_serve.build_serving_engine(cfg)
+    assert eng.config.num_kv_blocks == 24  # the fixed pool comes from --num-kv-blocks
+    assert applied == [engine.envs.neuron_worker_env(rank=0)]
+    assert applied[0]["NEURON_RT_NUM_CORES"] == "1" and applied[0]["NEURON_RT_VISIBLE_CORES"] == "0"
+    applied.clear()
+    cmd_serve.build_serving_engine(engine.llm.EngineConfig(model_dir="golden/tiny", backend="host"))
+    assert applied == []
+
+
 def test_tokenizer_root(tmp_path: Path) -> None:
     official, hf, bare = tmp_path / "official", tmp_path / "hf", tmp_path / "bare"
     for d in (official, hf, bare):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -121,6 +122,26 @@ def test_return_token_ids(client: TestClient) -> None:
     chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
     assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in want]
     assert "token_ids" not in completion(client, prompt="ids", max_tokens=2).json()["choices"][0]
+
+
+def test_continuous_usage_stats(client: TestClient) -> None:
+    r = completion(client, prompt="u", max_tokens=5, ignore_eos=True, stream=True,
+                   stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 5]
+    assert chunks[-1]["choices"] == []
+
+
+def test_engine_rejection_in_a_batch_aborts_the_others() -> None:
+    with TestClient(make_fake_app(reject_token=4)) as c:
+        r = c.post("/v1/completions", json={"prompt": [[BOS, 50, 51], [BOS, 4]], "max_tokens": 50})
+        assert_error(r, 400, contains="not allowed", param="prompt")
+        eng = c.app.state.fake_engine
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            time.sleep(0.01)
+        assert not eng.has_unfinished() and eng.used_blocks() == 0
 
 
 def test_stop_strings_and_stop_token_ids(client: TestClient) -> None:
