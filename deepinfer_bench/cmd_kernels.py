@@ -36,7 +36,8 @@ def kernels_cmd(
         raise typer.Exit(2) from None
     err_console.print(f"executor: {ex} -- {proves(ex)}")
     df = run_kernels(kernel, ex, simulator=simulator, include_slow=slow)
-    render_df(df, f"NKI kernels on {ex}: {proves(ex)}")
+    cols = [c for c in df.columns if c != "note" or df["note"].astype(bool).any()]
+    render_df(df, f"NKI kernels on {ex}: {proves(ex)}", columns=cols)
     n_fail = int((~df["pass"].astype(bool)).sum())
     if out is not None:
         path = save_results(df, out, "kernels", {"executor": ex, "proves": proves(ex), "kernel": kernel,
