@@ -117,7 +117,11 @@ class Parallel:
         return t
 
     def report(self) -> dict[str, int]:
+        """Collective calls so far, keyed `L<layer>.<site>:<op>` (e.g. `L3.moe.exchange:all_gather`)."""
         return dict(sorted(self.counts.items()))
+
+    def reset_counts(self) -> None:
+        self.counts.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class ModelRunner:
         self.block_size = rc.block_size or default_block_size(cfg, self.par.cp)
         self.max_model_len = min(rc.max_model_len, cfg.max_position_embeddings)
         layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
+        self.num_steps = 0  # forward calls so far
         self.cache = KVCache(cfg, rc.max_num_seqs, rc.num_kv_blocks, self.block_size, self.dtype, layer_ids,
                              cp=self.par.cp)
 
@@ -114,6 +115,7 @@ class ModelRunner:
             if len(s.block_table) < need:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
         plan = StepPlan.build(steps, self.block_size, batch_decode=self.rc.batch_decode)
+        self.num_steps += 1
         x = self.model.hidden(input_ids, plan, self.cache)
         if return_hidden:
             return x
@@ -125,14 +127,8 @@ class ModelRunner:
         """Scheduler entry point: for each (seq, n), process seq.all_token_ids[num_computed : num_computed + n] at
         those positions in seq.slot with seq.block_table. Returns fp32 logits [len(batch), vocab] of each entry's
         last processed token. Does not advance num_computed_tokens."""
-        steps, ids, offset = [], [], 0
-        for seq, n in batch:
-            start = seq.num_computed_tokens
-            ids.extend(seq.all_token_ids[start: start + n])
-            steps.append(SeqStep(slot=seq.slot, start=start, n=n, token_start=offset,
-                                 block_table=torch.tensor(seq.block_table, dtype=torch.long)))
-            offset += n
-        return self.forward(steps, torch.tensor(ids, dtype=torch.long))
+        steps, ids = _describe(batch)
+        return self.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long))
 
 
 def build_runner(config: Any, par: Parallel | None = None) -> ModelRunner:
@@ -190,3 +186,66 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
                 logits[i].append(row)
                 seqs[i].append(tok)
     return outs, [torch.stack(x) for x in logits]
+
+
+class DistributedRunner:
+    """Rank 0's face of a context-parallel runner: the scheduler on rank 0 calls `execute` / `free_slot` as on a
+    local runner; each call is broadcast to the other ranks (running `worker_loop`) and executed everywhere, since
+    every rank holds its share of the KV state. All ranks compute the same logits; rank 0's are returned."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        import torch.distributed as dist
+
+        self._dist, self.runner = dist, runner
+        self.max_num_seqs, self.num_kv_blocks = runner.max_num_seqs, runner.num_kv_blocks
+        self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
+        self.cfg = runner.cfg
+
+    def _send(self, msg: tuple) -> None:
+        box = [msg]
+        self._dist.broadcast_object_list(box, src=0, group=self.runner.par.group)
+
+    def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
+        steps, ids = _describe(batch)
+        self._send(("forward", steps, ids))
+        return self.runner.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long))
+
+    def free_slot(self, slot: int) -> None:
+        self._send(("free", slot))
+        self.runner.free_slot(slot)
+
+    def shutdown(self) -> None:
+        self._send(("stop",))
+
+
+def _describe(batch: Seq[tuple[SequenceLike, int]]) -> tuple[list[tuple[int, int, int, int, list[int]]], list[int]]:
+    steps, ids, offset = [], [], 0
+    for seq, n in batch:
+        start = seq.num_computed_tokens
+        ids.extend(seq.all_token_ids[start: start + n])
+        steps.append((seq.slot, start, n, offset, list(seq.block_table)))
+        offset += n
+    return steps, ids
+
+
+def _to_steps(desc: list[tuple[int, int, int, int, list[int]]]) -> list[SeqStep]:
+    return [SeqStep(slot=s, start=st, n=n, token_start=off, block_table=torch.tensor(bt, dtype=torch.long))
+            for s, st, n, off, bt in desc]
+
+
+def worker_loop(runner: ModelRunner) -> None:
+    """Ranks > 0: execute what rank 0's DistributedRunner broadcasts, until it says stop."""
+    import torch.distributed as dist
+
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=runner.par.group)
+        msg = box[0]
+        if msg[0] == "forward":
+            runner.forward(_to_steps(msg[1]), torch.tensor(msg[2], dtype=torch.long))
+        elif msg[0] == "free":
+            runner.free_slot(msg[1])
+        elif msg[0] == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown message from rank 0: {msg[0]!r}")

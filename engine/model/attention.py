@@ -265,7 +265,8 @@ class Attention(nn.Module):
             cands.append(c.flatten(0, 1))  # [B*T, k, 2]
         if not cands:
             return
-        allc = torch.cat(self.par.all_gather(torch.cat(cands, 0), "index.topk"), 1)  # [sum BT, cp*k, 2]
+        key = f"L{self.layer_id}.index.topk"
+        allc = torch.cat(self.par.all_gather(torch.cat(cands, 0), key), 1)  # [sum BT, cp*k, 2]
         chosen, off = global_topk(allc, k), 0
         for g in groups:
             if g.scores is None:
@@ -283,7 +284,8 @@ class Attention(nn.Module):
         for g in groups:
             acc, mx, den = sparse_attn_partial(g.q, g.keys.to(g.q.dtype), g.valid, self.scale)
             packed.append(torch.cat([acc, mx.unsqueeze(-1), den.unsqueeze(-1)], -1).flatten(0, 1))  # [BT, H, D+2]
-        parts = [(p[..., :-2], p[..., -2], p[..., -1]) for p in self.par.all_gather(torch.cat(packed), "attn.merge")]
+        gathered = self.par.all_gather(torch.cat(packed), f"L{self.layer_id}.attn.merge")
+        parts = [(p[..., :-2], p[..., -2], p[..., -1]) for p in gathered]
         merged = sparse_attn_merge(parts, self.attn_sink)  # [sum BT, H, D]
         out, off = [], 0
         for g in groups:

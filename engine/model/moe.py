@@ -50,6 +50,7 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
+        self.layer_id = layer_id
         self.n_experts, self.topk = cfg.n_routed_experts, cfg.n_activated_experts
         self.par = par if par is not None and par.enabled else None
         self.local = self.par.local_experts(cfg.n_routed_experts) if self.par else range(cfg.n_routed_experts)
@@ -91,8 +92,8 @@ class MoE(nn.Module):
             pad = packed.new_zeros(per - (hi - lo), packed.shape[1])
             pad[:, -k:] = -1
             packed = torch.cat([packed, pad], 0)
-        rows = torch.cat(par.all_gather(packed, "moe.exchange"), 0)[:t]  # [T, dim + 2K]
+        rows = torch.cat(par.all_gather(packed, f"L{self.layer_id}.moe.exchange"), 0)[:t]  # [T, dim + 2K]
         xs = rows[:, : -2 * k].to(x.dtype)
         y = self.routed_local(xs, rows[:, -2 * k: -k], rows[:, -k:].long())
         y[lo:hi] += self.shared_experts(x[lo:hi])
-        return par.all_reduce(y, "moe.combine").to(x.dtype)
+        return par.all_reduce(y, f"L{self.layer_id}.moe.combine").to(x.dtype)

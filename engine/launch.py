@@ -1,0 +1,49 @@
+"""Run a function against an engine on 1 or cp ranks, the same way for every command (`--cp N` or torchrun).
+
+With cp > 1, rank 0 owns the scheduler and a DistributedRunner; the other ranks execute what it broadcasts
+(`worker_loop`). The function runs on rank 0 only and its return value comes back to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.parallel import Parallel, init_from_env, launch, under_torchrun
+
+
+def _engine_job(par: Parallel, config: Any, fn: Callable[..., Any], args: tuple) -> Any:
+    from engine.llm import LLMEngine
+    from engine.runner import DistributedRunner, build_runner, worker_loop
+
+    runner = build_runner(config, par)
+    if par.rank != 0:
+        worker_loop(runner)
+        return None
+    driver = DistributedRunner(runner) if par.enabled else runner
+    try:
+        return fn(LLMEngine(config, runner=driver), *args)
+    finally:
+        if par.enabled:
+            driver.shutdown()
+
+
+def run_engine_job(config: Any, fn: Callable[..., Any], args: tuple = ()) -> Any:
+    """`fn(engine, *args)` on an LLMEngine built from `config` (which carries `cp`). `fn` must be a module-level
+    function (it is pickled to the rank processes)."""
+    cp = int(getattr(config, "cp", 1))
+    if under_torchrun():
+        par = init_from_env()
+        return _engine_job(par, config, fn, args)
+    if cp <= 1:
+        return _engine_job(Parallel(), config, fn, args)
+    return launch(_engine_job, cp, (config, fn, args))
+
+
+def run_spmd(job: Callable[..., Any], cp: int, args: tuple = ()) -> Any:
+    """`job(par, *args)` on every rank (SPMD); rank 0's result is returned. cp=1 runs in this process."""
+    if under_torchrun():
+        return job(init_from_env(), *args)
+    if cp <= 1:
+        return job(Parallel(), *args)
+    return launch(job, cp, args)
