@@ -114,13 +114,18 @@ class Kernel:
             self._bound[kind] = _rebind(self.fn, backend(kind), {})
         return self._bound[kind]
 
-    def run(self, executor: str, *args):
-        """Run on `executor` ('stand-in' | 'simulator' | 'neuron') with NumPy array / compile-time arguments."""
+    def run(self, executor: str, *args, lnc: int = 1):
+        """Run on `executor` ('stand-in' | 'simulator' | 'neuron') with NumPy array / compile-time arguments.
+
+        `lnc` > 1 launches `kernel[lnc]` on the real NKI (it must equal NEURON_LOGICAL_NC_CONFIG); the kernels do
+        not split work by `nl.program_id`, so each core computes the whole (identical) result."""
         if executor == "stand-in":
             si = stand_in()[0]
             return si.run(self.bind("stand-in"), *args)
         real, _, _ = backend("real")
         jitted = real.jit(self.bind("real"))
+        if lnc > 1:
+            jitted = jitted[lnc]
         if executor == "simulator":
             return real.simulate(jitted)(*args)
         if executor == "neuron":

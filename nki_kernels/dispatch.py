@@ -11,6 +11,7 @@ by `engine.envs` (nki_kernels never imports engine).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ from nki_kernels import _nki
 EXECUTORS = ("auto", "stand-in", "simulator", "neuron", "reference")
 
 COUNTS: Counter[tuple[str, str]] = Counter()
+# When a list is installed here (see `record`), every kernel dispatch appends (name, kernel, args): the trn2
+# check replays the exact operands on the simulator and the device.
+_RECORDER: list | None = None
 
 PROVES = {
     "stand-in": "kernel logic verified on the NumPy stand-in (not compiled)",
@@ -62,11 +66,25 @@ def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
     """Run kernel `name` on the resolved executor; returns (executor, raw result). Counts the call."""
     ex = resolve_executor(executor or _default["executor"], simulator=_default["simulator"])
     COUNTS[(name, ex)] += 1
+    if _RECORDER is not None and ex != "reference":
+        _RECORDER.append((name, kernel, args))
     if ex == "reference":
         if reference is None:
             raise ValueError(f"{name}: no reference path")
         return ex, reference()
     return ex, kernel.run(ex, *args)
+
+
+@contextlib.contextmanager
+def record():
+    """Collect (name, kernel, args) of every kernel dispatch inside the block."""
+    global _RECORDER
+    calls: list = []
+    prev, _RECORDER = _RECORDER, calls
+    try:
+        yield calls
+    finally:
+        _RECORDER = prev
 
 
 def counts(name: str | None = None) -> dict[tuple[str, str], int]:
