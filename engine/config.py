@@ -115,6 +115,10 @@ class ModelConfig:
         if len(ratios) == self.n_layers and self.n_mtp_layers:
             ratios = ratios + (0,) * self.n_mtp_layers  # HF truncates the list to the main layers
         object.__setattr__(self, "compress_ratios", ratios)  # normalisation inside the constructor only
+        for f in dataclasses.fields(self):  # 16 vs 16.0 must not change config_hash()
+            v = getattr(self, f.name)
+            if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
         errs = []
         if len(ratios) != self.n_layers + self.n_mtp_layers:
             errs.append(f"compress_ratios has {len(ratios)} entries, expected n_layers + n_mtp_layers = "
