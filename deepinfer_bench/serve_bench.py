@@ -165,14 +165,19 @@ class ServerInfo:
 
 
 async def discover(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> ServerInfo:
-    """Served model name from `/v1/models` (first entry), like vLLM; vocab size from `root`/config.json if local."""
+    """Served model name from `/v1/models` (first entry), like vLLM. The vocabulary size (to draw prompt ids) from
+    the card's `vocab_size` (deepinfer adds it), else `root`'s config.json or tokenizer.json when `root` is local."""
     r = await client.get(f"{base_url}/v1/models", headers=headers)
     r.raise_for_status()
     card = r.json()["data"][0]
     root = card.get("root")
-    vocab = None
-    if isinstance(root, str) and (Path(root) / "config.json").is_file():
-        vocab = json.loads((Path(root) / "config.json").read_text()).get("vocab_size")
+    vocab = card.get("vocab_size")
+    if vocab is None and isinstance(root, str) and Path(root).is_dir():
+        if (Path(root) / "config.json").is_file():
+            vocab = json.loads((Path(root) / "config.json").read_text()).get("vocab_size")
+        elif (Path(root) / "tokenizer.json").is_file():
+            tok = json.loads((Path(root) / "tokenizer.json").read_text())
+            vocab = len(tok.get("model", {}).get("vocab", {})) or None
     return ServerInfo(card["id"], root, card.get("max_model_len"), vocab)
 
 
@@ -213,7 +218,7 @@ async def run_cell(client: httpx.AsyncClient, base_url: str, info: ServerInfo, m
     if info.max_model_len is not None and input_len + output_len > info.max_model_len:
         row.update(status="skipped", skip_reason=f"input_len + output_len > max_model_len={info.max_model_len}")
         return row, []
-    hi = m.token_id_high or min(info.vocab_size or 32000, 32000)
+    hi = m.token_id_high or min(info.vocab_size or 1000, 32000)  # unknown vocab: stay low, every tokenizer has 1000
     rng = random.Random(f"{m.seed}-{concurrency}-{input_len}-{output_len}")
     url = f"{base_url}/v1/completions"
 

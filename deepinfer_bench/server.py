@@ -270,6 +270,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "deepinfer", "root": config.model_root, "parent": None,
                 "max_model_len": config.max_model_len, "permission": []}
+        if config.vocab_size is not None:
+            card["vocab_size"] = config.vocab_size  # not in OpenAI's card; `deepinfer bench serve` uses it
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize", dependencies=[Depends(check_auth)])

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from deepinfer_bench.serve_bench import ServeMatrix, run_serve_matrix, send_completion
-from tests.server.fakes import SERVED, ByteTokenizer, offline_greedy
+from tests.server.fakes import SERVED, VOCAB, ByteTokenizer, offline_greedy
 
 TOK = ByteTokenizer()
 
@@ -151,9 +151,9 @@ def test_64_concurrent_streams_batched_and_exact(live_server: str) -> None:
 
 def test_bench_serve_against_live_server(live_server: str) -> None:
     m = ServeMatrix(name="t", concurrency=(1, 4), input_len=(8,), output_len=(6, 300), min_prompts=4,
-                    prompts_per_concurrency=1, warmup=1, token_id_high=200, waves=True)
+                    prompts_per_concurrency=1, warmup=1, waves=True)
     df, info = run_serve_matrix(live_server, m)
-    assert info.model == SERVED and info.max_model_len == 256
+    assert info.model == SERVED and info.max_model_len == 256 and info.vocab_size == VOCAB
     ok = df[df.status == "ok"]
     assert len(ok) == 2 and (ok.completed == 4).all() and (ok.mean_output_tokens == 6).all()
     assert (ok.mean_prompt_tokens == 8).all()

@@ -73,6 +73,16 @@ def test_text_prompt_with_openai_client(tiny_server: str) -> None:
     assert httpx.post(f"{tiny_server}/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello"
 
 
+def test_bench_serve_cell(tiny_server: str) -> None:
+    from deepinfer_bench.serve_bench import ServeMatrix, run_serve_matrix
+
+    m = ServeMatrix(name="t", concurrency=(2,), input_len=(8,), output_len=(3,), min_prompts=2,
+                    prompts_per_concurrency=1, warmup=0)
+    df, info = run_serve_matrix(tiny_server, m)
+    assert info.vocab_size == 1024
+    assert df.status.tolist() == ["ok"] and df.completed[0] == 2 and df.mean_output_tokens[0] == 3
+
+
 def test_64_concurrent_streams_equal_offline_greedy(tiny_server: str) -> None:
     ps = prompts()
 
