@@ -1,7 +1,8 @@
 """Sub-kernels shared by the kernels (plain functions, inlined by the NKI compiler; no `@nki.jit`).
 
 `nl`/`nisa` here are rebound together with the calling kernel (see `_nki.SUBKERNEL_MODULES`).
-All tiles are passed in by the caller; helpers only issue instructions.
+All tiles are passed in by the caller; helpers only issue instructions. NKI >= 0.2 has no nested slicing, so a
+helper that slices a tensor takes the *whole* tensor plus offsets, never a slice of it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from nki_kernels._nki import nisa, nl
 
 
 def bcast_row(dst, row, ones):
-    """dst[P, F] (SBUF fp32) = row[1, F] (SBUF fp32) repeated on every partition, via a ones-matmul.
+    """dst[P, F] (whole SBUF fp32 tile) = row[1, F] (whole SBUF fp32 tile) on every partition, via a ones-matmul.
 
     `ones` is an SBUF fp32 tile [1, P] holding 1.0. The PE array multiplies exactly by 1.0, so this is a copy.
     """
@@ -24,7 +25,7 @@ def bcast_row(dst, row, ones):
 
 
 def load_bcast(dst, src_row, ones):
-    """dst[P, F] (SBUF fp32) = HBM vector `src_row` ([1, F] view) broadcast to every partition."""
+    """dst[P, F] (whole SBUF fp32 tile) = whole HBM tensor `src_row` [1, F] broadcast to every partition."""
     num_f = dst.shape[1]
     row = nl.ndarray((1, num_f), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(row, src_row)
@@ -40,43 +41,32 @@ def transpose_to(dst, src):
     nisa.tensor_copy(dst, ps)
 
 
-def load_transposed(dst, src, dtype):
-    """dst[K, M] (SBUF) = HBM block src[M, K]^T (M, K <= 128): contiguous DMA, then a PE transpose."""
-    num_m = src.shape[0]
-    num_k = src.shape[1]
-    tmp = nl.ndarray((num_m, num_k), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(tmp, src)
-    transpose_to(dst, tmp)
+def load_xT(xT, x, r0, tp, c0, num_k, col0, dtype):
+    """xT[0:kw, kc, col0:col0+tp] = (x[r0:r0+tp, c0 + kc*128 : c0 + kc*128 + kw])^T for every 128-chunk kc of K.
 
-
-def load_xT(xT, x_rows, dtype):
-    """xT[0:kw, kc, 0:tp] = (x_rows[:, kc*128 : kc*128+kw])^T for every 128-wide chunk kc of K.
-
-    `x_rows` is an HBM view [tp, K] (tp <= 128); `xT` an SBUF tile [128, ceil(K/128), tp] of `dtype`: the
-    contraction dim on partitions, ready to be the stationary operand of `nc_matmul`."""
-    tp = x_rows.shape[0]
-    num_k = x_rows.shape[1]
+    `x` is a whole 2-D HBM tensor (offsets are passed in: NKI has no nested slicing); `xT` a whole SBUF tile
+    [128, >= ceil(num_k/128), >= col0+tp] of `dtype`: the contraction dim on partitions, ready to be the
+    stationary (or moving) operand of `nc_matmul`. tp <= 128."""
     for kc in range((num_k + 127) // 128):
         k0 = kc * 128
         kw = min(128, num_k - k0)
         tmp = nl.ndarray((tp, kw), dtype=dtype, buffer=nl.sbuf)
-        nisa.dma_copy(tmp, x_rows[0:tp, k0:k0 + kw])
+        nisa.dma_copy(tmp, x[r0:r0 + tp, c0 + k0:c0 + k0 + kw])
         ps = nl.ndarray((kw, tp), dtype=dtype, buffer=nl.psum)
         nisa.nc_transpose(ps, tmp)
-        nisa.tensor_copy(xT[0:kw, kc, 0:tp], ps)
+        nisa.tensor_copy(xT[0:kw, kc, col0:col0 + tp], ps)
 
 
-def matmul_rows(ps, xT, w_kn, n0, nw):
-    """ps[tp, nw] (fresh PSUM fp32) = x @ w[:, n0:n0+nw], accumulating over the 128-chunks of K.
+def matmul_rows(ps, xT, w, k_base, num_k, n0, nw):
+    """ps[tp, nw] (fresh PSUM fp32) = x @ w[k_base:k_base+num_k, n0:n0+nw], accumulating over 128-chunks of K.
 
-    `xT` from `load_xT`; `w_kn` an HBM view [K, N] (K-major weight, same dtype class as x)."""
+    `xT` from `load_xT` (whole tile); `w` a whole 2-D HBM weight [K_total, N], K-major, same dtype class as x."""
     tp = ps.shape[0]
-    num_k = w_kn.shape[0]
     for kc in range((num_k + 127) // 128):
         k0 = kc * 128
         kw = min(128, num_k - k0)
-        wt = nl.ndarray((kw, nw), dtype=w_kn.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(wt, w_kn[k0:k0 + kw, n0:n0 + nw])
+        wt = nl.ndarray((kw, nw), dtype=w.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(wt, w[k_base + k0:k_base + k0 + kw, n0:n0 + nw])
         nisa.nc_matmul(ps, xT[0:kw, kc, 0:tp], wt)
 
 

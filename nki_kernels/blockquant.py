@@ -57,13 +57,13 @@ def fp8_gemm_kernel(x, w8T, sT):
     out = nl.ndarray((num_t, num_n), dtype=x.dtype, buffer=nl.shared_hbm)
     ones = nl.ndarray((1, 128), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(ones, 1.0)
-    s_b = nl.ndarray((128, nbk, nbn), dtype=nl.float32, buffer=nl.sbuf)  # block scales on every partition
-    for kb in range(nbk):
-        load_bcast(s_b[0:128, kb, 0:nbn], sT[kb:kb + 1, 0:nbn], ones)
+    s_flat = nl.ndarray((128, nbk * nbn), dtype=nl.float32, buffer=nl.sbuf)  # block scales on every partition
+    load_bcast(s_flat, sT.reshape((1, nbk * nbn)), ones)
+    s_b = s_flat.reshape((128, nbk, nbn))
     for t0 in range(0, num_t, 128):
         tp = min(128, num_t - t0)
         xT = nl.ndarray((128, nbk, tp), dtype=x.dtype, buffer=nl.sbuf)
-        load_xT(xT, x[t0:t0 + tp, 0:num_k], x.dtype)
+        load_xT(xT, x, t0, tp, 0, num_k, 0, x.dtype)
         for n0 in range(0, num_n, 512):
             nw = min(512, num_n - n0)
             ps = nl.ndarray((tp, nw), dtype=nl.float32, buffer=nl.psum)
@@ -96,7 +96,7 @@ def fp4_gemm_kernel(x, packed, s32):
     for t0 in range(0, num_t, 128):
         tp = min(128, num_t - t0)
         xT = nl.ndarray((128, nkc, tp), dtype=x.dtype, buffer=nl.sbuf)
-        load_xT(xT, x[t0:t0 + tp, 0:num_k], x.dtype)
+        load_xT(xT, x, t0, tp, 0, num_k, 0, x.dtype)
         for n0 in range(0, num_n, 512):
             nw = min(512, num_n - n0)
             ps = nl.ndarray((tp, nw), dtype=nl.float32, buffer=nl.psum)
@@ -147,11 +147,11 @@ def grouped_out_proj_kernel(o, woaT, groups):
         tp = min(128, num_t - t0)
         for g in range(groups):
             xT = nl.ndarray((128, (kg + 127) // 128, tp), dtype=o.dtype, buffer=nl.sbuf)
-            load_xT(xT, o[t0:t0 + tp, g * kg:(g + 1) * kg], o.dtype)
+            load_xT(xT, o, t0, tp, g * kg, kg, 0, o.dtype)
             for r0 in range(0, num_r, 512):
                 rw = min(512, num_r - r0)
                 ps = nl.ndarray((tp, rw), dtype=nl.float32, buffer=nl.psum)
-                matmul_rows(ps, xT, woaT[g * kg:(g + 1) * kg, 0:num_r], r0, rw)
+                matmul_rows(ps, xT, woaT, g * kg, kg, r0, rw)
                 yo = nl.ndarray((tp, rw), dtype=o.dtype, buffer=nl.sbuf)
                 nisa.tensor_copy(yo, ps)
                 nisa.dma_copy(out[t0:t0 + tp, g * num_r + r0:g * num_r + r0 + rw], yo)

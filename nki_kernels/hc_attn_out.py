@@ -47,11 +47,11 @@ def hc_attn_out_kernel(o, wo_bT, residual, post, comb):
         comb_t = nl.ndarray((tp, num_s * num_s), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(comb_t, comb[t0:t0 + tp, 0:num_s, 0:num_s])
         xT = nl.ndarray((128, (num_k + 127) // 128, tp), dtype=o.dtype, buffer=nl.sbuf)
-        load_xT(xT, o[t0:t0 + tp, 0:num_k], o.dtype)
+        load_xT(xT, o, t0, tp, 0, num_k, 0, o.dtype)
         for d0 in range(0, num_d, 512):
             dw = min(512, num_d - d0)
             ps = nl.ndarray((tp, dw), dtype=nl.float32, buffer=nl.psum)
-            matmul_rows(ps, xT, wo_bT, d0, dw)
+            matmul_rows(ps, xT, wo_bT, 0, num_k, d0, dw)
             yt = nl.ndarray((tp, dw), dtype=o.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(yt, ps)
             xs = nl.ndarray((tp, num_s, dw), dtype=nl.float32, buffer=nl.sbuf)

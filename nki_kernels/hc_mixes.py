@@ -70,9 +70,9 @@ def hc_mixes_kernel(x, fnT, scale, base, hc_mult, iters, hc_eps, norm_eps):
         nisa.activation(rstd, nl.rsqrt, rstd)
         # projection: mix = (x @ fn^T) * rstd
         xT = nl.ndarray((128, (num_k + 127) // 128, tp), dtype=nl.float32, buffer=nl.sbuf)
-        load_xT(xT, x[t0:t0 + tp, 0:num_k], nl.float32)
+        load_xT(xT, x, t0, tp, 0, num_k, 0, nl.float32)
         ps = nl.ndarray((tp, num_m), dtype=nl.float32, buffer=nl.psum)
-        matmul_rows(ps, xT, fnT, 0, num_m)
+        matmul_rows(ps, xT, fnT, 0, num_k, 0, num_m)
         mix = nl.ndarray((tp, num_m), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(mix, ps, nl.multiply, rstd)
         # gates

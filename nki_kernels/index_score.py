@@ -56,7 +56,7 @@ def index_score_kernel(q, kT, w, nvis, num_heads, topk):
         acc = nl.ndarray((tp, num_n), dtype=nl.float32, buffer=nl.sbuf)
         for h in range(num_heads):
             qT = nl.ndarray((128, 1, tp), dtype=q.dtype, buffer=nl.sbuf)
-            load_xT(qT, q[t0:t0 + tp, h * num_di:(h + 1) * num_di], q.dtype)
+            load_xT(qT, q, t0, tp, h * num_di, num_di, 0, q.dtype)
             for n0 in range(0, num_n, 512):
                 nw = min(512, num_n - n0)
                 ps = nl.ndarray((tp, nw), dtype=nl.float32, buffer=nl.psum)

@@ -57,11 +57,11 @@ def sparse_attn_kernel(q, kv, bias, sink, scale):
     for nc in range(nnc):
         n0 = nc * 128
         nb = min(128, num_n - n0)
-        load_xT(kvT[0:128, 0:ndc, n0:n0 + nb], kv[n0:n0 + nb, 0:num_d], q.dtype)
+        load_xT(kvT, kv, n0, nb, 0, num_d, n0, q.dtype)
         nisa.dma_copy(kv_n[0:nb, nc, 0:num_d], kv[n0:n0 + nb, 0:num_d])
     for t in range(num_t):
         qT = nl.ndarray((128, ndc, num_h), dtype=q.dtype, buffer=nl.sbuf)
-        load_xT(qT, q_rows[t * num_h:(t + 1) * num_h, 0:num_d], q.dtype)
+        load_xT(qT, q_rows, t * num_h, num_h, 0, num_d, 0, q.dtype)
         brow = nl.ndarray((1, num_n), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(brow, bias[t:t + 1, 0:num_n])
         lg = nl.ndarray((num_h, num_n), dtype=nl.float32, buffer=nl.sbuf)

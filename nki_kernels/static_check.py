@@ -11,7 +11,8 @@ CPU, fails to compile" class before a Neuron machine is involved:
   module or of `nki_kernels._tiles`, checked the same way);
 * global names only `nki`, `nl`, `nisa`, sub-kernels and int/float module constants; `nl.X` / `nisa.X`
   attributes only from `NL_ATTRS` / `NISA_ATTRS`;
-* dict literals with string keys only; kernel parameters without list defaults.
+* dict literals with string keys only; kernel parameters without list defaults; no nested slicing `t[a][b]`
+  (the stand-in also rejects slicing a slice at run time, which catches it across sub-kernel calls).
 
 `check_file(path) -> list[Issue]`; `check_all()` runs over every kernel module (used by the CI test).
 """
@@ -146,6 +147,8 @@ class _Checker:
             for typ, what in _FORBIDDEN.items():
                 if isinstance(node, typ):
                     self.err(node, name, f"{what} is outside the NKI meta-language subset")
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Subscript):
+                self.err(node, name, "nested slicing `t[..][..]` is not available in NKI >= 0.2")
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
                 self.err(node, name, "`is` / `is not` is not supported; use == / !=")
             if isinstance(node, ast.Dict) and any(not (isinstance(k, ast.Constant) and isinstance(k.value, str))

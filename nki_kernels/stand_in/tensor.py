@@ -45,12 +45,14 @@ def is_int(dtype) -> bool:
 class Tensor:
     """A view of HBM / SBUF / PSUM storage. Dim 0 of an SBUF/PSUM tensor is the partition dim."""
 
-    __slots__ = ("arr", "buffer", "name", "_mm")
+    __slots__ = ("arr", "buffer", "name", "_mm", "sliced")
 
-    def __init__(self, arr: np.ndarray, buffer: str, name: str = "", mm: np.ndarray | None = None):
+    def __init__(self, arr: np.ndarray, buffer: str, name: str = "", mm: np.ndarray | None = None,
+                 sliced: bool = False):
         self.arr = arr
         self.buffer = buffer
         self.name = name
+        self.sliced = sliced  # a slice of a tensor cannot be sliced again (NKI >= 0.2: no nested slicing)
         # PSUM only: per-element "last written by nc_matmul" flags (same view geometry as `arr`)
         self._mm = mm
 
@@ -101,6 +103,9 @@ class Tensor:
 
     # ---- views (share storage) ----------------------------------------------------------------
     def __getitem__(self, key) -> Tensor:
+        if self.sliced:
+            raise NkiRuleError(f"{self!r}: nested slicing is not available in NKI >= 0.2; slice the base tensor "
+                               "once with the combined offsets")
         keys = key if isinstance(key, tuple) else (key,)
         for k in keys:
             if isinstance(k, slice):
@@ -127,9 +132,11 @@ class Tensor:
         if self.onchip and isinstance(keys[0], (int, np.integer)):
             # dropping the partition dim of an on-chip tile would silently move data onto the free axis
             raise NkiRuleError(f"{self!r}: integer index on the partition dim; slice it (p:p+1) instead")
-        return Tensor(sub, self.buffer, self.name, mm)
+        return Tensor(sub, self.buffer, self.name, mm, sliced=True)
 
     def reshape(self, shape) -> Tensor:
+        if self.sliced:
+            raise NkiRuleError(f"{self!r}: reshape a whole tensor, not a slice of one")
         shape = tuple(int(s) for s in shape)
         v = self.arr.view()
         try:
@@ -147,6 +154,8 @@ class Tensor:
         return Tensor(v, self.buffer, self.name, mm)
 
     def view(self, dtype) -> Tensor:
+        if self.sliced:
+            raise NkiRuleError(f"{self!r}: reinterpret a whole tensor, not a slice of one")
         dtype = np.dtype(dtype)
         if dtype.itemsize != self.dtype.itemsize:
             raise NkiRuleError(f"{self!r}: view({dtype.name}) must keep the element size")

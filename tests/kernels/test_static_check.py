@@ -39,6 +39,7 @@ BAD = {
     "python call": ("print(x)", "call to `print`"),
     "comprehension": ("a = [i for i in range(4)]", "comprehension"),
     "dict keys": ("d = {1: 2}", "string literals"),
+    "nested slicing": ("y = x[0:4][0:2]", "nested slicing"),
 }
 
 
