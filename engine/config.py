@@ -54,6 +54,8 @@ _IGNORED = {
     "mlp_layer_types", "compress_rates", "rope_parameters", "rope_scaling", "partial_rotary_factor",
     "quantization_config", "output_attentions",
 }
+# HF's `dtype` key (torch dtype of the saved weights); any other value is the official checkpoint format.
+_HF_TORCH_DTYPES = {"bfloat16", "float16", "float32", "float64", "auto"}
 _LAYER_TYPE_RATIO = {"sliding_attention": 0}
 _HF_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
@@ -217,7 +219,7 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     unknown = []
     for key, value in raw.items():
-        if key == "dtype" and value not in ("fp8", "bf16"):
+        if key == "dtype" and value in _HF_TORCH_DTYPES:
             continue  # HF's `dtype` is the torch dtype name ("bfloat16"), not the checkpoint format
         if key in _FIXED:
             if value != _FIXED[key]:
