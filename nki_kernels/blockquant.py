@@ -243,16 +243,16 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int, *, execut
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "fp8 tiny T=8 K=128 N=128", _dt, op="fp8", t=8, k=128, n=128),
+        case(NAME, "fp8 tiny-model T=8 K=128 N=128", _dt, op="fp8", t=8, k=128, n=128),
         case(NAME, "fp8 tile edge T=130 K=200 N=300", _dt, op="fp8", t=130, k=200, n=300),
         case(NAME, "fp8 V4 wq_a slice T=16 K=4096 N=512", _dt, op="fp8", t=16, k=4096, n=512),
         case(NAME, "fp8 V4 wq_a T=16 K=4096 N=1024", _dt, slow=True, op="fp8", t=16, k=4096, n=1024),
-        case(NAME, "fp4 tiny T=8 K=64 N=64", _dt, op="fp4", t=8, k=64, n=64),
+        case(NAME, "fp4 tiny-model T=8 K=64 N=64", _dt, op="fp4", t=8, k=64, n=64),
         case(NAME, "fp4 tile edge T=129 K=160 N=200", _dt, op="fp4", t=129, k=160, n=200),
         case(NAME, "fp4 V4 expert w1 slice T=32 K=4096 N=256", _dt, op="fp4", t=32, k=4096, n=256),
         case(NAME, "fp4 V4 expert w2 T=32 K=1024 N=512", _dt, op="fp4", t=32, k=1024, n=512),
         case(NAME, "fp4 V4 expert w1 T=32 K=4096 N=1024", _dt, slow=True, op="fp4", t=32, k=4096, n=1024),
-        case(NAME, "wo_a tiny T=4 G=2 Kg=128 R=32", _dt, op="wo_a", t=4, g=2, kg=128, r=32),
+        case(NAME, "wo_a tiny-model T=4 G=2 Kg=128 R=32", _dt, op="wo_a", t=4, g=2, kg=128, r=32),
         case(NAME, "wo_a tile edge T=130 G=3 Kg=200 R=96", _dt, op="wo_a", t=130, g=3, kg=200, r=96),
         case(NAME, "wo_a V4 T=8 G=8 Kg=4096 R=1024 (1 group)", _dt, op="wo_a", t=8, g=1, kg=4096, r=1024),
         case(NAME, "wo_a V4 T=8 G=8 Kg=4096 R=1024", _dt, slow=True, op="wo_a", t=8, g=8, kg=4096, r=1024),

@@ -116,8 +116,8 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv:
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "HCA tiny W=2 m=16 d=64", _dt, w=2, m=16, d=64, overlap=False, prev=False),
-        case(NAME, "CSA tiny W=8 m=4 d=32", _dt, w=8, m=4, d=32, overlap=True, prev=False),
+        case(NAME, "HCA tiny-model W=2 m=16 d=64", _dt, w=2, m=16, d=64, overlap=False, prev=False),
+        case(NAME, "CSA tiny-model W=8 m=4 d=32", _dt, w=8, m=4, d=32, overlap=True, prev=False),
         case(NAME, "CSA with prev W=5 m=4 d=64", _dt, w=5, m=4, d=64, overlap=True, prev=True),
         case(NAME, "HCA tile edge W=3 m=16 d=200", _dt, w=3, m=16, d=200, overlap=False, prev=False),
         case(NAME, "CSA tile edge W=600 m=4 d=130", _dt, w=600, m=4, d=130, overlap=True, prev=True),

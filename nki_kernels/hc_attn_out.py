@@ -82,7 +82,7 @@ def hc_attn_out(o: torch.Tensor, wo_b: torch.Tensor, residual: torch.Tensor, pos
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=8 K=64 D=128 n=4", _dt, t=8, k=64, d=128, n=4),
+        case(NAME, "tiny-model T=8 K=64 D=128 n=4", _dt, t=8, k=64, d=128, n=4),
         case(NAME, "tile edge T=130 K=200 D=600 n=4", _dt, t=130, k=200, d=600, n=4),
         case(NAME, "V4 K, D slice T=16 K=8192 D=1024 n=4", _dt, t=16, k=8192, d=1024, n=4),
         case(NAME, "V4 decode T=16 K=8192 D=4096 n=4", _dt, slow=True, t=16, k=8192, d=4096, n=4),

@@ -68,7 +68,7 @@ def hc_collapse(x: torch.Tensor, pre: torch.Tensor, *, executor: str | None = No
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=8 n=4 D=128", _dt, t=8, n=4, d=128),
+        case(NAME, "tiny-model T=8 n=4 D=128", _dt, t=8, n=4, d=128),
         case(NAME, "tile edge T=129 n=4 D=200", _dt, t=129, n=4, d=200),
         case(NAME, "n=2 T=5 D=64", _dt, t=5, n=2, d=64),
         case(NAME, "V4 T=64 n=4 D=4096", _dt, t=64, n=4, d=4096),

@@ -74,7 +74,7 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=8 n=4 D=128", _dt, t=8, n=4, d=128),
+        case(NAME, "tiny-model T=8 n=4 D=128", _dt, t=8, n=4, d=128),
         case(NAME, "tile edge T=131 n=4 D=1100", _dt, t=131, n=4, d=1100),
         case(NAME, "n=2 T=3 D=64", _dt, t=3, n=2, d=64),
         case(NAME, "V4 T=64 n=4 D=4096", _dt, t=64, n=4, d=4096),

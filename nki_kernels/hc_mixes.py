@@ -153,7 +153,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=8 n=4 D=32 iters=20", _dt, t=8, n=4, d=32, iters=20),
+        case(NAME, "tiny-model T=8 n=4 D=128 iters=20", _dt, t=8, n=4, d=128, iters=20),
         case(NAME, "tile edge T=130 n=4 D=50 iters=3", _dt, t=130, n=4, d=50, iters=3),
         case(NAME, "n=2 T=5 D=64 iters=1", _dt, t=5, n=2, d=64, iters=1),
         case(NAME, "V4 T=16 n=4 D=4096 iters=20", _dt, t=16, n=4, d=4096, iters=20),

@@ -124,7 +124,7 @@ def index_score_topk(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=8 Hi=16 Di=32 N=24 k=4", _dt, b=1, t=8, hi=16, di=32, n=24, k=4),
+        case(NAME, "tiny-model T=8 Hi=16 Di=32 N=24 k=4", _dt, b=1, t=8, hi=16, di=32, n=24, k=4),
         case(NAME, "tile edge T=130 Hi=4 Di=64 N=300 k=20", _dt, b=1, t=130, hi=4, di=64, n=300, k=20),
         case(NAME, "k > N B=2 T=6 Hi=16 Di=32 N=10 k=16", _dt, b=2, t=6, hi=16, di=32, n=10, k=16),
         case(NAME, "V4 decode T=8 Hi=64 Di=128 N=1024 k=512", _dt, b=1, t=8, hi=64, di=128, n=1024, k=512),

@@ -78,7 +78,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, executo
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=16 D=128", _dt, t=16, d=128),
+        case(NAME, "tiny-model T=16 D=128", _dt, t=16, d=128),
         case(NAME, "tile edge T=200 D=384", _dt, t=200, d=384),
         case(NAME, "odd T=1 D=96", _dt, t=1, d=96),
         case(NAME, "q_norm T=130 D=1024", _dt, t=130, d=1024),

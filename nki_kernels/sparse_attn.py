@@ -137,7 +137,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: to
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny B=1 T=4 H=4 D=64 N=24", _dt, b=1, t=4, h=4, d=64, n=24),
+        case(NAME, "tiny-model B=1 T=4 H=4 D=64 N=24", _dt, b=1, t=4, h=4, d=64, n=24),
         case(NAME, "tile edge B=2 T=3 H=8 D=200 N=300", _dt, b=2, t=3, h=8, d=200, n=300),
         case(NAME, "no valid keys B=1 T=2 H=4 D=64 N=16", _dt, b=1, t=2, h=4, d=64, n=16, none_valid=True),
         case(NAME, "V4 decode B=2 T=1 H=64 D=512 N=640", _dt, b=2, t=1, h=64, d=512, n=640),

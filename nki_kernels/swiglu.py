@@ -66,7 +66,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, *, executor: str 
 CASES: list[Case] = []
 for _dt in ("float32", "bfloat16"):
     CASES += [
-        case(NAME, "tiny T=16 F=64", _dt, t=16, f=64, limit=10.0),
+        case(NAME, "tiny-model T=16 F=64", _dt, t=16, f=64, limit=10.0),
         case(NAME, "tile edge T=130 F=300", _dt, t=130, f=300, limit=10.0),
         case(NAME, "no clamp T=7 F=96", _dt, t=7, f=96, limit=0.0),
         case(NAME, "tight clamp T=64 F=256", _dt, t=64, f=256, limit=1.5),
