@@ -37,6 +37,9 @@ class reduce_cmd(Enum):  # noqa: N801
     load_reduce = "load_reduce"
 
 
+_REDUCE_CMD = reduce_cmd  # the enum, for code where a parameter shadows the name
+
+
 class dge_mode(Enum):  # noqa: N801
     unknown = "unknown"
     swdge = "swdge"
@@ -266,6 +269,9 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if reduce_op is not None or reduce_res is not None:
         if reduce_op is not nl.add or reduce_res is None:
             raise NotImplementedError("activation: only reduce_op=nl.add with reduce_res is in the subset")
+        if reduce_cmd not in (_REDUCE_CMD.idle, _REDUCE_CMD.reset_reduce):
+            # accumulating across instructions (reduce / load_reduce) needs register state the stand-in lacks
+            raise NotImplementedError(f"activation: reduce_cmd={reduce_cmd} is not modelled (use reset_reduce)")
         rr = _t(reduce_res, "activation reduce_res")
         _onchip(rr, "reduce_res")
         if rr.shape[0] != data.shape[0] or rr.free_size != 1:

@@ -205,6 +205,15 @@ def test_divide_and_activation_kinds():
         nisa.tensor_scalar(sb((2, 2)), filled((2, 2)), nl.bitwise_and, 3)
 
 
+def test_activation_reduce_only_with_reset():
+    out, rr = sb((2, 4)), sb((2, 1))
+    nisa.activation(out, nl.exp, filled((2, 4), 0.0), reduce_op=nl.add, reduce_res=rr,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    assert (rr.arr == 4.0).all()
+    with pytest.raises(NotImplementedError):
+        nisa.activation(out, nl.exp, filled((2, 4)), reduce_op=nl.add, reduce_res=rr, reduce_cmd=nisa.reduce_cmd.reduce)
+
+
 def test_memset_value_must_match_dtype():
     with pytest.raises(NkiRuleError, match="integer dtype"):
         nisa.memset(sb((2, 2), nl.int32), 1.5)
