@@ -107,6 +107,7 @@ class Kernel:
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
         self._bound: dict[str, types.FunctionType] = {}
+        self._jitted: dict[int, Any] = {}  # lnc -> real nki.jit object (kept: NKI caches compiles per object)
 
     def bind(self, kind: str) -> types.FunctionType:
         """A copy of the kernel whose globals (and those of its helper sub-kernels) use backend `kind`."""
@@ -123,9 +124,10 @@ class Kernel:
             si = stand_in()[0]
             return si.run(self.bind("stand-in"), *args)
         real, _, _ = backend("real")
-        jitted = real.jit(self.bind("real"))
-        if lnc > 1:
-            jitted = jitted[lnc]
+        if lnc not in self._jitted:
+            jitted = real.jit(self.bind("real"))
+            self._jitted[lnc] = jitted[lnc] if lnc > 1 else jitted
+        jitted = self._jitted[lnc]
         if executor == "simulator":
             return real.simulate(jitted)(*args)
         if executor == "neuron":

@@ -49,6 +49,7 @@ def fake_real(monkeypatch):
         for obj in vars(mod).values():
             if isinstance(obj, _nki.Kernel):
                 obj._bound.pop("real", None)
+                obj._jitted.clear()
 
 
 def test_simulator_path_and_diff_with_a_fake_real_nki(fake_real, tmp_path):
