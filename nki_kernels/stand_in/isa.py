@@ -360,10 +360,10 @@ def max8(dst, src, name=None):
     dst.write(v.reshape(dst.shape))
 
 
-def _first_index(data: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    """Per partition, the index of each of the 8 values; a value repeated in `vals` claims successive occurrences
-    (so ties come out in index order). ANALYSIS: the public docs say "first occurrence" and do not cover
-    duplicates; claiming distinct occurrences is what a top-k loop needs."""
+def _first_index(data: np.ndarray, vals: np.ndarray, claim: bool = True) -> np.ndarray:
+    """Per partition, the index of the first occurrence of each of the 8 values. With `claim` (match_replace8,
+    whose documented NumPy equivalent replaces each match before looking up the next value) a repeated value
+    finds the next occurrence; without it (find_index8) repeated values give the same index."""
     out = np.zeros(vals.shape, dtype=np.int64)
     claimed = np.zeros(data.shape, dtype=bool)
     rows = np.arange(data.shape[0])
@@ -372,7 +372,8 @@ def _first_index(data: np.ndarray, vals: np.ndarray) -> np.ndarray:
         first = hit.argmax(axis=1)
         found = hit[rows, first]
         out[:, i] = np.where(found, first, 0)
-        claimed[rows[found], first[found]] = True
+        if claim:
+            claimed[rows[found], first[found]] = True
     return out
 
 
@@ -382,7 +383,7 @@ def nc_find_index8(dst, data, vals, name=None):
         _onchip(x, "nc_find_index8")
     if not is_int(dst.dtype) or dst.free_size != 8 or vals.free_size != 8:
         raise NkiRuleError("nc_find_index8: dst must be an integer [P, 8] tile and vals [P, 8]")
-    dst.write(_first_index(_rows(data), _rows(vals)).reshape(dst.shape))
+    dst.write(_first_index(_rows(data), _rows(vals), claim=False).reshape(dst.shape))
 
 
 def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):

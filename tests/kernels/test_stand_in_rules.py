@@ -279,3 +279,18 @@ def test_outputs_must_be_shared_hbm_and_lists_rejected():
         stand_in.run(_kernel_ok, [1, 2])
     with pytest.raises(NkiRuleError, match="platform_target"):
         stand_in.jit(platform_target="trn2")
+
+
+def test_topk_helpers_follow_the_documented_semantics():
+    data = filled((1, 10), 0.0)
+    data.write(np.array([[5, 1, 5, 3, 9, 0, 7, 2, 8, 4]], np.float32))
+    vals = sb((1, 8))
+    nisa.max8(vals, data)
+    assert vals.arr.tolist() == [[9, 8, 7, 5, 5, 4, 3, 2]]
+    idx = sb((1, 8), nl.uint32)
+    nisa.nc_find_index8(idx, data, vals)
+    assert idx.arr.tolist() == [[4, 8, 6, 0, 0, 9, 3, 7]]  # first occurrence, repeated value -> same index
+    out = sb((1, 10))
+    nisa.nc_match_replace8(out, data, vals, -1.0, dst_idx=idx)
+    assert idx.arr.tolist() == [[4, 8, 6, 0, 2, 9, 3, 7]]  # replaced one by one: the second 5 is found next
+    assert sorted(out.arr[0].tolist()) == [-1.0] * 8 + [0.0, 1.0]
