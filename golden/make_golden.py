@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -129,8 +130,15 @@ def make_golden(tiny_dir: Path = TINY_DIR, out_dir: Path = GOLDEN_DIR) -> dict:
     }
     save_file(tensors, str(out_dir / "golden.safetensors"),
               metadata={"magic": MAGIC, "format_version": str(FORMAT_VERSION), "config_hash": cfg.config_hash()})
-    (out_dir / "golden.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out_dir / "golden.json").write_text(dumps_meta(meta))
     return meta
+
+
+def dumps_meta(meta: dict) -> str:
+    """golden.json text: indented, but each prompt's id lists on one line (a readable diff on regeneration)."""
+    text = json.dumps(meta, indent=1, ensure_ascii=False)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",")
+                  + "]", text) + "\n"
 
 
 def main() -> None:
