@@ -74,13 +74,13 @@ def _same_layout(a: Tensor, b: Tensor, what: str) -> None:
         raise NkiRuleError(f"{what}: {a!r} and {b!r} must have the same partition count and elements per partition")
 
 
-def _scalar_operand(op, data: Tensor, what: str, allow_int: bool):
-    """A compile-time scalar or a [P,1] fp32 tile broadcast along the free dims."""
+def _scalar_operand(op, data: Tensor, what: str, allow_int: bool, any_float: bool = False):
+    """A compile-time scalar or a [P,1] fp32 tile (any float dtype if `any_float`) broadcast along the free dims."""
     if isinstance(op, Tensor):
         _onchip(op, what)
         if op.shape[0] != data.shape[0] or op.free_size != 1:
             raise NkiRuleError(f"{what}: tile operand {op!r} must be [P,1] with P = {data.shape[0]}")
-        if op.dtype != nl.float32 and not (allow_int and is_int(op.dtype)):
+        if op.dtype != nl.float32 and not (allow_int and is_int(op.dtype)) and not (any_float and is_float(op.dtype)):
             raise NkiRuleError(f"{what}: tile operand {op!r} must be float32")
         v = op.arr.reshape(op.shape[0], *([1] * (data.ndim - 1)))
         return v.astype(np.int64) if allow_int and is_int(op.dtype) else v.astype(np.float32)
@@ -262,14 +262,17 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     s = _scalar_operand(scale, data, "activation scale", allow_int=False)
     x = x * s
     if bias is not None:
-        x = x + _scalar_operand(bias, data, "activation bias", allow_int=False)
+        x = x + _scalar_operand(bias, data, "activation bias", allow_int=False, any_float=True)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         y = nl.UNARY[op.name](x).astype(np.float32)
     dst.write(y.reshape(dst.shape))
     if reduce_op is not None or reduce_res is not None:
         if reduce_op is not nl.add or reduce_res is None:
             raise NotImplementedError("activation: only reduce_op=nl.add with reduce_res is in the subset")
-        if reduce_cmd not in (_REDUCE_CMD.idle, _REDUCE_CMD.reset_reduce):
+        if reduce_cmd == _REDUCE_CMD.idle:
+            raise NkiRuleError("activation: reduce_res with reduce_cmd=idle reads the stale reduce registers; "
+                               "use reduce_cmd=nisa.reduce_cmd.reset_reduce")
+        if reduce_cmd != _REDUCE_CMD.reset_reduce:
             # accumulating across instructions (reduce / load_reduce) needs register state the stand-in lacks
             raise NotImplementedError(f"activation: reduce_cmd={reduce_cmd} is not modelled (use reset_reduce)")
         rr = _t(reduce_res, "activation reduce_res")
@@ -288,6 +291,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     if a.buffer == "psum" and b.buffer == "psum":
         raise NkiRuleError("tensor_tensor: data1 and data2 cannot both be in PSUM")
     ints = is_int(a.dtype) and is_int(b.dtype)
+    if getattr(op, "kind", None) == "bitwise" and not (ints and is_int(dst.dtype)):
+        raise NkiRuleError("tensor_tensor: bitvec operators need integer inputs and dst")
     va = a.arr.astype(np.int64) if ints else a.read_f32()
     vb = (b.arr.astype(np.int64) if ints else b.read_f32()).reshape(va.shape)
     dst.write(_apply(op, va, vb, ints).reshape(dst.shape))
@@ -300,6 +305,13 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     _onchip(data, "tensor_scalar data")
     _same_layout(dst, data, "tensor_scalar")
     ints = is_int(data.dtype)
+    kinds = {getattr(op, "kind", None) == "bitwise" for op in (op0, op1) if op is not None}
+    if len(kinds) > 1:
+        raise NkiRuleError("tensor_scalar: op0 and op1 must both be bitvec or both arithmetic operators")
+    if kinds == {True} and not (ints and is_int(dst.dtype)):
+        raise NkiRuleError("tensor_scalar: bitvec operators need integer data and dst (bit patterns, no casts)")
+    if op1 is None and operand1 is not None:
+        raise NkiRuleError("tensor_scalar: operand1 must be None when op1 is unused")
     x = data.arr.astype(np.int64) if ints else data.read_f32()
     for op, operand, rev in ((op0, operand0, reverse0), (op1, operand1, reverse1)):
         if op is None:

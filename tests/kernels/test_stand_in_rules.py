@@ -201,8 +201,8 @@ def test_divide_and_activation_kinds():
         nisa.tensor_tensor(sb((2, 2)), filled((2, 2)), filled((2, 2)), nl.divide)
     with pytest.raises(NkiRuleError, match="activation function"):
         nisa.activation(sb((2, 2)), nl.add, filled((2, 2)))
-    with pytest.raises(NkiRuleError, match="integer operands"):
-        nisa.tensor_scalar(sb((2, 2)), filled((2, 2)), nl.bitwise_and, 3)
+    with pytest.raises(NkiRuleError, match="integer data"):
+        nisa.tensor_scalar(sb((2, 2)), filled((2, 2)), nl.bitwise_and, 3)  # float data
 
 
 def test_activation_reduce_only_with_reset():
@@ -212,6 +212,21 @@ def test_activation_reduce_only_with_reset():
     assert (rr.arr == 4.0).all()
     with pytest.raises(NotImplementedError):
         nisa.activation(out, nl.exp, filled((2, 4)), reduce_op=nl.add, reduce_res=rr, reduce_cmd=nisa.reduce_cmd.reduce)
+    with pytest.raises(NkiRuleError, match="stale"):  # idle leaves the registers alone: reduce_res reads garbage
+        nisa.activation(out, nl.exp, filled((2, 4)), reduce_op=nl.add, reduce_res=rr)
+
+
+def test_tensor_scalar_operator_classes():
+    u8 = filled((2, 4), 7.0, dtype=nl.uint8)
+    with pytest.raises(NkiRuleError, match="bitvec or both arithmetic"):
+        nisa.tensor_scalar(sb((2, 4), nl.uint8), u8, nl.bitwise_and, 3, op1=nl.add, operand1=1)
+    with pytest.raises(NkiRuleError, match="integer data and dst"):
+        nisa.tensor_scalar(sb((2, 4)), u8, nl.bitwise_and, 3)
+    with pytest.raises(NkiRuleError, match="operand1 must be None"):
+        nisa.tensor_scalar(sb((2, 4)), filled((2, 4)), nl.add, 1.0, operand1=2.0)
+    out = sb((2, 4), nl.uint8)
+    nisa.tensor_scalar(out, u8, nl.bitwise_and, 3, op1=nl.left_shift, operand1=4)
+    assert (out.arr == 48).all()
 
 
 def test_memset_value_must_match_dtype():
