@@ -18,3 +18,5 @@ Layout
     cases.py registry.py  case records / comparison rule, and the name -> module table
     trn2_check.py       the prepared trn2 run (scripts/trn2_check.sh): stand-in vs simulator vs device
 """
+
+from __future__ import annotations
