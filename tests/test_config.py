@@ -51,6 +51,7 @@ def test_flash_hf_and_official_spellings_agree(tmp_path):
     assert ModelConfig.from_dict(off.to_official_json()) == off
 
 
+@pytest.mark.reference
 def test_hf_normalised_config_agrees():
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.DeepseekV4Config(**FLASH_HF)  # what HF makes of it: layer_types, rope_parameters, ...

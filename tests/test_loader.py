@@ -116,6 +116,7 @@ def test_tiny_loads_dequantised(cfg, tiny_sd, official_tensors, tmp_path):
 
 
 # ---- HF names -------------------------------------------------------------------------------------------------
+@pytest.mark.reference
 def test_name_table_matches_hf_model_and_its_save_format(cfg, tiny_sd, tmp_path):
     pytest.importorskip("transformers")
     from deepinfer_bench.reference import build_hf_model
