@@ -22,7 +22,10 @@ def kernels_cmd(
     from deepinfer_bench.report import err_console, render_df, save_results
     from engine.envs import get_envs
     from nki_kernels.dispatch import resolve_executor
+    from nki_kernels.registry import KERNELS
 
+    if kernel is not None and kernel not in KERNELS:
+        raise typer.BadParameter(f"--kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     if executor not in ("auto", "stand-in", "simulator", "neuron"):
         raise typer.BadParameter(f"--executor {executor!r}: expected auto, stand-in, simulator or neuron")
     envs = get_envs()

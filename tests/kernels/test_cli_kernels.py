@@ -46,6 +46,8 @@ def test_unavailable_executor_is_refused():
     assert r.exit_code == 2
     r = runner.invoke(app, ["kernels", "--executor", "gpu"])
     assert r.exit_code != 0
+    r = runner.invoke(app, ["kernels", "--kernel", "nope"])
+    assert r.exit_code != 0 and "expected one of" in r.output
 
 
 def test_real_run_one_family():
