@@ -23,6 +23,7 @@ import contextlib
 import datetime as _dt
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -177,7 +178,9 @@ def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tup
         if kill_at is not None and kill_at[0] == rank:
             par.kill_at = kill_at[1]
         out = job(par, *args)
-        results.put(("ok", rank, out if rank == 0 else None))
+        # plain pickle: tensors travel by value (the queue's own pickler would pass shared-memory handles that die
+        # with this process)
+        results.put(("ok", rank, pickle.dumps(out) if rank == 0 else None))
         with contextlib.suppress(Exception):
             dist.barrier()
             dist.destroy_process_group()
@@ -212,32 +215,43 @@ def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     done: set[int] = set()
     result: Any = None
-    failure: str | None = None
+    failures: dict[int, str] = {}  # rank -> what happened
+    grace_end: float | None = None  # after a first failure, look a little longer for its root cause
     try:
-        while len(done) < cp and failure is None:
+        while len(done) + len(failures) < cp:
+            now = time.monotonic()
+            if grace_end is not None and now > grace_end:
+                break
             try:
                 kind, rank, payload = results.get(timeout=0.2)
                 if kind == "ok":
                     done.add(rank)
                     if rank == 0:
-                        result = payload
+                        result = pickle.loads(payload)
                 else:
-                    failure = f"rank {rank} failed: {payload}"
-                continue
+                    failures.setdefault(rank, f"rank {rank} failed: {payload}")
             except queue.Empty:
                 pass
             for r, p in enumerate(procs):
-                if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                if r not in done and r not in failures and not p.is_alive() and p.exitcode not in (0, None):
                     sig = -p.exitcode if p.exitcode < 0 else None
                     how = f"killed by signal {signal.Signals(sig).name}" if sig else f"exit code {p.exitcode}"
-                    failure = f"rank {r} died ({how}) before finishing"
-                    break
-            if failure is None and time.monotonic() > deadline:
-                failure = f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(set(range(cp)) - done)}"
+                    failures[r] = f"rank {r} died ({how}) before finishing"
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + 3.0
+            if not failures and time.monotonic() > deadline:
+                failures[-1] = f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(set(range(cp)) - done)}"
     finally:
-        _reap(procs, graceful=failure is None)
-    if failure:
-        raise RankFailed(failure)
+        _reap(procs, graceful=not failures)
+    if failures:
+        # root cause first: a rank that died, then one that raised on its own, then peers that lost a connection
+        def rank_of(item: tuple[int, str]) -> tuple[int, int]:
+            r, msg = item
+            return (0 if "died" in msg else 2 if "Connection closed by peer" in msg else 1, r)
+
+        ordered = [msg for _, msg in sorted(failures.items(), key=rank_of)]
+        extra = f" (then: {'; '.join(m.splitlines()[0] for m in ordered[1:])})" if len(ordered) > 1 else ""
+        raise RankFailed(ordered[0] + extra)
     return result
 
 
