@@ -52,9 +52,10 @@ def matrix_cmd(
 
         df = run_matrix(spec, config, progress=progress)
 
-    for metric, title in (("ttft_ms_p50", "TTFT p50 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")):
+    for metric, title in (("ttft_ms_p50", "TTFT p50 ms"), ("tpot_ms_p50", "TPOT p50 ms")):
         for o, table in pivot(df, metric).items():
-            render_df(table, f"{title}, output_len={o} (rows: batch size, columns: input length)")
+            table["batch_size"] = table["batch_size"].astype(str)  # rendered as a label, not a float
+            render_df(table, f"{title}, out={o}")
     skipped = df[df["status"] != "ok"]
     if len(skipped):
         render_df(skipped[["batch_size", "input_len", "output_len", "status", "skip_reason"]],

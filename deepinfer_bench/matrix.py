@@ -281,8 +281,11 @@ def save_plot(df: pd.DataFrame, path: str | Path, title: str = "") -> Path:
             ax.plot(part["batch_size"], part[metric], marker="o", label=f"in={i} out={o}")
         ax.set_xlabel("batch size")
         ax.set_ylabel(label)
-        if len(ok["batch_size"].unique()) > 1 and ok["batch_size"].min() > 0:
+        sizes = sorted(int(b) for b in ok["batch_size"].unique())
+        if len(sizes) > 1:
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(b) for b in sizes])
+            ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -115,7 +115,7 @@ def test_cli_matrix_builds_config_and_writes_results(tmp_path, monkeypatch):
     meta = json.loads((csv.parent / "meta.json").read_text())
     assert meta["matrix"] == "quick" and meta["engine_config"]["num_kv_blocks"] == 77
     assert csv.with_suffix(".png").exists()
-    assert "TTFT p50 (ms)" in res.output and "TPOT p50 (ms)" in res.output
+    assert "TTFT p50 ms, out=16" in res.output and "TPOT p50 ms, out=16" in res.output
     # A second run never overwrites the first.
     assert CliRunner().invoke(app, ["bench", "matrix", "--out", str(tmp_path / "out")]).exit_code == 0
     assert len(list((tmp_path / "out").glob("matrix-quick-*/matrix-quick.csv"))) == 2
