@@ -83,7 +83,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # 'stop' | 'length' | 'abort' once finished
     prompt_len: int
-    text: str = ""  # detokenised output so far ("" without a tokenizer); stop strings are cut off
+    # Detokenised output ("" without a tokenizer): every step when stop strings are set (cut at the stop string),
+    # else only in the final output.
+    text: str = ""
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -204,6 +206,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, "abort")
+        self._final_text(seq)
         self._release_slots()
         self._c.pending.append(self._output(seq, []))
         self._c.finished += 1
@@ -248,13 +251,14 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._c.finished += 1
+                self._final_text(seq)
             outputs.append(self._output(seq, [tok]))
         return outputs
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.sampling_params
         n = seq.num_output_tokens
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and p.stop:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids)
         if n >= p.min_tokens:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_token_id):
@@ -269,6 +273,11 @@ class LLMEngine:
         if n >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+    def _final_text(self, seq: Sequence) -> None:
+        # Without stop strings the text is decoded once, at the end (servers detokenise incrementally themselves).
+        if self.tokenizer is not None and not seq.sampling_params.stop:
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         return RequestOutput(request_id=seq.seq_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
