@@ -59,11 +59,15 @@ def build_serving_engine(config: Any) -> Any:
     """The engine for serving: Neuron worker environment first (basic mode, one NeuronCore for this rank, no MTP
     lookahead: the engine never runs MTP while serving), then the engine with its fixed KV pool, weights loaded
     before the first request so its TTFT does not include loading."""
-    from engine.envs import apply_env, neuron_worker_env
+    from engine.envs import apply_env, get_envs, neuron_worker_env
     from engine.llm import LLMEngine
 
     if config.backend == "neuron":
         apply_env(neuron_worker_env(rank=0))
+    elif get_envs().DEEPINFER_NUM_THREADS > 0:
+        import torch
+
+        torch.set_num_threads(get_envs().DEEPINFER_NUM_THREADS)  # applies to the engine thread too
     engine = LLMEngine(config)
     _ = engine.runner  # load now
     return engine

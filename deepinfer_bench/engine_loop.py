@@ -2,8 +2,9 @@
 
 The event loop never touches the engine. It sends commands (add, abort, stop) through a thread-safe queue; the
 engine thread applies them between steps, so requests join and leave the running batch between steps (continuous
-batching), and hands each step's outputs to per-request sinks with `loop.call_soon_threadsafe`. If `step()` raises,
-the loop is dead: every in-flight request gets the error and later requests are refused (HTTP 503).
+batching), and hands each step's outputs to per-request sinks with ONE `loop.call_soon_threadsafe` per step (the
+sinks run on the event loop). If `step()` raises, the loop is dead: every in-flight request gets the error and later
+requests are refused (HTTP 503).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-Sink = Callable[[Any], None]  # called on the engine thread with a RequestOutput or an EngineDeadError
+Sink = Callable[[Any], None]  # run on the event loop with a RequestOutput or an EngineDeadError
 
 
 class EngineDeadError(RuntimeError):
@@ -35,6 +36,8 @@ class LoopStats:
     num_kv_blocks_total: int = 0
     num_steps: int = 0
     last_step_s: float = 0.0
+    step_s_total: float = 0.0  # time inside engine.step()
+    gap_s_total: float = 0.0  # time between two steps while work was pending (commands, dispatch, GIL waits)
     num_generated_tokens: int = 0  # engine's own count (-1 if it does not report one)
     num_preemptions: int = 0
 
@@ -70,6 +73,7 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._closed = False  # set by the engine thread on exit, under _lock, so no add can be left unanswered
         self._lock = threading.Lock()
@@ -79,7 +83,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stopping
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; sinks will run on `loop`."""
+        self._loop = loop
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -151,7 +157,17 @@ class EngineLoop:
         st.num_generated_tokens = int(_pick(s, "num_generated_tokens", "generated_tokens", default=-1))
         st.num_preemptions = int(_pick(s, "num_preemptions", "preemptions"))
 
+    def _deliver(self, batch: list[tuple[Sink, Any]]) -> None:
+        if not batch or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_run_sinks, batch)
+        except RuntimeError:  # event loop closed (shutdown)
+            pass
+
     def _run(self) -> None:
+        st = self.stats
+        last_end: float | None = None
         try:
             self._snapshot()
             while True:
@@ -159,26 +175,32 @@ class EngineLoop:
                     break
                 if not self.engine.has_unfinished():
                     self._snapshot()  # an abort may have emptied the engine
+                    last_end = None
                     continue
                 t0 = time.perf_counter()
+                if last_end is not None:
+                    st.gap_s_total += t0 - last_end
                 outputs = self.engine.step()
-                self.stats.last_step_s = time.perf_counter() - t0
-                self.stats.num_steps += 1
+                last_end = time.perf_counter()
+                st.last_step_s = last_end - t0
+                st.step_s_total += st.last_step_s
+                st.num_steps += 1
+                batch = []
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is None:
                         continue  # aborted by the server meanwhile
                     if out.finished:
                         del self._sinks[out.request_id]
-                    sink(out)
+                    batch.append((sink, out))
+                self._deliver(batch)
                 self._snapshot()
         except BaseException as e:  # noqa: BLE001 - the loop is dead; tell everyone waiting
             self.error = e
         dead = EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "server shutting down")
         with self._lock:
             self._closed = True
-        for sink in self._sinks.values():
-            sink(dead)
+        self._deliver([(sink, dead) for sink in self._sinks.values()])
         self._sinks.clear()
         while True:  # refuse adds that raced with the shutdown
             try:
@@ -187,3 +209,8 @@ class EngineLoop:
                 break
             if cmd == "add" and arg[4].set_running_or_notify_cancel():
                 arg[4].set_exception(dead)
+
+
+def _run_sinks(batch: list[tuple[Sink, Any]]) -> None:
+    for sink, item in batch:
+        sink(item)

@@ -209,7 +209,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        loop_runner.start()
+        loop_runner.start(asyncio.get_running_loop())
         try:
             yield
         finally:
@@ -313,6 +313,9 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, st.num_kv_blocks_total)])
         metric("engine_alive", "gauge", "1 while the engine loop runs.", [(label, float(loop_runner.alive))])
         metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
+        metric("engine_step_seconds_total", "counter", "Seconds inside engine steps.", [(label, st.step_s_total)])
+        metric("engine_gap_seconds_total", "counter", "Seconds between consecutive busy steps (server overhead).",
+               [(label, st.gap_s_total)])
         metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
                [(label, counters.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated and sent to clients.",
@@ -361,16 +364,10 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             raise APIError(400, "Stop strings must not be empty.", param="stop")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        aio_loop = asyncio.get_running_loop()
         seqs: list[_Seq] = []
 
         def make_sink(i: int) -> Callable[[Any], None]:
-            def sink(item: Any) -> None:
-                try:
-                    aio_loop.call_soon_threadsafe(queue.put_nowait, (i, item))
-                except RuntimeError:  # event loop already closed (shutdown)
-                    pass
-            return sink
+            return lambda item: queue.put_nowait((i, item))  # runs on the event loop
 
         def abort_unfinished() -> None:
             for s in seqs:
