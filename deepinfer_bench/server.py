@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer_bench.completion_text import IncrementalDetokenizer, SeqState
 from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop
 from deepinfer_bench.openai_protocol import APIError, normalize_prompts, parse_completion_request
 
@@ -60,97 +61,6 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     rejected: int = 0
-
-
-class IncrementalDetokenizer:
-    """Text for one generated token at a time, never splitting a multi-byte character.
-
-    Decodes a short window of ids (starting a few tokens back, prompt included) and emits the text that the newest
-    token added; while the window ends in U+FFFD (an incomplete UTF-8 sequence) it emits nothing and waits.
-    """
-
-    CONTEXT = 4
-
-    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int]) -> None:
-        self._decode = decode
-        self._ids = list(prompt_ids[-self.CONTEXT:])
-        self._start = 0  # window start
-        self._done = len(self._ids)  # ids[:_done] already turned into text
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        before = self._decode(self._ids[self._start:self._done])
-        after = self._decode(self._ids[self._start:])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return ""
-        self._start = max(self._start, self._done - self.CONTEXT)
-        self._done = len(self._ids)
-        return after[len(before):]
-
-
-@dataclass
-class _Seq:
-    """One prompt of a completion request: its engine request and the text produced so far."""
-
-    index: int
-    request_id: str
-    prompt_len: int
-    detok: IncrementalDetokenizer | None
-    stop: list[str]
-    text: str = ""  # emitted
-    held: str = ""  # decoded but held back (could be the start of a stop string)
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    token_ids: list[int] = field(default_factory=list)
-
-    def feed(self, new_ids: list[int], engine_finished: bool, engine_reason: str | None,
-             ) -> list[tuple[str, str | None]]:
-        """Turn new token ids into (text, finish_reason) events, one per token; applies stop strings."""
-        events: list[tuple[str, str | None]] = []
-        for k, tok in enumerate(new_ids):
-            self.num_tokens += 1
-            self.token_ids.append(tok)
-            last = engine_finished and k == len(new_ids) - 1
-            self.held += self.detok.push(tok) if self.detok else ""
-            if last and self.detok:
-                self.held += self.detok.flush()
-            delta, hit = self._release(final=last)
-            if hit:
-                self.finish_reason = "stop"
-                events.append((delta, "stop"))
-                return events
-            if last:
-                self.finish_reason = engine_reason or "stop"
-            events.append((delta, self.finish_reason))
-        if engine_finished and not new_ids:
-            self.finish_reason = engine_reason or "stop"
-            events.append((self.held, self.finish_reason))
-            self.text += self.held
-            self.held = ""
-        return events
-
-    def _release(self, final: bool) -> tuple[str, bool]:
-        if not self.stop:
-            delta, self.held = self.held, ""
-            self.text += delta
-            return delta, False
-        cut = min((i for i in (self.held.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            delta, self.held = self.held[:cut], ""
-            self.text += delta
-            return delta, True
-        keep = 0 if final else max((n for s in self.stop for n in range(1, len(s)) if self.held.endswith(s[:n])),
-                                   default=0)
-        delta = self.held[:len(self.held) - keep]
-        self.held = self.held[len(self.held) - keep:]
-        self.text += delta
-        return delta, False
 
 
 def _context_error(max_len: int, prompt_len: int) -> APIError:
@@ -364,7 +274,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             raise APIError(400, "Stop strings must not be empty.", param="stop")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        seqs: list[_Seq] = []
+        seqs: list[SeqState] = []
 
         def make_sink(i: int) -> Callable[[Any], None]:
             return lambda item: queue.put_nowait((i, item))  # runs on the event loop
@@ -376,7 +286,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                     counters.requests["abort"] = counters.requests.get("abort", 0) + 1
                     loop_runner.abort(s.request_id)
 
-        pending: list[tuple[_Seq, list[int], Any]] = []
+        pending: list[tuple[SeqState, list[int], Any]] = []
         for i, ids in enumerate(ids_list):
             wanted = req.max_tokens if req.max_tokens is not None else config.default_max_tokens
             fields: dict[str, Any] = {"max_tokens": min(wanted, config.max_model_len - len(ids)),
@@ -391,7 +301,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param=_param_from_message(str(e))) from None
             detok = IncrementalDetokenizer(tokenizer.decode, ids) if tokenizer is not None else None
-            pending.append((_Seq(i, f"{base_id}-{i}", len(ids), detok, stop), ids, params))
+            pending.append((SeqState(i, f"{base_id}-{i}", len(ids), detok, stop), ids, params))
         # All prompts go to the engine thread at once (one step boundary, not one per prompt).
         try:
             added = await asyncio.gather(*(loop_runner.add(ids, params, seq.request_id, make_sink(seq.index))
@@ -418,7 +328,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         created = int(time.time())
         head = {"id": base_id, "object": "text_completion", "created": created, "model": config.served_model_name}
 
-        async def events() -> AsyncIterator[tuple[_Seq, str, str | None, list[int]]]:
+        async def events() -> AsyncIterator[tuple[SeqState, str, str | None, list[int]]]:
             """(seq, text, finish_reason, [token id]) per generated token, until every prompt has finished."""
             live = len(seqs)
             while live:
@@ -471,7 +381,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
 
 async def _collect(request: Request, events: AsyncIterator[Any], abort_unfinished: Callable[[], None],
-                   head: dict[str, Any], seqs: list[_Seq], usage: Callable[[], dict[str, int]],
+                   head: dict[str, Any], seqs: list[SeqState], usage: Callable[[], dict[str, int]],
                    return_token_ids: bool) -> JSONResponse:
     """Non-streaming reply; aborts the engine requests if the client disconnects while waiting."""
 
