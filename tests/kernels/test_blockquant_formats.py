@@ -58,3 +58,31 @@ def test_swiglu_matches_reference_on_random_shapes(t, f, limit):
     g, u = torch.randn(t, f) * 5, torch.randn(t, f) * 5
     got = swiglu.swiglu(g, u, limit, executor="stand-in")
     assert torch.allclose(got, swiglu_ref(g, u, limit), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(w=st.integers(1, 9), m=st.sampled_from([1, 4, 16]), d=st.integers(1, 140), overlap=st.booleans(),
+       prev=st.booleans())
+def test_compress_pool_matches_reference_on_random_shapes(w, m, d, overlap, prev):
+    from nki_kernels import compress_pool
+    from nki_kernels.reference import compress_pool as pool_ref
+
+    c = 2 * d if overlap else d
+    kv, sc = torch.randn(w, m, c), torch.randn(w, m, c) * 3
+    pk, ps = (torch.randn(m, c), torch.randn(m, c)) if (prev and overlap) else (None, None)
+    got = compress_pool.compress_pool(kv, sc, overlap, pk, ps, executor="stand-in")
+    assert torch.allclose(got, pool_ref(kv, sc, overlap, pk, ps), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(t=st.integers(1, 3), h=st.integers(1, 16), d=st.integers(1, 200), n=st.integers(1, 300),
+       p=st.floats(0.0, 1.0))
+def test_sparse_attn_matches_reference_on_random_shapes(t, h, d, n, p):
+    from nki_kernels import sparse_attn
+    from nki_kernels.reference import sparse_attn as attn_ref
+
+    q, kv = torch.randn(1, t, h, d), torch.randn(1, n, d)
+    valid = torch.rand(1, t, n) < p
+    sink = torch.randn(h)
+    got = sparse_attn.sparse_attn(q, kv, valid, sink, d ** -0.5, executor="stand-in")
+    assert torch.allclose(got, attn_ref(q, kv, valid, sink, d ** -0.5), rtol=1e-4, atol=1e-5)
