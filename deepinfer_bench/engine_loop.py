@@ -65,9 +65,12 @@ def _pick(stats: dict[str, float], *names: str, default: float = 0.0) -> float:
 class EngineLoop:
     """Runs `engine.step()` on a dedicated thread while the engine has unfinished requests."""
 
-    def __init__(self, engine: Any, *, idle_poll_s: float = 0.5) -> None:
+    def __init__(self, engine: Any, *, idle_poll_s: float = 0.5, coalesce_s: float = 0.002) -> None:
         self.engine = engine
         self.idle_poll_s = idle_poll_s
+        # When idle, the first request waits until no other command arrived for `coalesce_s` (at most 4x that) so a
+        # burst of arrivals is prefilled in one step instead of trickling in over several.
+        self.coalesce_s = coalesce_s
         self.stats = LoopStats()
         self.error: BaseException | None = None
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -137,9 +140,11 @@ class EngineLoop:
             return True
         if not self._apply(cmd, arg):
             return False
+        deadline = time.perf_counter() + 4 * self.coalesce_s if block else 0.0
         while True:
+            wait = min(self.coalesce_s, deadline - time.perf_counter())
             try:
-                cmd, arg = self._cmds.get_nowait()
+                cmd, arg = self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait()
             except queue.Empty:
                 return True
             if not self._apply(cmd, arg):

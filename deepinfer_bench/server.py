@@ -61,6 +61,8 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     rejected: int = 0
+    ttft_s_sum: float = 0.0  # server side: request received -> first token handed to the response
+    ttft_count: int = 0
 
 
 def _context_error(max_len: int, prompt_len: int) -> APIError:
@@ -239,6 +241,10 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)
         metric("requests_total", "counter", "Completion requests admitted (one per prompt).",
                [(label, sum(counters.requests.values()) + st.num_running + st.num_waiting)])
+        metric("time_to_first_token_seconds_sum", "counter", "Server-side TTFT summed over requests (receipt -> "
+               "first token).", [(label, counters.ttft_s_sum)])
+        metric("time_to_first_token_seconds_count", "counter", "Requests counted in the TTFT sum.",
+               [(label, counters.ttft_count)])
         metric("requests_rejected_total", "counter", "Requests refused with an error.", [(label, counters.rejected)])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
@@ -251,6 +257,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             raise
 
     async def _completions(request: Request) -> Response:
+        t_arrival = time.perf_counter()
         req = parse_completion_request(await _read_json(request, config.max_body_bytes))
         check_model(req.model)
         require_alive()
@@ -338,6 +345,9 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                     continue  # finished on a stop string; its engine request was aborted
                 if isinstance(item, BaseException):
                     raise APIError(503, str(item), code="engine_dead")
+                if seq.num_tokens == 0 and item.new_token_ids:
+                    counters.ttft_s_sum += time.perf_counter() - t_arrival
+                    counters.ttft_count += 1
                 evs = seq.feed(list(item.new_token_ids), bool(item.finished), item.finish_reason)
                 counters.generation_tokens += min(len(evs), len(item.new_token_ids))
                 for k, (text, reason) in enumerate(evs):
