@@ -1,0 +1,91 @@
+"""EngineLoop on its own: batching of arrivals, aborts, death and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop
+from engine.sampler import SamplingParams
+from engine.scheduler import RequestRejected
+from tests.server.fakes import BOS, FakeEngine
+
+
+class RecordingEngine(FakeEngine):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.batch_sizes: list[int] = []
+
+    def step(self):
+        outs = super().step()
+        self.batch_sizes.append(len(outs))
+        return outs
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_loop(engine, body):
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        try:
+            return await body(loop)
+        finally:
+            await asyncio.to_thread(loop.stop)
+    return asyncio.run(main())
+
+
+def test_burst_of_arrivals_shares_the_first_step() -> None:
+    eng = RecordingEngine()
+
+    async def body(loop: EngineLoop):
+        q: asyncio.Queue = asyncio.Queue()
+        adds = [loop.add([BOS, 5 + i], params(3), f"r{i}", q.put_nowait) for i in range(5)]
+        await asyncio.gather(*adds)
+        done = 0
+        while done < 5:
+            done += (await asyncio.wait_for(q.get(), 5)).finished
+
+    run_loop(eng, body)
+    assert eng.batch_sizes[0] == 5 and sum(eng.batch_sizes) == 15
+
+
+def test_rejection_abort_and_stats() -> None:
+    eng = FakeEngine(step_delay_s=0.01, max_model_len=64)
+
+    async def body(loop: EngineLoop):
+        with pytest.raises(RequestRejected, match="maximum context length"):
+            await loop.add([BOS] * 60, params(10), "too-long", lambda _: None)
+        got: list = []
+        await loop.add([BOS, 7], params(50), "a", got.append)
+        while len(got) < 3:
+            await asyncio.sleep(0.005)
+        loop.abort("a")
+        await asyncio.sleep(0.1)
+        n = len(got)
+        await asyncio.sleep(0.05)
+        return n, len(got), loop.stats
+
+    n1, n2, stats = run_loop(eng, body)
+    assert n1 == n2 < 50  # nothing delivered after the abort
+    assert not eng.has_unfinished() and stats.num_running == 0 and stats.num_kv_blocks_used == 0
+    assert stats.num_kv_blocks_total == eng.num_kv_blocks and stats.num_steps >= 3
+
+
+def test_death_reaches_every_request_and_refuses_new_ones() -> None:
+    eng = FakeEngine(fail_at_step=2)
+
+    async def body(loop: EngineLoop):
+        q: asyncio.Queue = asyncio.Queue()
+        await loop.add([BOS, 1], params(10), "x", q.put_nowait)
+        items = [await asyncio.wait_for(q.get(), 5) for _ in range(2)]
+        assert not loop.alive and "injected" in repr(loop.error)
+        with pytest.raises(EngineDeadError):
+            await loop.add([BOS, 1], params(1), "y", q.put_nowait)
+        return items
+
+    first, second = run_loop(eng, body)
+    assert first.new_token_ids and isinstance(second, EngineDeadError)
