@@ -123,7 +123,8 @@ def serve_cmd(
     err_console.print(f"loading {model_dir} ({config.backend}, {dtype}) ...")
     server_app = build_app(config, served_model_name=served_model_name, api_key=api_key)
     err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port}")
-    uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
+                timeout_graceful_shutdown=10)
 
 
 @bench_app.command("serve")
@@ -150,7 +151,13 @@ def bench_serve_cmd(
                           f"ttft_p50={row.get('ttft_ms_p50', float('nan')):.1f} ms "
                           f"tpot_p50={row.get('tpot_ms_p50', float('nan')):.2f} ms")
 
-    df, info = run_serve_matrix(base_url, m, api_key=api_key, progress=progress)
+    import httpx
+
+    try:
+        df, info = run_serve_matrix(base_url, m, api_key=api_key, progress=progress)
+    except httpx.HTTPError as e:  # the server is not there, or /v1/models failed
+        err_console.print(f"[red]cannot benchmark {base_url}: {type(e).__name__}: {e}[/red]")
+        raise typer.Exit(2) from None
     render_df(df, f"Serving sweep: {m.name} against {info.model}",
               columns=["concurrency", "input_len", "output_len", "completed", "failed", "ttft_ms_p50",
                        "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "e2el_ms_p50", "output_tok_s",

@@ -100,3 +100,10 @@ def test_bench_serve_command(live_server: str, tmp_path: Path) -> None:
     assert list(df.columns) == COLUMNS and len(df) == 2 and (df.status == "ok").all()
     assert (csv.parent / "meta.json").exists()
     assert "online / offline" in r.output
+
+
+def test_bench_serve_without_a_server_is_a_clear_error(tmp_path: Path) -> None:
+    from tests.server.conftest import free_port
+
+    r = runner.invoke(app, ["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "cannot benchmark" in r.output
