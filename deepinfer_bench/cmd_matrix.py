@@ -50,7 +50,11 @@ def matrix_cmd(
         def progress(done: int, total: int, label: str) -> None:
             bar.update(task, completed=done, description=label or "done")
 
-        df = run_matrix(spec, config, progress=progress)
+        try:
+            df = run_matrix(spec, config, progress=progress)
+        except ValueError as e:  # the engine refused the config (e.g. max_model_len beyond the model's)
+            err_console.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
 
     for metric, title in (("ttft_ms_p50", "TTFT p50 ms"), ("tpot_ms_p50", "TPOT p50 ms")):
         for o, table in pivot(df, metric).items():

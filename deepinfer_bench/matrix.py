@@ -244,6 +244,7 @@ def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,
                progress: Progress | None = None) -> pd.DataFrame:
     """Run every cell of `spec` on one engine built from `config` (or over `runner`); one row per cell."""
     engine = LLMEngine(config, runner)
+    _ = engine.runner  # build (load weights) now: a config the runner refuses fails before any cell
     cells = spec.cells
     rows = []
     for k, (b, i, o) in enumerate(cells):
