@@ -42,7 +42,10 @@ def golden_cmd(
     path = save_results(run.table, out, "golden", run.meta)
     n = len(run.table)
     style = "green" if run.ok else "red"
-    err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}]  ->  {path}")
+    toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"
+    err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] (greedy tokens identical: {toks}, "
+                      f"max |dlogit| {run.table['max_abs_dlogit'].max():.2e}, tol {run.table['logit_tol'].iloc[0]})"
+                      f"  ->  {path}")
     raise typer.Exit(0 if run.ok else 1)
 
 

@@ -20,10 +20,12 @@ MAGIC, FORMAT_VERSION = "deepinfer-golden", 1
 REGENERATE = "pip install -e '.[reference]' && python golden/make_golden.py"
 # fp32 must match the fp32 HF reference to ~1e-5; 1e-3 leaves room for summation order, nothing more.
 FP32_LOGIT_TOL = 1e-3
-# bf16 weights/activations vs an fp32 reference: logits move by O(1e-1) on the tiny model (bf16 has 8 mantissa bits,
-# errors compound over 4 layers x 2 mHC sites). A greedy divergence only counts as agreement when the reference's
-# own top-2 margin at that step is within the tolerance (a near tie that bf16 may legitimately flip).
-BF16_LOGIT_TOL = 0.25
+# bf16 vs the fp32 reference: bf16 has 8 mantissa bits and the residual streams are re-rounded at every mHC site, so
+# logits move by O(1) on the tiny model (|logit| up to ~13). Calibration: HF's own bf16 run of the same weights
+# deviates from its fp32 run by 1.5-2.9 on the first six golden prompts (measured 2026-12-02, transformers 5.24), so
+# the bf16 tolerance is 3.0. A greedy divergence only counts as agreement when the reference's own top-2 margin at
+# that step is within the tolerance (a near tie that bf16 may legitimately flip).
+BF16_LOGIT_TOL = 3.0
 
 COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
            "max_abs_dlogit", "logit_tol", "verdict"]
