@@ -61,6 +61,7 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     rejected: int = 0
+    admitted: int = 0
     ttft_s_sum: float = 0.0  # server side: request received -> first token handed to the response
     ttft_count: int = 0
 
@@ -216,7 +217,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             lines.extend([f"# HELP deepinfer:{name} {doc}", f"# TYPE deepinfer:{name} {kind}"])
             lines.extend(f"deepinfer:{name}{labels} {value:g}" for labels, value in samples)
 
-        label = f'{{model_name="{config.served_model_name}"}}'
+        model = config.served_model_name.replace("\\", "\\\\").replace('"', '\\"')
+        label = f'{{model_name="{model}"}}'
         metric("num_requests_running", "gauge", "Requests in the running batch.", [(label, st.num_running)])
         metric("num_requests_waiting", "gauge", "Requests waiting for KV blocks or a batch slot.",
                [(label, st.num_waiting)])
@@ -236,15 +238,13 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             metric("engine_generated_tokens_total", "counter", "Tokens the engine generated (aborted ones too).",
                    [(label, st.num_generated_tokens)])
         metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks.", [(label, st.num_preemptions)])
-        reasons = [(f'{{model_name="{config.served_model_name}",finished_reason="{r}"}}', n)
+        reasons = [(f'{{model_name="{model}",finished_reason="{r}"}}', n)
                    for r, n in sorted(counters.requests.items())]
         metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)
         metric("requests_total", "counter", "Completion requests admitted (one per prompt).",
-               [(label, sum(counters.requests.values()) + st.num_running + st.num_waiting)])
-        metric("time_to_first_token_seconds_sum", "counter", "Server-side TTFT summed over requests (receipt -> "
-               "first token).", [(label, counters.ttft_s_sum)])
-        metric("time_to_first_token_seconds_count", "counter", "Requests counted in the TTFT sum.",
-               [(label, counters.ttft_count)])
+               [(label, counters.admitted)])
+        metric("time_to_first_token_seconds", "summary", "Server-side TTFT: request received -> first token.",
+               [(f"_sum{label}", counters.ttft_s_sum), (f"_count{label}", counters.ttft_count)])
         metric("requests_rejected_total", "counter", "Requests refused with an error.", [(label, counters.rejected)])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
@@ -331,6 +331,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
             raise e
         seqs.extend(seq for seq, _, _ in pending)
         counters.prompt_tokens += sum(len(ids) for _, ids, _ in pending)
+        counters.admitted += len(pending)
 
         created = int(time.time())
         head = {"id": base_id, "object": "text_completion", "created": created, "model": config.served_model_name}

@@ -291,3 +291,6 @@ def test_metrics(client: TestClient) -> None:
     assert values["deepinfer:kv_cache_usage_perc"] == 0 and values["deepinfer:kv_blocks_total"] == 64
     assert 'deepinfer:request_success_total{model_name="fake-tiny",finished_reason="length"} 1' in text
     assert values["deepinfer:requests_total"] == 1
+    assert values["deepinfer:time_to_first_token_seconds_count"] == 1
+    assert 0 < values["deepinfer:time_to_first_token_seconds_sum"] < 5
+    assert "# TYPE deepinfer:time_to_first_token_seconds summary" in text
