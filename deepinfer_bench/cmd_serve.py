@@ -113,6 +113,11 @@ def serve_cmd(
     from engine.envs import get_envs
     from engine.llm import EngineConfig
 
+    if cp > 1:
+        # LLMEngine drives one rank; a multi-rank serving driver (rank 0 schedules, all ranks step) does not exist
+        # yet, and silently serving with cp=1 would mislabel every number.
+        raise typer.BadParameter("--cp > 1 is not supported by `deepinfer serve` yet (the engine has no multi-rank "
+                                 "serving driver); use --cp 1", param_hint="--cp")
     try:
         config = EngineConfig(model_dir=str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,

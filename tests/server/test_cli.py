@@ -38,6 +38,8 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000
     r = runner.invoke(app, ["serve", "--dtype", "float16", "--backend", "host"])
     assert r.exit_code != 0 and "dtype" in r.output
+    r = runner.invoke(app, ["serve", "--cp", "2", "--backend", "host"])
+    assert r.exit_code != 0 and "--cp" in r.output
 
 
 def test_neuron_backend_sets_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
