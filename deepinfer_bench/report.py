@@ -47,7 +47,7 @@ def render_df(df: pd.DataFrame, title: str, *, console: Console | None = None, s
     for c in cols:
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
         table.add_column(c, justify="right" if numeric else "left", style=(styles or {}).get(c))
-    for _, row in df[cols].iterrows():
+    for row in df[cols].to_dict("records"):  # keeps each column's own type (iterrows would upcast ints)
         cells = []
         for c in cols:
             text = _fmt(row[c])

@@ -14,10 +14,14 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.backends import get_backend
 from engine.config import ModelConfig
+from engine.envs import get_envs
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
 from engine.parallel import Parallel, check_layout
+from engine.profiling import RegionTimer
+from engine.regions import GRAPH_MODES, RegionRunner
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -59,6 +63,11 @@ class RunnerConfig:
     dtype: str = "float32"
     batch_decode: bool = True  # vectorised decode path (False: every sequence goes through the chunk path)
     with_mtp: bool = False  # keep MTP weights (loaded anyway by `deepinfer generate`? no: only when asked)
+    # Region graphs (engine/regions.py); None = take the DEEPINFER_* flag (engine/envs.py).
+    graph_mode: str | None = None  # eager | regions | layer
+    region_timing: bool | None = None
+    moe_capacity: float | None = None  # capacity factor of the grouped expert path for prefill chunks
+    host_compiler: str | None = None  # inductor | aot_eager | eager
 
 
 class ModelRunner:
@@ -71,8 +80,24 @@ class ModelRunner:
         self.max_model_len = min(rc.max_model_len, cfg.max_position_embeddings)
         layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
         self.num_steps = 0  # forward calls so far
+        envs = get_envs()
+        pick = lambda v, flag: flag if v is None else v  # noqa: E731
+        self.graph_mode = pick(rc.graph_mode, envs.DEEPINFER_NEURON_GRAPH_MODE)
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode {self.graph_mode!r}: expected one of {', '.join(GRAPH_MODES)}")
+        self.timer = RegionTimer(enabled=bool(pick(rc.region_timing, envs.DEEPINFER_NEURON_REGION_TIMING)))
+        for layer in [*model.layers, *model.mtp]:
+            layer.ffn.capacity = float(pick(rc.moe_capacity, envs.DEEPINFER_NEURON_MOE_CAPACITY))
         self.cache = KVCache(cfg, rc.max_num_seqs, rc.num_kv_blocks, self.block_size, self.dtype, layer_ids,
-                             cp=self.par.cp)
+                             cp=self.par.cp, scratch=self.graph_mode != "eager")
+        self.regions: RegionRunner | None = None
+        if self.graph_mode != "eager":
+            backend = get_backend("neuron" if envs.DEEPINFER_BACKEND == "neuron" else "host",
+                                  **({} if envs.DEEPINFER_BACKEND == "neuron" else
+                                     {"compiler": pick(rc.host_compiler, envs.DEEPINFER_HOST_COMPILER)}))
+            self.timer = RegionTimer(enabled=self.timer.enabled, synchronize=backend.synchronize)
+            self.regions = RegionRunner(model, self.cache, self.graph_mode, backend,
+                                        max_blocks=-(-self.max_model_len // self.block_size), timer=self.timer)
 
     # -- construction ----------------------------------------------------------------------------------------------
     @classmethod
@@ -114,14 +139,18 @@ class ModelRunner:
             need = -(-(s.start + s.n) // self.block_size)
             if len(s.block_table) < need:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
-        plan = StepPlan.build(steps, self.block_size, batch_decode=self.rc.batch_decode)
         self.num_steps += 1
-        x = self.model.hidden(input_ids, plan, self.cache)
+        if self.regions is not None and self.rc.batch_decode and steps and all(s.n == 1 for s in steps):
+            x = self.regions.decode_step(steps, input_ids)  # pure decode: region graphs
+        else:
+            plan = StepPlan.build(steps, self.block_size, batch_decode=self.rc.batch_decode)
+            x = self.model.hidden(input_ids, plan, self.cache, self.timer)
         if return_hidden:
             return x
         if logit_index is None:
             logit_index = torch.tensor([s.token_start + s.n - 1 for s in steps])
-        return self.model.logits(x[logit_index])
+        with self.timer.region("head"):
+            return self.model.logits(x[logit_index])
 
     def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
         """Scheduler entry point: for each (seq, n), process seq.all_token_ids[num_computed : num_computed + n] at
@@ -133,11 +162,17 @@ class ModelRunner:
 
 def build_runner(config: Any, par: Parallel | None = None) -> ModelRunner:
     """Build a runner from an engine config (duck-typed: model_dir, dtype, max_num_seqs, num_kv_blocks, block_size,
-    max_model_len)."""
+    max_model_len, load_format). `load_format="dummy"` takes random weights for the directory's config.json."""
     rc = RunnerConfig(
         max_num_seqs=config.max_num_seqs, num_kv_blocks=config.num_kv_blocks,
         block_size=getattr(config, "block_size", None), max_model_len=config.max_model_len,
         dtype=str(config.dtype))
+    if getattr(config, "load_format", "safetensors") == "dummy":
+        from engine.model.dummy import random_weights
+
+        cfg = ModelConfig.from_json(Path(config.model_dir))
+        return ModelRunner.from_state_dict(cfg, random_weights(cfg, seed=getattr(config, "seed", 0),
+                                                               with_mtp=False), rc, par)
     return ModelRunner.from_model_dir(config.model_dir, rc, par)
 
 

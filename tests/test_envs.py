@@ -1,0 +1,50 @@
+"""Environment flags: one typed reader, nothing else touches os.environ."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from engine.envs import Envs, read_envs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_only_envs_module_reads_the_environment() -> None:
+    offenders = []
+    for pkg in ("engine", "deepinfer_bench", "nki_kernels"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path == ROOT / "engine" / "envs.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv") \
+                        and isinstance(node.value, ast.Name) and node.value.id == "os":
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"os.environ/getenv outside engine/envs.py: {offenders}"
+
+
+def test_read_envs_parses_types_and_defaults() -> None:
+    e = read_envs({"DEEPINFER_NEURON_GRAPH_MODE": "layer", "DEEPINFER_NEURON_REGION_TIMING": "1",
+                   "NEURON_RT_VISIBLE_CORES": "0-3", "PATH": "/bin"})
+    assert e.DEEPINFER_NEURON_GRAPH_MODE == "layer"
+    assert e.DEEPINFER_NEURON_REGION_TIMING is True
+    assert dict(e.recorded) == {"NEURON_RT_VISIBLE_CORES": "0-3"}
+    assert read_envs({}) == Envs()
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"DEEPINFER_NEURON_GRAPH_MODE": "graphs"}, "expected one of eager, regions, layer"),
+    ({"DEEPINFER_NEURON_REGION_TIMING": "maybe"}, "expected 0/1"),
+    ({"DEEPINFER_GRAPH_MODE": "eager"}, "unknown environment flag DEEPINFER_GRAPH_MODE"),
+])
+def test_bad_flags_are_clear_errors(env: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        read_envs(env)
+
+
+def test_graph_hash_tracks_only_graph_flags() -> None:
+    base = read_envs({})
+    assert read_envs({"DEEPINFER_NEURON_REGION_TIMING": "1"}).graph_hash() == base.graph_hash()
+    assert read_envs({"DEEPINFER_NEURON_GRAPH_MODE": "layer"}).graph_hash() != base.graph_hash()
