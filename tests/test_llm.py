@@ -72,7 +72,8 @@ def test_kv_usage_observable_and_returned():
     s = eng.stats()
     assert s.num_used_blocks == 4 and s.kv_usage == pytest.approx(4 / 16) and s.num_running == 1
     run_all(eng)
-    assert eng.stats().num_used_blocks == 0 and eng.stats().peak_used_blocks == 6  # 30 prompt + 11 fed outputs = 41 positions
+    # 30 prompt + 11 fed outputs = 41 positions
+    assert eng.stats().num_used_blocks == 0 and eng.stats().peak_used_blocks == 6
     eng.reset_peak_usage()
     assert eng.stats().peak_used_blocks == 0
 

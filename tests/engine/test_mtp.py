@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_bench.golden import GOLDEN_DIR
 from engine.model.cache import SeqStep, StepPlan
 from engine.runner import ModelRunner, RunnerConfig
-from deepinfer_bench.golden import GOLDEN_DIR
 
 
 def _mtp_logits(runner: ModelRunner, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
