@@ -10,6 +10,7 @@ Both call the same reference ops, and tests check that they agree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from engine.config import ModelConfig
 from engine.model.cache import LayerCache, SeqStep, StepPlan
 from engine.model.layers import Linear, RMSNorm, Rope, _empty
 from engine.parallel import Parallel
+from engine.profiling import no_split
 from nki_kernels.reference import (
     compress_pool,
     grouped_out_proj,
@@ -110,6 +112,34 @@ class Compressor(nn.Module):
             pooled = compress_pool(skv, ssc, False)  # [C, D]
         w = pos[closing] // m
         self._store(self.finish(pooled, w * m, rope, dtype), w, pool, tables[closing])
+
+    def decode_static(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      st_kv: torch.Tensor, st_score: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
+                      rope: Rope, dtype: torch.dtype) -> None:
+        """`decode` with static shapes (compiled regions): every row pools, rows whose block does not close (or whose
+        entry another cp rank owns) write to the pool's scratch block, and the CSA state shift is a torch.where.
+        kv/score [B, coff*D], pos/slots [B], tables [B, NB]; states indexed by slots (padded rows: scratch slot)."""
+        m = self.ratio
+        off = m if self.overlap else 0
+        row = off + pos % m
+        st_kv[slots, row] = kv
+        st_score[slots, row] = score + self.ape[pos % m]
+        closing = (pos + 1) % m == 0  # [B]
+        skv, ssc = st_kv[slots], st_score[slots]  # [B, coff*m, coff*D]
+        if self.overlap:
+            pooled = compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m], ssc[:, :m])[:, 0]  # [B, D]
+            shift = closing.view(-1, 1, 1)
+            st_kv[slots, :m] = torch.where(shift, skv[:, m:], skv[:, :m])
+            st_score[slots, :m] = torch.where(shift, ssc[:, m:], ssc[:, :m])
+        else:
+            pooled = compress_pool(skv, ssc, False)  # [B, D]
+        w = pos // m
+        entries = self.finish(pooled, w * m, rope, dtype)  # [B, D]
+        keep = closing & (w % self.cp == self.rank)
+        u = w // self.cp
+        epb = pool.shape[1]
+        blk = tables.gather(1, (u // epb).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [B]
+        pool[torch.where(keep, blk, pool.shape[0] - 1), u % epb] = entries
 
     def _store(self, entries: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor) -> None:
         """Write entries [K, D] with ids w [K] into the pool; under cp only this rank's share (w % cp == rank), at
@@ -206,22 +236,38 @@ class Attention(nn.Module):
     def _rope_tail(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return torch.cat([x[..., : -self.rd], rope_apply(x[..., -self.rd:], cos, sin, inverse)], dim=-1)
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
-        """x [T, dim] (attn_norm applied) -> [T, dim]."""
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, dim] -> q [T, H, D], kv [T, D], qr [T, q_lora]."""
         t = x.shape[0]
-        cos, sin = self.rope.cos_sin(plan.positions)  # [T, rd/2]
         qr = rms_norm(linear(x, self.wq_a.weight), self.q_norm.weight, self.eps)  # [T, q_lora]
         q = linear(qr, self.wq_b.weight).view(t, self.n_heads, self.head_dim)
         q = rms_norm(q, None, self.eps)  # per-head unweighted RMS
         q = self._rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [T, H, D]
         kv = rms_norm(linear(x, self.wkv.weight), self.kv_norm.weight, self.eps)
         kv = self._rope_tail(kv, cos, sin)  # [T, D]
+        return q, kv, qr
+
+    def _aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
+        """Compressor projections ("c", "i") and indexer queries/weights ("q") of all tokens."""
         aux = {}
         if self.ratio:
             aux["c"] = self.compressor.project(x)
             if self.indexer is not None:
                 aux["i"] = self.indexer.compressor.project(x)
                 aux["q"] = self.indexer.queries(x, qr, cos, sin)
+        return aux
+
+    def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE, grouped wo_a, wo_b: o [T, H, D] -> [T, dim]."""
+        o = self._rope_tail(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        o = grouped_out_proj(o.reshape(o.shape[0], -1), self.wo_a.weight, self.cfg.o_groups)
+        return linear(o, self.wo_b.weight)
+
+    def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
+        """x [T, dim] (attn_norm applied) -> [T, dim]."""
+        cos, sin = self.rope.cos_sin(plan.positions)  # [T, rd/2]
+        q, kv, qr = self._qkv(x, cos, sin)
+        aux = self._aux(x, qr, cos, sin)
         groups = []
         if plan.dec_tokens is not None:
             groups.append(self._decode(q, kv, aux, plan, cache))
@@ -234,9 +280,7 @@ class Attention(nn.Module):
         o = torch.empty_like(q)
         for g, og in zip(groups, self._attend(groups), strict=True):
             o[g.rows] = og.flatten(0, 1)
-        o = self._rope_tail(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        o = grouped_out_proj(o.reshape(t, -1), self.wo_a.weight, self.cfg.o_groups)
-        return linear(o, self.wo_b.weight)
+        return self._out(o, cos, sin)
 
     def _select(self, groups: list[_Group]) -> None:
         """The indexer's causal top-k for every group; global across ranks with ONE all-gather per layer."""
@@ -314,6 +358,52 @@ class Attention(nn.Module):
             ikeys = gather_entries(cache.idx_pool, tables, nloc)  # [B, E, Di]
             g.scores = index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
             g.visible, g.ids = visible, ids
+
+    # -- static shapes: B sequences, one token each, in a compiled region ------------------------------------------
+    def decode_static(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                      cache: LayerCache, split: Callable[[str], None] = no_split) -> torch.Tensor:
+        """The decode path without host syncs or data-dependent shapes, for region graphs (engine/regions.py).
+
+        x [B, dim] (attn_norm applied): row b is the token at pos[b] of the sequence in slots[b], with block table
+        tables[b] [NB] (NB a static bucket). Padded rows point at the cache's scratch slot and block. Entries are
+        gathered up to the bucket (NB * entries per block) and masked by position instead of cut at the longest
+        sequence; writes that must not happen go to the scratch slot/block. Same math as `_decode` -> [B, dim].
+        `split(stage)` marks stage boundaries (a no-op unless region timing is on)."""
+        cos, sin = self.rope.cos_sin(pos)  # [B, rd/2]
+        q, kv, qr = self._qkv(x, cos, sin)
+        aux = self._aux(x, qr, cos, sin)
+        cp, wl = self.cp, cache.win_kv.shape[1]
+        own = self._owned(pos)
+        cache.win_kv[torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl] = kv.to(cache.win_kv.dtype)
+        keys = cache.win_kv[slots]  # [B, wl, D]
+        jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")  # [B]
+        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl)[None]) % wl
+        g = _Group(rows=slice(None), q=q[:, None], keys=keys, valid=(j >= 0)[:, None])  # valid [B, 1, wl]
+        split("attn.qkv")
+        if self.ratio:
+            self.compressor.decode_static(*aux["c"], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_pool,
+                                          tables, self.rope, cache.cmp_pool.dtype)
+            if self.indexer is not None:
+                self.indexer.compressor.decode_static(*aux["i"], pos, slots, cache.idx_kv, cache.idx_score,
+                                                      cache.idx_pool, tables, self.rope, cache.idx_pool.dtype)
+            split("attn.compress")
+            visible = ((pos + 1) // self.ratio)[:, None]  # [B, 1] global count of causal entries
+            nloc = tables.shape[1] * cache.cmp_pool.shape[1]  # static: every entry the tables can hold
+            ids = self.rank + cp * torch.arange(nloc)  # [E] global ids
+            g.n_win = wl
+            g.keys = torch.cat([keys, cache.cmp_pool[tables].flatten(1, 2).to(keys.dtype)], 1)  # [B, wl + E, D]
+            g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
+            if self.indexer is not None:
+                ikeys = cache.idx_pool[tables].flatten(1, 2)  # [B, E, Di]
+                g.scores = index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
+                g.visible, g.ids = visible, ids
+                self._select([g])
+                split("attn.index")
+        o = self._attend([g])[0][:, 0]  # [B, H, D]
+        split("attn.core")
+        out = self._out(o, cos, sin)
+        split("attn.out")
+        return out
 
     # -- one sequence ----------------------------------------------------------------------------------------------
     def _chunk(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, s: SeqStep, cache: LayerCache,

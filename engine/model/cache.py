@@ -43,11 +43,33 @@ class LayerCache:
                 st[slot].fill_(float("-inf"))
 
 
+def _layer_spec(cfg: ModelConfig, m: int, num_slots: int, num_blocks: int, block_size: int, cp: int,
+                dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of one layer's tensors (compress ratio m)."""
+    d, di, win = cfg.head_dim, cfg.index_head_dim, cfg.window_size
+    spec = {"win_kv": ((num_slots, win // cp, d), dtype)}
+    if m:
+        coff = 2 if m == 4 else 1
+        spec["cmp_kv"] = spec["cmp_score"] = ((num_slots, coff * m, coff * d), torch.float32)
+        spec["cmp_pool"] = ((num_blocks, block_size // (m * cp), d), dtype)
+        if m == 4:
+            spec["idx_kv"] = spec["idx_score"] = ((num_slots, 2 * m, 2 * di), torch.float32)
+            spec["idx_pool"] = ((num_blocks, block_size // (m * cp), di), dtype)
+    return spec
+
+
 class KVCache:
-    """All layers' state for `num_slots` sequences and a pool of `num_blocks` x `block_size` positions."""
+    """All layers' state for `num_slots` sequences and a pool of `num_blocks` x `block_size` positions.
+
+    Storage is a few **root tensors** per compress ratio, stacked over the layers of that ratio
+    (`roots[m]["win_kv"]` is [L_m, S, win, D], ...); `layers[lid]` holds views into them. A compiled region takes
+    the roots of its layer's ratio and slices its layer inside the graph (`layer_view`), instead of being passed
+    every per-layer tensor. With `scratch=True` there is one extra slot (index num_slots) and one extra pool block
+    (index num_blocks) that padded rows of a static-shape decode batch write to (engine/regions.py).
+    """
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu") -> None:
+                 layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu", scratch: bool = False) -> None:
         """Under context parallelism (cp > 1) this holds one rank's share: win/cp ring rows and block_size/(m*cp)
         entries per block (engine/parallel.py)."""
         for lid in layer_ids:
@@ -58,33 +80,36 @@ class KVCache:
         if cfg.window_size % cp:
             raise ValueError(f"window_size={cfg.window_size} is not divisible by cp={cp}")
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
-        d, di, win = cfg.head_dim, cfg.index_head_dim, cfg.window_size
-        self.layers: dict[int, LayerCache] = {}
+        self.scratch = scratch
+        extra = 1 if scratch else 0
+        by_ratio: dict[int, list[int]] = {}
         for lid in layer_ids:
-            m = cfg.compress_ratios[lid]
-            lc = LayerCache(ratio=m, win_kv=torch.zeros(num_slots, win // cp, d, dtype=dtype, device=device))
-            if m:
-                coff = 2 if m == 4 else 1
-                lc.cmp_kv = torch.zeros(num_slots, coff * m, coff * d, device=device)
-                lc.cmp_score = torch.full((num_slots, coff * m, coff * d), float("-inf"), device=device)
-                lc.cmp_pool = torch.zeros(num_blocks, block_size // (m * cp), d, dtype=dtype, device=device)
-                if m == 4:
-                    lc.idx_kv = torch.zeros(num_slots, 2 * m, 2 * di, device=device)
-                    lc.idx_score = torch.full((num_slots, 2 * m, 2 * di), float("-inf"), device=device)
-                    lc.idx_pool = torch.zeros(num_blocks, block_size // (m * cp), di, dtype=dtype, device=device)
-            self.layers[lid] = lc
+            by_ratio.setdefault(cfg.compress_ratios[lid], []).append(lid)
+        self.roots: dict[int, dict[str, torch.Tensor]] = {}
+        self.where: dict[int, tuple[int, int]] = {}  # layer id -> (ratio, index in its ratio's roots)
+        for m, lids in by_ratio.items():
+            spec = _layer_spec(cfg, m, num_slots + extra, num_blocks + extra, block_size, cp, dtype)
+            roots = {}
+            for name, (shape, dt) in spec.items():
+                fill = float("-inf") if name.endswith("_score") else 0.0
+                roots[name] = torch.full((len(lids), *shape), fill, dtype=dt, device=device)
+            self.roots[m] = roots
+            for i, lid in enumerate(lids):
+                self.where[lid] = (m, i)
+        self.layers: dict[int, LayerCache] = {lid: self.layer_view(lid, self.roots[self.where[lid][0]])
+                                              for lid in layer_ids}
+
+    def layer_view(self, lid: int, roots: dict[str, torch.Tensor]) -> LayerCache:
+        """Layer `lid`'s tensors as views of `roots` (the roots of its ratio); cheap, so graphs call it inside."""
+        m, i = self.where[lid]
+        return LayerCache(ratio=m, **{name: t[i] for name, t in roots.items()})
 
     def reset_slot(self, slot: int) -> None:
         for lc in self.layers.values():
             lc.reset_slot(slot)
 
     def nbytes(self) -> int:
-        total = 0
-        for lc in self.layers.values():
-            for t in (lc.win_kv, lc.cmp_kv, lc.cmp_score, lc.cmp_pool, lc.idx_kv, lc.idx_score, lc.idx_pool):
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for roots in self.roots.values() for t in roots.values())
 
 
 @dataclass

@@ -4,6 +4,8 @@ final norm and head, and the MTP block (§2). Module and parameter names are Dee
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ from engine.model.cache import KVCache, StepPlan
 from engine.model.layers import Embedding, Linear, RMSNorm, _empty
 from engine.model.moe import MoE
 from engine.parallel import Parallel
+from engine.profiling import RegionTimer, no_split
 from nki_kernels.reference import hc_collapse, hc_expand, hc_head, hc_mixes, linear, rms_norm
 
 # Tensors that stay fp32 whatever the compute dtype (official: mHC, sinks, ape, router, compressor, head, norms).
@@ -43,15 +46,28 @@ class Block(nn.Module):
         return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                         getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
+    def hc_site(self, x: torch.Tensor, site: str, inner: Callable[[torch.Tensor], torch.Tensor],
+                split: Callable[[str], None] = no_split) -> torch.Tensor:
+        """One half of the block around `inner` (attention or MoE): mHC collapse, norm, inner, mHC expand.
+        x [T, n, dim] -> [T, n, dim]; `split` marks the stage boundaries (engine/regions.py)."""
+        stage = "attn" if site == "attn" else "moe"
+        pre, post, comb = self._mix(x, site)
+        h = rms_norm(hc_collapse(x, pre), getattr(self, f"{site}_norm").weight, self.cfg.norm_eps)  # [T, dim]
+        split(f"{stage}.hc_pre")
+        y = inner(h)  # [T, dim]
+        x = hc_expand(y, x, post, comb)  # [T, n, dim]
+        split(f"{stage}.hc_post")
+        return x
+
+    def attn_half(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        return self.hc_site(x, "attn", lambda h: self.attn(h, plan, cache.layers[self.layer_id]))
+
+    def ffn_half(self, x: torch.Tensor, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hc_site(x, "ffn", lambda h: self.ffn(h, input_ids, grouped=bool(plan.prefill)))
+
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, input_ids: torch.Tensor) -> torch.Tensor:
         """x: residual streams [T, n, dim] -> [T, n, dim]."""
-        eps = self.cfg.norm_eps
-        pre, post, comb = self._mix(x, "attn")
-        h = rms_norm(hc_collapse(x, pre), self.attn_norm.weight, eps)
-        x = hc_expand(self.attn(h, plan, cache.layers[self.layer_id]), x, post, comb)
-        pre, post, comb = self._mix(x, "ffn")
-        h = rms_norm(hc_collapse(x, pre), self.ffn_norm.weight, eps)
-        return hc_expand(self.ffn(h, input_ids), x, post, comb)
+        return self.ffn_half(self.attn_half(x, plan, cache), plan, input_ids)
 
 
 class MTPBlock(Block):
@@ -105,12 +121,27 @@ class Transformer(nn.Module):
                 cast[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
         self.load_state_dict(cast, strict=True, assign=True)
 
-    def hidden(self, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
-        """input_ids [T] -> last-layer residual streams [T, n, dim]."""
+    def streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the embedding copied into every residual stream [T, n, dim]."""
         e = self.embed.weight[input_ids]  # [T, dim]
-        x = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def hidden(self, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+               timer: RegionTimer | None = None) -> torch.Tensor:
+        """input_ids [T] -> last-layer residual streams [T, n, dim]. With an enabled `timer` each half of each layer
+        is timed as region `attn` / `moe` (eager: no stages inside)."""
+        if timer is None or not timer.enabled:
+            x = self.streams(input_ids)
+            for layer in self.layers:
+                x = layer(x, plan, cache, input_ids)
+            return x
+        with timer.region("embed"):
+            x = self.streams(input_ids)
         for layer in self.layers:
-            x = layer(x, plan, cache, input_ids)
+            with timer.region("attn", layer.layer_id):
+                x = layer.attn_half(x, plan, cache)
+            with timer.region("moe", layer.layer_id):
+                x = layer.ffn_half(x, plan, input_ids)
         return x
 
     def logits(self, x: torch.Tensor, hc: nn.Module | None = None, norm: RMSNorm | None = None) -> torch.Tensor:

@@ -4,12 +4,16 @@ parallelism): `local_experts` says which ones this process holds; the exchange i
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.layers import Linear, _empty
 from engine.parallel import Parallel
+from engine.profiling import no_split
 from nki_kernels.reference import gate_scores, linear, route, swiglu
 
 
@@ -59,6 +63,8 @@ class MoE(nn.Module):
             [Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if i in self.local else None
              for i in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
+        self.capacity = 0.0  # capacity factor of the grouped path (0 = off); set by the runner
+        self.overflows = 0  # multi-token calls that overflowed and re-ran on the dense path
 
     def routed_local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over this process's experts of w_i * Expert_i(x): x [T, dim], weights/indices [T, K] -> fp32."""
@@ -71,15 +77,74 @@ class MoE(nn.Module):
             y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, k, None]))
         return y
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] (ffn_norm applied) -> [T, dim]."""
+    def routed_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`routed_local` with static shapes (decode regions): every local expert runs on every token with its routing
+        weight, 0 where not chosen (a 0 weight makes the row exactly 0). x [T, dim], weights/indices [T, K] -> fp32."""
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in self.local:
+            w = (weights * (indices == e)).sum(-1, keepdim=True)  # [T, 1]
+            y = y + self.experts[e](x, w)
+        return y
+
+    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor,
+                       indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Capacity-grouped `routed_local` (prefill chunks): the (token, k) pairs of each expert, in token order, fill
+        a fixed [C, dim] group, C = ceil(capacity * T * K / E); unused rows carry weight 0. Returns (fp32 [T, dim],
+        overflow: bool tensor, true when some expert got more than C pairs; then the result is incomplete and the
+        caller re-runs the dense path). Static shapes throughout: one graph per (T, C)."""
+        t, k = indices.shape
+        cap = max(1, math.ceil(self.capacity * t * k / self.n_experts))
+        flat = indices.flatten()  # [T*K] pair p = (p // K, p % K)
+        onehot = torch.nn.functional.one_hot(flat, self.n_experts)  # [T*K, E]
+        rank = (onehot.cumsum(0) - 1).gather(1, flat[:, None])[:, 0]  # [T*K] position within its expert's group
+        overflow = onehot.sum(0).max() > cap
+        fits = rank < cap
+        dest = torch.where(fits, flat * cap + rank, self.n_experts * cap)  # [T*K]; overflowing pairs -> dropped row
+        tok = torch.zeros(self.n_experts * cap + 1, dtype=torch.long, device=x.device)
+        wgt = torch.zeros(self.n_experts * cap + 1, dtype=torch.float32, device=x.device)
+        tok[dest] = torch.arange(t * k, device=x.device) // k
+        wgt[dest] = weights.flatten()
+        tok, wgt = tok[:-1].view(self.n_experts, cap), wgt[:-1].view(self.n_experts, cap)  # [E, C]
+        y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        for e in self.local:
+            y.index_add_(0, tok[e], self.experts[e](x[tok[e]], wgt[e, :, None]))
+        return y, overflow
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+               grouped: bool = False) -> torch.Tensor:
+        """Routed experts of this process: with `grouped` (a step with prefill chunks) and a capacity factor set, the
+        capacity-grouped path, falling back to the dense path on overflow; else `routed_local`."""
+        if grouped and self.capacity > 0 and x.shape[0] > 1:
+            y, overflow = self.routed_grouped(x, weights, indices)
+            if not bool(overflow):
+                return y
+            self.overflows += 1
+        return self.routed_local(x, weights, indices)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+        """x [T, dim] (ffn_norm applied) -> [T, dim]. `grouped`: the step has prefill chunks (capacity path)."""
         if self.par is not None:
-            return self._forward_ep(x, input_ids)
+            return self._forward_ep(x, input_ids, grouped=grouped)
         weights, indices = self.gate(x, input_ids)
-        y = self.routed_local(x, weights, indices) + self.shared_experts(x)
+        y = self.routed(x, weights, indices, grouped) + self.shared_experts(x)
         return y.to(x.dtype)
 
-    def _forward_ep(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_static(self, x: torch.Tensor, input_ids: torch.Tensor,
+                       split: Callable[[str], None] = no_split) -> torch.Tensor:
+        """`forward` with static shapes for decode regions (dense routed experts; under expert parallelism the same
+        static exchange). x [T, dim] -> [T, dim]."""
+        if self.par is not None:
+            return self._forward_ep(x, input_ids, static=True, split=split)
+        weights, indices = self.gate(x, input_ids)
+        split("moe.gate")
+        y = self.routed_dense(x, weights, indices)
+        split("moe.experts")
+        y = y + self.shared_experts(x)
+        split("moe.shared")
+        return y.to(x.dtype)
+
+    def _forward_ep(self, x: torch.Tensor, input_ids: torch.Tensor, static: bool = False, grouped: bool = False,
+                    split: Callable[[str], None] = no_split) -> torch.Tensor:
         """Static MoE exchange (engine/parallel.py): route my 1/cp share of the tokens, ONE packed fp32 all-gather of
         (x, weights, expert ids), my experts over every token, ONE all-reduce. The shared expert is added once, by the
         token's owner."""
@@ -92,8 +157,15 @@ class MoE(nn.Module):
             pad = packed.new_zeros(per - (hi - lo), packed.shape[1])
             pad[:, -k:] = -1
             packed = torch.cat([packed, pad], 0)
+        split("moe.gate")
         rows = torch.cat(par.all_gather(packed, f"L{self.layer_id}.moe.exchange"), 0)[:t]  # [T, dim + 2K]
+        split("moe.exchange")
         xs = rows[:, : -2 * k].to(x.dtype)
-        y = self.routed_local(xs, rows[:, -2 * k: -k], rows[:, -k:].long())
+        w, idx = rows[:, -2 * k: -k], rows[:, -k:].long()
+        y = self.routed_dense(xs, w, idx) if static else self.routed(xs, w, idx, grouped)
+        split("moe.experts")
         y[lo:hi] += self.shared_experts(x[lo:hi])
-        return par.all_reduce(y, f"L{self.layer_id}.moe.combine").to(x.dtype)
+        split("moe.shared")
+        y = par.all_reduce(y, f"L{self.layer_id}.moe.combine").to(x.dtype)
+        split("moe.combine")
+        return y

@@ -1,0 +1,38 @@
+"""`deepinfer bench engine-vs-hf`: engine and HF reference decode speed, side by side in one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import typer
+
+from deepinfer_bench.app import bench_app
+from deepinfer_bench.report import DEFAULT_MODEL_DIR, DEFAULT_OUT_DIR, err_console, render_df, save_results
+
+
+@bench_app.command("engine-vs-hf")
+def engine_vs_hf_cmd(
+    model_dir: Annotated[Path, typer.Option(help="Model dir (default: the tiny model).")] = DEFAULT_MODEL_DIR,
+    prompt_len: Annotated[int, typer.Option(min=1)] = 64,
+    steps: Annotated[int, typer.Option(min=2, help="Decode steps per repeat.")] = 64,
+    batch: Annotated[int, typer.Option(min=2, help="Batch size of the batched-decode measurement.")] = 32,
+    repeats: Annotated[int, typer.Option(min=1)] = 3,
+    out: Annotated[Path, typer.Option()] = DEFAULT_OUT_DIR,
+) -> None:
+    """Batch-1 greedy decode (engine vs HF transformers, fp32) and engine batched-decode throughput, interleaved."""
+    from deepinfer_bench.speed import run_speed
+
+    err_console.print(f"[dim]timing {repeats} x {steps} decode steps after a {prompt_len}-token prefill ...[/dim]")
+    df, ratios = run_speed(model_dir, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats)
+    render_df(df, "decode speed: deepinfer vs HF transformers (fp32, same weights, same run)")
+    b1 = ratios["b1_ms_per_token_engine_over_hf"]
+    bk = ratios[f"b{batch}_tok_s_over_b1"]
+    rows = [{"measure": "batch-1 ms/token, engine / HF", "value": b1, "target": f"<= {ratios['b1_target']}",
+             "met": b1 <= ratios["b1_target"]},
+            {"measure": f"batch-{batch} tok/s / batch-1 tok/s (engine)", "value": bk,
+             "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]}]
+    render_df(pd.DataFrame(rows), "targets")
+    path = save_results(df, out, "engine_vs_hf", {"ratios": ratios, "model_dir": str(model_dir)})
+    err_console.print(f"-> {path}")

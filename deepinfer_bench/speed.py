@@ -1,0 +1,102 @@
+"""Engine vs the HF transformers reference, timed in the same run on the same tiny model (issue: "speed worth
+having"): batch-1 greedy decode time per token, and batched decode throughput. Returns data; the CLI renders it.
+
+Both sides run fp32 on the same dequantised weights, after the same prefill, with the same torch thread count.
+Measurements are interleaved (engine, HF, engine, HF, ...) so a busy machine hurts both alike; medians are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+COLUMNS = ["system", "batch_size", "prompt_len", "decode_steps", "ms_per_step_p50", "ms_per_step_p90",
+           "ms_per_token_p50", "decode_tok_s"]
+TARGET_B1_RATIO = 0.5  # engine batch-1 ms/token <= 0.5 x HF's
+TARGET_BATCH_SPEEDUP = 10.0  # engine batch-32 decode tok/s >= 10 x its own batch-1
+
+
+def _quantiles(times: list[float]) -> tuple[float, float]:
+    times = sorted(times)
+    return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))]
+
+
+@torch.inference_mode()
+def _engine_decode_times(runner, batch: int, prompt_len: int, steps: int, seed: int) -> list[float]:
+    from engine.model.cache import SeqStep
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-(prompt_len + steps + 1) // runner.block_size)
+    tables = [torch.arange(i * per_seq, (i + 1) * per_seq) for i in range(batch)]
+    for slot in range(batch):
+        runner.free_slot(slot)
+    prefill = [SeqStep(slot=i, start=0, n=prompt_len, token_start=i * prompt_len, block_table=tables[i])
+               for i in range(batch)]
+    logits = runner.forward(prefill, torch.randint(2, runner.cfg.vocab_size, (batch * prompt_len,), generator=g))
+    times = []
+    for t in range(steps):
+        ids = logits.argmax(-1)  # [B] greedy
+        step = [SeqStep(slot=i, start=prompt_len + t, n=1, token_start=i, block_table=tables[i]) for i in range(batch)]
+        t0 = time.perf_counter()
+        logits = runner.forward(step, ids)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@torch.no_grad()
+def _hf_decode_times(model, prompt_len: int, steps: int, seed: int, vocab: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (1, prompt_len), generator=g)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    times = []
+    for t in range(steps):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        pos = torch.tensor([[prompt_len + t]])
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, position_ids=pos, cache=out.cache, use_cache=True, logits_to_keep=1)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_speed(model_dir: str | Path, *, prompt_len: int = 64, steps: int = 64, batch: int = 32,
+              repeats: int = 3) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Interleaved repeats of: engine batch 1, HF batch 1, engine batch `batch`. Returns the table and the ratios."""
+    from deepinfer_bench.reference import build_hf_model
+    from engine.config import ModelConfig
+    from engine.loader import load_checkpoint
+    from engine.runner import ModelRunner, RunnerConfig
+
+    cfg = ModelConfig.from_json(Path(model_dir))
+    state = load_checkpoint(model_dir, cfg, dtype=torch.float32, include_mtp=False)
+    per_seq = 1 + (prompt_len + steps) // 16
+    runner = ModelRunner.from_state_dict(cfg, state, RunnerConfig(max_num_seqs=batch, num_kv_blocks=batch * per_seq * 2,
+                                                                  max_model_len=prompt_len + steps + 1))
+    hf = build_hf_model(cfg, state, dtype=torch.float32)
+    samples: dict[tuple[str, int], list[float]] = {("deepinfer", 1): [], ("hf-transformers", 1): [],
+                                                   ("deepinfer", batch): []}
+    _engine_decode_times(runner, 1, prompt_len, 4, 0)  # warm up both
+    _hf_decode_times(hf, prompt_len, 4, 0, cfg.vocab_size)
+    for r in range(repeats):
+        samples[("deepinfer", 1)] += _engine_decode_times(runner, 1, prompt_len, steps, r)
+        samples[("hf-transformers", 1)] += _hf_decode_times(hf, prompt_len, steps, r, cfg.vocab_size)
+        samples[("deepinfer", batch)] += _engine_decode_times(runner, batch, prompt_len, steps, r)
+    rows = []
+    for (system, b), times in samples.items():
+        p50, p90 = _quantiles(times)
+        rows.append({"system": system, "batch_size": b, "prompt_len": prompt_len, "decode_steps": len(times),
+                     "ms_per_step_p50": p50 * 1e3, "ms_per_step_p90": p90 * 1e3, "ms_per_token_p50": p50 * 1e3 / b,
+                     "decode_tok_s": b / p50})
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    e1 = df[(df.system == "deepinfer") & (df.batch_size == 1)].iloc[0]
+    h1 = df[df.system == "hf-transformers"].iloc[0]
+    eb = df[(df.system == "deepinfer") & (df.batch_size == batch)].iloc[0]
+    ratios = {"b1_ms_per_token_engine_over_hf": float(e1.ms_per_token_p50 / h1.ms_per_token_p50),
+              "b1_target": TARGET_B1_RATIO,
+              f"b{batch}_tok_s_over_b1": float(eb.decode_tok_s / e1.decode_tok_s),
+              "batch_target": TARGET_BATCH_SPEEDUP,
+              "torch_threads": torch.get_num_threads()}
+    return df, ratios
