@@ -30,6 +30,10 @@ class Envs:
         False, "Run each region stage by stage with a device sync and a timer at every split() boundary")
     DEEPINFER_NEURON_MOE_CAPACITY: float = _flag(
         0.0, "Capacity factor of the grouped expert path for prefill chunks (0 = dense path only)", graph=True)
+    DEEPINFER_HOST_COMPILER: str = _flag(
+        "inductor", "torch.compile backend for region graphs on the host: inductor, aot_eager, eager (dynamo "
+        "capture only) or none (no compile; same static-shape code)", graph=True,
+        choices=("inductor", "aot_eager", "eager", "none"))
     DEEPINFER_BACKEND: str = _flag("auto", "Engine backend: auto, host (CPU torch) or neuron", graph=True,
                                    choices=("auto", "host", "neuron"))
     DEEPINFER_KERNEL_EXECUTOR: str = _flag(

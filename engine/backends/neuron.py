@@ -1,0 +1,33 @@
+"""Neuron backend (trn2): region graphs through torch-neuronx's `torch.compile(backend="neuronx", dynamic=False)`
+(shared/spec/nki.md §3.1: dynamic shapes are unsupported, hence the static buckets). torch-neuronx / torch-xla are
+imported here only, when the backend is built. Not exercised on the host; the host backend runs the same regions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class NeuronBackend:
+    name = "neuron"
+
+    def __init__(self, compiler: str = "neuronx") -> None:
+        import torch_neuronx  # noqa: F401 - registers the "neuronx" torch.compile backend
+
+        self.compiler = compiler
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        import torch
+
+        return torch.compile(fn, backend=self.compiler, dynamic=False)
+
+    def synchronize(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+    def boundary(self, fn: Callable[[str], None]) -> Callable[[str], None]:
+        import torch
+
+        return torch.compiler.disable(fn)
