@@ -1,0 +1,223 @@
+"""`deepinfer regions`: decode steps through the region graphs, timed per region and stage. Returns DataFrames
+(no printing); the command renders and saves them (deepinfer_bench/cmd_regions.py).
+
+One run: build a runner (graph mode, timing, host compiler), prefill `batch` random prompts of `context` tokens
+(eager, one step), run `warmup` decode steps (compiles every region for the shapes that follow), reset the timer,
+then time `steps` decode steps: the wall time of each `ModelRunner.forward` (the measured step time) and, with
+timing on, every (region, stage, layer) between split() boundaries. Under `cp > 1` every rank runs the same steps
+(SPMD); rank 0's numbers are returned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from engine.parallel import Parallel
+from engine.profiling import TIMING_COLUMNS, percentile
+
+STAGE_COLUMNS = ["graph_mode", "region", "stage", "layer", "calls", "calls_per_step", "total_ms", "p50_ms", "p90_ms",
+                 "ms_per_step", "share_of_step"]
+SUMMED_COLUMNS = ["graph_mode", "region", "stage", "layers", "calls_per_step", "ms_per_step", "p50_ms_sum",
+                  "p90_ms_sum", "share_of_step"]
+SUMMARY_COLUMNS = ["graph_mode", "host_compiler", "timing", "batch_size", "context_len", "cp", "steps",
+                   "graph_launches_per_step", "compiled_shapes", "step_ms_p50", "step_ms_p90", "step_ms_mean",
+                   "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions"]
+OVERHEAD_COLUMNS = ["variant", "rounds", "steps_per_round", "step_ms_median", "step_ms_p10", "step_ms_p90",
+                    "vs_no_timer"]
+
+
+@dataclass(frozen=True)
+class RegionsSpec:
+    model_dir: str
+    graph_mode: str = "regions"
+    timing: bool = True
+    batch: int = 4
+    context: int = 64
+    steps: int = 20
+    warmup: int = 3
+    cp: int = 1
+    dtype: str = "float32"
+    host_compiler: str | None = None  # None: DEEPINFER_HOST_COMPILER
+    seed: int = 0
+
+
+@dataclass
+class RegionsResult:
+    per_layer: pd.DataFrame
+    summed: pd.DataFrame
+    summary: pd.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _runner(spec: RegionsSpec, par: Parallel, timing: bool, extra_steps: int) -> Any:
+    from engine.config import ModelConfig
+    from engine.runner import ModelRunner, RunnerConfig, default_block_size
+
+    cfg = ModelConfig.from_json(Path(spec.model_dir))
+    bs = default_block_size(cfg, par.cp)
+    max_len = spec.context + spec.warmup + extra_steps + 1
+    blocks = spec.batch * -(-max_len // bs)
+    rc = RunnerConfig(max_num_seqs=spec.batch, num_kv_blocks=blocks, block_size=bs, max_model_len=max_len,
+                      dtype=spec.dtype, graph_mode=spec.graph_mode, region_timing=timing,
+                      host_compiler=spec.host_compiler)
+    return ModelRunner.from_model_dir(spec.model_dir, rc, par)
+
+
+class _Decoder:
+    """`batch` sequences prefilled with random prompts, then decoded greedily one step at a time."""
+
+    def __init__(self, runner: Any, spec: RegionsSpec) -> None:
+        from engine.model.cache import SeqStep
+
+        self.runner, self.SeqStep = runner, SeqStep
+        g = torch.Generator().manual_seed(spec.seed)
+        vocab = runner.cfg.vocab_size
+        self.tokens = [torch.randint(2, vocab, (spec.context,), generator=g).tolist() for _ in range(spec.batch)]
+        per = -(-runner.max_model_len // runner.block_size)
+        self.tables = [torch.arange(i * per, (i + 1) * per) for i in range(spec.batch)]
+        for slot in range(spec.batch):
+            runner.free_slot(slot)
+        steps = [SeqStep(slot=i, start=0, n=spec.context, token_start=i * spec.context, block_table=self.tables[i])
+                 for i in range(spec.batch)]
+        ids = torch.tensor([t for seq in self.tokens for t in seq])
+        self._advance(runner.forward(steps, ids))
+
+    def _advance(self, logits: torch.Tensor) -> None:
+        for seq, row in zip(self.tokens, logits, strict=True):
+            seq.append(int(row.argmax()))
+
+    def step(self) -> float:
+        """One decode step; returns its wall time in ms."""
+        steps = [self.SeqStep(slot=i, start=len(s) - 1, n=1, token_start=i, block_table=self.tables[i])
+                 for i, s in enumerate(self.tokens)]
+        ids = torch.tensor([s[-1] for s in self.tokens])
+        t0 = time.perf_counter()
+        logits = self.runner.forward(steps, ids)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._advance(logits)
+        return ms
+
+
+def _regions_job(par: Parallel, spec: RegionsSpec) -> dict[str, Any]:
+    from engine.regions import region_summary
+
+    torch.manual_seed(spec.seed)
+    runner = _runner(spec, par, spec.timing, spec.steps)
+    dec = _Decoder(runner, spec)
+    for _ in range(spec.warmup):
+        dec.step()
+    runner.timer.reset()
+    step_ms = [dec.step() for _ in range(spec.steps)]
+    return {"step_ms": step_ms, "timing": [asdict(r) for r in runner.timer.rows()], "graph": region_summary(runner),
+            "collectives": par.report()}
+
+
+def run_regions(spec: RegionsSpec) -> RegionsResult:
+    """Time `spec.steps` decode steps; per-layer and layer-summed stage tables plus a one-row summary."""
+    from engine.launch import run_spmd
+
+    out = run_spmd(_regions_job, spec.cp, (spec,))
+    return tabulate(spec, out["step_ms"], out["timing"], out["graph"], out["collectives"])
+
+
+def tabulate(spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any]], graph: dict[str, Any],
+             collectives: dict[str, int] | None = None) -> RegionsResult:
+    n = len(step_ms)
+    step_mean = statistics.fmean(step_ms)
+    t = pd.DataFrame(timing, columns=TIMING_COLUMNS)
+    t.insert(0, "graph_mode", spec.graph_mode)
+    t["calls_per_step"] = t["calls"] / n
+    t["ms_per_step"] = t["total_ms"] / n
+    t["share_of_step"] = t["ms_per_step"] / step_mean
+    per_layer = t[STAGE_COLUMNS].reset_index(drop=True)
+    summed = (t.groupby(["graph_mode", "region", "stage"], sort=False)
+              .agg(layers=("layer", "nunique"), calls_per_step=("calls_per_step", "sum"),
+                   ms_per_step=("ms_per_step", "sum"), p50_ms_sum=("p50_ms", "sum"), p90_ms_sum=("p90_ms", "sum"),
+                   share_of_step=("share_of_step", "sum"))
+              .reset_index())[SUMMED_COLUMNS]
+    stage_sum = float(t["ms_per_step"].sum()) if len(t) else float("nan")
+    summary = pd.DataFrame([{
+        "graph_mode": spec.graph_mode, "host_compiler": graph.get("graph_backend", "-"), "timing": spec.timing,
+        "batch_size": spec.batch, "context_len": spec.context, "cp": spec.cp, "steps": n,
+        "graph_launches_per_step": graph.get("graph_launches_per_step", 0),
+        "compiled_shapes": graph.get("compiled_shapes", 0),
+        "step_ms_p50": percentile(step_ms, 50), "step_ms_p90": percentile(step_ms, 90), "step_ms_mean": step_mean,
+        "stage_sum_ms_per_step": stage_sum, "stage_sum_over_step": stage_sum / step_mean,
+        "timed_regions": int(t["region"].nunique()) if len(t) else 0}], columns=SUMMARY_COLUMNS)
+    meta = {"spec": asdict(spec), "graph": graph, "step_ms": step_ms, "collectives": collectives or {}}
+    return RegionsResult(per_layer=per_layer, summed=summed, summary=summary, meta=meta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cost of the timer machinery: timing disabled vs no timer at all, side by side in one process
+
+
+def timing_overhead(spec: RegionsSpec, rounds: int = 7, steps_per_round: int = 10) -> pd.DataFrame:
+    """Interleave rounds of decode steps on ONE runner (same compiled graphs) with the region timer absent
+    (`no_timer`: the step loop has no timer calls at all) and present but disabled (`disabled`: a shared
+    nullcontext per region, `no_split` at boundaries), then enabled (`enabled`, for reference). Per-step medians."""
+    from engine.profiling import RegionTimer
+
+    runner = _runner(spec, Parallel(), False, 3 * rounds * steps_per_round)
+    if runner.regions is None:
+        raise ValueError("timing_overhead needs --graph-mode regions or layer")
+    dec = _Decoder(runner, spec)
+    for _ in range(spec.warmup):
+        dec.step()
+    disabled = runner.regions.timer
+    enabled = RegionTimer(enabled=True, synchronize=runner.regions.backend.synchronize)
+    variants = {"no_timer": None, "disabled": disabled, "enabled": enabled}
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(rounds + 1):  # round 0 warms the timed graphs up and is dropped
+        for name, timer in variants.items():
+            runner.regions.timer = timer
+            ms = [dec.step() for _ in range(steps_per_round)]
+            if r:
+                samples[name].extend(ms)
+    runner.regions.timer = disabled
+    base = statistics.median(samples["no_timer"])
+    rows = [{"variant": k, "rounds": rounds, "steps_per_round": steps_per_round,
+             "step_ms_median": statistics.median(v), "step_ms_p10": percentile(v, 10),
+             "step_ms_p90": percentile(v, 90), "vs_no_timer": statistics.median(v) / base - 1.0}
+            for k, v in samples.items()]
+    return pd.DataFrame(rows, columns=OVERHEAD_COLUMNS)
+
+
+def save_plot(result: RegionsResult, path: Path) -> Path:
+    """Stacked bars: one bar per (region, layer), stages stacked by ms per step; a last bar for the measured step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = result.per_layer
+    bars = list(dict.fromkeys(zip(df["region"], df["layer"], strict=True)))
+    stages = list(dict.fromkeys(df["stage"]))
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(max(7, 0.55 * len(bars) + 4), 4.5))
+    labels = [f"{r}" if layer < 0 else f"{r}\nL{layer}" for r, layer in bars]
+    bottom = [0.0] * len(bars)
+    for si, stage in enumerate(stages):
+        vals = []
+        for r, layer in bars:
+            sel = df[(df["region"] == r) & (df["layer"] == layer) & (df["stage"] == stage)]
+            vals.append(float(sel["ms_per_step"].sum()))
+        ax.bar(labels, vals, bottom=bottom, label=stage, color=cmap(si % 20))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    s = result.summary.iloc[0]
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{s['graph_mode']}: batch {s['batch_size']}, context {s['context_len']}, cp {s['cp']}; "
+                 f"step {s['step_ms_mean']:.2f} ms, stages sum {s['stage_sum_ms_per_step']:.2f} ms, "
+                 f"{s['graph_launches_per_step']} launches/step", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,42 @@
+"""`deepinfer regions`: the command on the tiny model (region functions uncompiled: `--host-compiler none`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from deepinfer_bench.cli import app
+from deepinfer_bench.regions import RegionsSpec, tabulate
+
+TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
+
+
+@pytest.mark.skipif(not (TINY / "config.json").exists(), reason="golden/tiny not present")
+def test_regions_command_writes_results(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["regions", "--timing", "--graph-mode", "layer", "--host-compiler", "none",
+                                   "--batch", "2", "--context", "9", "--steps", "2", "--warmup", "1",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    run = next(tmp_path.iterdir())
+    assert {p.name for p in run.iterdir()} >= {"regions.csv", "regions_summed.csv", "regions_summary.csv",
+                                               "meta.json", "regions.png"}
+    summary = pd.read_csv(run / "regions_summary.csv").iloc[0]
+    cfg_layers = 4
+    assert summary["graph_launches_per_step"] == cfg_layers
+    assert 0.5 < summary["stage_sum_over_step"] <= 1.05
+    stages = set(pd.read_csv(run / "regions.csv")["stage"])
+    assert {"attn.qkv", "attn.core", "moe.experts"} <= stages
+
+
+def test_tabulate_shares() -> None:
+    spec = RegionsSpec(model_dir="x", graph_mode="regions", steps=2)
+    timing = [{"region": "attn", "stage": "attn.qkv", "layer": 0, "calls": 2, "total_ms": 2.0, "p50_ms": 1.0,
+               "p90_ms": 1.0},
+              {"region": "attn", "stage": "attn.qkv", "layer": 1, "calls": 2, "total_ms": 4.0, "p50_ms": 2.0,
+               "p90_ms": 2.0}]
+    r = tabulate(spec, [5.0, 5.0], timing, {"graph_launches_per_step": 8})
+    assert r.summed.iloc[0]["ms_per_step"] == 3.0 and r.summed.iloc[0]["layers"] == 2
+    assert r.summary.iloc[0]["stage_sum_over_step"] == pytest.approx(0.6)
