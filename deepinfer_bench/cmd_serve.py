@@ -73,19 +73,31 @@ def build_serving_engine(config: Any) -> Any:
     return engine
 
 
-def build_app(config: Any, *, served_model_name: str | None, api_key: str | None) -> Any:
+def build_app(config: Any, *, served_model_name: str | None, api_key: str | None, engine_process: bool = True) -> Any:
+    """The server app. `engine_process`: the engine runs in a child process (no GIL shared with the HTTP side),
+    else on a thread of this process."""
     from deepinfer_bench.server import ServerConfig, create_app
     from engine.sampler import SamplingParams
+    from engine.tokenizer import load_tokenizer
 
-    engine = build_serving_engine(config)
     model_dir = Path(config.model_dir).resolve()
-    root = str(tokenizer_root(model_dir))
-    max_model_len = getattr(getattr(engine, "runner", None), "max_model_len", None) or config.max_model_len
-    scfg = ServerConfig(served_model_name=served_model_name or model_dir.name, model_root=root,
-                        model_aliases=(str(model_dir),),
-                        max_model_len=min(max_model_len, config.max_model_len), vocab_size=engine.vocab_size,
-                        api_key=api_key)
-    return create_app(engine, engine.tokenizer, scfg, make_sampling_params=SamplingParams)
+    engine, loop = None, None
+    if engine_process:
+        from deepinfer_bench.engine_process import ProcessEngineLoop
+
+        loop = ProcessEngineLoop(build_serving_engine, (config,))
+        info = loop.launch()
+        tokenizer = load_tokenizer(model_dir)
+        vocab_size, max_model_len = info["vocab_size"], info["max_model_len"] or config.max_model_len
+    else:
+        engine = build_serving_engine(config)
+        tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
+        max_model_len = getattr(getattr(engine, "runner", None), "max_model_len", None) or config.max_model_len
+    scfg = ServerConfig(served_model_name=served_model_name or model_dir.name,
+                        model_root=str(tokenizer_root(model_dir)), model_aliases=(str(model_dir),),
+                        max_model_len=min(max_model_len, config.max_model_len),
+                        vocab_size=vocab_size, api_key=api_key)
+    return create_app(engine, tokenizer, scfg, make_sampling_params=SamplingParams, engine_loop=loop)
 
 
 @app.command("serve")
@@ -105,6 +117,8 @@ def serve_cmd(
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     backend: str | None = typer.Option(None, help="auto | host | neuron (default: DEEPINFER_BACKEND)"),
     api_key: str | None = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1/*, /tokenize."),
+    engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="Run the engine in a child "
+                                        "process (default; no GIL shared with HTTP) or on a thread of the server."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (`vllm bench serve --backend openai` works against it)."""
@@ -126,7 +140,8 @@ def serve_cmd(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     err_console.print(f"loading {model_dir} ({config.backend}, {dtype}) ...")
-    server_app = build_app(config, served_model_name=served_model_name, api_key=api_key)
+    server_app = build_app(config, served_model_name=served_model_name, api_key=api_key,
+                           engine_process=engine_process)
     err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port}")
     uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                 timeout_graceful_shutdown=10)

@@ -10,6 +10,7 @@ requests are refused (HTTP 503).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import queue
@@ -37,6 +38,7 @@ class LoopStats:
     num_steps: int = 0
     last_step_s: float = 0.0
     step_s_total: float = 0.0  # time inside engine.step()
+    recent_step_s: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=512))
     gap_s_total: float = 0.0  # time between two steps while work was pending (commands, dispatch, GIL waits)
     num_generated_tokens: int = 0  # engine's own count (-1 if it does not report one)
     num_preemptions: int = 0
@@ -65,8 +67,10 @@ def _pick(stats: dict[str, float], *names: str, default: float = 0.0) -> float:
 class EngineLoop:
     """Runs `engine.step()` on a dedicated thread while the engine has unfinished requests."""
 
-    def __init__(self, engine: Any, *, idle_poll_s: float = 0.5, coalesce_s: float = 0.002) -> None:
+    def __init__(self, engine: Any, *, idle_poll_s: float = 0.5, coalesce_s: float = 0.002,
+                 deliver: Callable[[list[tuple[Any, Any]]], None] | None = None) -> None:
         self.engine = engine
+        self._deliver_fn = deliver  # None: run the sinks on the asyncio loop given to start()
         self.idle_poll_s = idle_poll_s
         # When idle, the first request waits until no other command arrived for `coalesce_s` (at most 4x that) so a
         # burst of arrivals is prefilled in one step instead of trickling in over several.
@@ -163,6 +167,9 @@ class EngineLoop:
         st.num_preemptions = int(_pick(s, "num_preemptions", "preemptions"))
 
     def _deliver(self, batch: list[tuple[Sink, Any]]) -> None:
+        if self._deliver_fn is not None:
+            self._deliver_fn(batch)
+            return
         if not batch or self._loop is None:
             return
         try:
@@ -176,11 +183,15 @@ class EngineLoop:
         try:
             self._snapshot()
             while True:
-                if not self._drain(block=not self.engine.has_unfinished()):
+                idle = not self.engine.has_unfinished()
+                if idle:
+                    last_end = None  # waiting for work is not overhead
+                if not self._drain(block=idle):
                     break
                 if not self.engine.has_unfinished():
                     self._snapshot()  # an abort may have emptied the engine
-                    last_end = None
+                    if self._deliver_fn is not None:
+                        self._deliver_fn([])  # carries the fresh stats across a process boundary
                     continue
                 t0 = time.perf_counter()
                 if last_end is not None:
@@ -189,6 +200,7 @@ class EngineLoop:
                 last_end = time.perf_counter()
                 st.last_step_s = last_end - t0
                 st.step_s_total += st.last_step_s
+                st.recent_step_s.append(st.last_step_s)
                 st.num_steps += 1
                 batch = []
                 for out in outputs:
@@ -198,8 +210,8 @@ class EngineLoop:
                     if out.finished:
                         del self._sinks[out.request_id]
                     batch.append((sink, out))
-                self._deliver(batch)
                 self._snapshot()
+                self._deliver(batch)
         except BaseException as e:  # noqa: BLE001 - the loop is dead; tell everyone waiting
             self.error = e
         dead = EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "server shutting down")

@@ -115,9 +115,12 @@ def _sse(obj: Any) -> str:
 
 
 def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
-               *, make_sampling_params: Callable[..., Any]) -> FastAPI:
-    """The FastAPI app. `make_sampling_params(**fields)` builds the engine's SamplingParams (raises ValueError)."""
-    loop_runner = EngineLoop(engine)
+               *, make_sampling_params: Callable[..., Any], engine_loop: Any = None) -> FastAPI:
+    """The FastAPI app. `make_sampling_params(**fields)` builds the engine's SamplingParams (raises ValueError).
+
+    The engine runs on an `EngineLoop` thread, or pass `engine_loop` (e.g. a `ProcessEngineLoop`) and engine=None.
+    """
+    loop_runner = engine_loop if engine_loop is not None else EngineLoop(engine)
     counters = Counters()
 
     @asynccontextmanager
@@ -227,7 +230,11 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, st.num_kv_blocks_total)])
         metric("engine_alive", "gauge", "1 while the engine loop runs.", [(label, float(loop_runner.alive))])
         metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
-        metric("engine_step_seconds_total", "counter", "Seconds inside engine steps.", [(label, st.step_s_total)])
+        recent = sorted(st.recent_step_s)
+        quantiles = [(f'{{model_name="{model}",quantile="{q}"}}', recent[min(len(recent) - 1, int(q * len(recent)))])
+                     for q in (0.5, 0.9)] if recent else []
+        metric("engine_step_seconds", "summary", "Engine step time (quantiles over the last 512 steps).",
+               [*quantiles, (f"_sum{label}", st.step_s_total), (f"_count{label}", st.num_steps)])
         metric("engine_gap_seconds_total", "counter", "Seconds between consecutive busy steps (server overhead).",
                [(label, st.gap_s_total)])
         metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",

@@ -57,12 +57,26 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-@pytest.fixture(scope="session")
-def live_server() -> Iterator[str]:
-    """uvicorn in its own process over the fake engine (5 ms per step), on 127.0.0.1:<free port>."""
-    proc, base = start_server(["-m", "uvicorn", "--factory", "tests.server.fakes:make_slow_app",
-                               "--log-level", "warning"])
+def _serve(factory: str) -> Iterator[str]:
+    proc, base = start_server(["-m", "uvicorn", "--factory", f"tests.server.fakes:{factory}", "--log-level", "warning"])
     try:
         yield base
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[str]:
+    """uvicorn in its own process over the fake engine (5 ms per step) on 127.0.0.1:<free port>, engine on a thread."""
+    yield from _serve("make_slow_app")
+
+
+@pytest.fixture(scope="session")
+def live_process_server() -> Iterator[str]:
+    """The same with the engine loop in a child process of the server (ProcessEngineLoop)."""
+    yield from _serve("make_slow_process_app")
+
+
+@pytest.fixture(params=["thread", "process"])
+def any_server(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("live_server" if request.param == "thread" else "live_process_server")

@@ -158,5 +158,22 @@ def make_slow_app():
     return make_fake_app(step_delay_s=0.005, num_kv_blocks=64)
 
 
+def fake_engine(kw: dict) -> FakeEngine:
+    return FakeEngine(**kw)
+
+
+def make_slow_process_app():
+    """Same as make_slow_app, with the engine in a child process (ProcessEngineLoop)."""
+    from deepinfer_bench.engine_process import ProcessEngineLoop
+
+    kw = {"step_delay_s": 0.005, "num_kv_blocks": 64}
+    loop = ProcessEngineLoop(fake_engine, (kw,))
+    info = loop.launch(timeout_s=60)
+    cfg = ServerConfig(served_model_name=SERVED, model_root=str(Path(__file__).parent.resolve()),
+                       max_model_len=info["max_model_len"], vocab_size=VOCAB, max_body_bytes=64 * 1024,
+                       max_prompts_per_request=16)
+    return create_app(None, ByteTokenizer(), cfg, make_sampling_params=SamplingParams, engine_loop=loop)
+
+
 def make_auth_app():
     return make_fake_app(api_key="sekrit")

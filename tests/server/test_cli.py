@@ -23,8 +23,8 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
             class config:  # noqa: N801
                 served_model_name = "tiny"
 
-    def fake_build_app(config, *, served_model_name, api_key):
-        seen.update(config=config, name=served_model_name, key=api_key)
+    def fake_build_app(config, *, served_model_name, api_key, engine_process):
+        seen.update(config=config, name=served_model_name, key=api_key, process=engine_process)
         return FakeApp()
 
     monkeypatch.setattr(cmd_serve, "build_app", fake_build_app)
@@ -35,7 +35,7 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
     cfg = seen["config"]
     assert cfg.num_kv_blocks == 32 and cfg.max_model_len == 1024 and cfg.cp == 1 and cfg.backend == "host"
     assert Path(cfg.model_dir).name == "tiny" and seen["name"] == "m" and seen["key"] == "k"
-    assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000
+    assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000 and seen["process"] is True
     r = runner.invoke(app, ["serve", "--dtype", "float16", "--backend", "host"])
     assert r.exit_code != 0 and "dtype" in r.output
     r = runner.invoke(app, ["serve", "--cp", "2", "--backend", "host"])

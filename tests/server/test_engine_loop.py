@@ -89,3 +89,29 @@ def test_death_reaches_every_request_and_refuses_new_ones() -> None:
 
     first, second = run_loop(eng, body)
     assert first.new_token_ids and isinstance(second, EngineDeadError)
+
+
+def test_process_loop_rejection_outputs_and_death() -> None:
+    from deepinfer_bench.engine_process import ProcessEngineLoop
+    from tests.server.fakes import fake_engine
+
+    loop = ProcessEngineLoop(fake_engine, ({"fail_at_step": 4, "max_model_len": 64},))
+    assert loop.launch(timeout_s=60)["max_model_len"] == 64
+
+    async def body():
+        loop.start(asyncio.get_running_loop())
+        try:
+            with pytest.raises(ValueError, match="maximum context length"):
+                await loop.add([BOS] * 60, params(10), "too-long", lambda _: None)
+            q: asyncio.Queue = asyncio.Queue()
+            await loop.add([BOS, 3], params(10), "a", q.put_nowait)
+            items = [await asyncio.wait_for(q.get(), 10) for _ in range(4)]
+            assert [len(i.new_token_ids) for i in items[:3]] == [1, 1, 1]
+            assert isinstance(items[3], EngineDeadError) and "injected" in str(items[3])
+            assert not loop.alive
+            with pytest.raises(EngineDeadError):
+                await loop.add([BOS, 1], params(1), "b", q.put_nowait)
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    asyncio.run(body())

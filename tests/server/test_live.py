@@ -40,8 +40,8 @@ def wait_idle(base: str, timeout_s: float = 5.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def test_openai_client(live_server: str) -> None:
-    client = openai.OpenAI(base_url=f"{live_server}/v1", api_key="unused", timeout=20, max_retries=0)
+def test_openai_client(any_server: str) -> None:
+    client = openai.OpenAI(base_url=f"{any_server}/v1", api_key="unused", timeout=20, max_retries=0)
     assert client.models.list().data[0].id == SERVED
     want = TOK.decode(offline_greedy(TOK.encode("Hi"), 10, ignore_eos=True))
     r = client.completions.create(model=SERVED, prompt="Hi", max_tokens=10, temperature=0,
@@ -88,19 +88,19 @@ def test_vllm_style_parser(live_server: str) -> None:
     assert not bad.success and bad.error == "Bad Request"
 
 
-def test_client_disconnect_mid_stream_frees_blocks(live_server: str) -> None:
+def test_client_disconnect_mid_stream_frees_blocks(any_server: str) -> None:
     body = {"model": SERVED, "prompt": "disconnect me", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    aborts = metrics(live_server).get(ABORTS, 0)
-    with httpx.Client(timeout=10) as c, c.stream("POST", f"{live_server}/v1/completions", json=body) as r:
+    aborts = metrics(any_server).get(ABORTS, 0)
+    with httpx.Client(timeout=10) as c, c.stream("POST", f"{any_server}/v1/completions", json=body) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: "):
                 seen += 1
             if seen == 3:
-                m = metrics(live_server)
+                m = metrics(any_server)
                 assert m["deepinfer:num_requests_running"] == 1 and m["deepinfer:kv_blocks_used"] > 0
                 break
-    m = wait_idle(live_server)
+    m = wait_idle(any_server)
     assert m["deepinfer:num_requests_running"] == 0 and m["deepinfer:kv_blocks_used"] == 0
     assert m["deepinfer:kv_cache_usage_perc"] == 0
     assert m[ABORTS] == aborts + 1  # aborted, not run to completion
@@ -116,15 +116,15 @@ def test_client_disconnect_non_stream_frees_blocks(live_server: str) -> None:
     assert m[ABORTS] == aborts + 1
 
 
-def test_64_concurrent_streams_batched_and_exact(live_server: str) -> None:
+def test_64_concurrent_streams_batched_and_exact(any_server: str) -> None:
     prompts = [TOK.encode(f"request number {i}") for i in range(64)]
-    steps0 = metrics(live_server)["deepinfer:engine_steps_total"]
+    steps0 = metrics(any_server)["deepinfer:engine_steps_total"]
 
     async def one(c: httpx.AsyncClient, ids: list[int]) -> tuple[list[str], list[int], str]:
         body = {"model": SERVED, "prompt": ids, "max_tokens": 16, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         texts, out_ids, last = [], [], ""
-        async with c.stream("POST", f"{live_server}/v1/completions", json=body) as r:
+        async with c.stream("POST", f"{any_server}/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -145,7 +145,7 @@ def test_64_concurrent_streams_batched_and_exact(live_server: str) -> None:
         want = offline_greedy(ids, 16, ignore_eos=True)
         assert last == "[DONE]" and len(texts) == 16 and out_ids == want
         assert "".join(texts) == TOK.decode(want)
-    steps = metrics(live_server)["deepinfer:engine_steps_total"] - steps0
+    steps = metrics(any_server)["deepinfer:engine_steps_total"] - steps0
     assert steps < 64 * 16 / 4, f"{steps} steps for 1024 tokens: requests were not batched"  # max_num_seqs = 8
 
 
