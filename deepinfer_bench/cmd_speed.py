@@ -19,13 +19,15 @@ def engine_vs_hf_cmd(
     steps: Annotated[int, typer.Option(min=2, help="Decode steps per repeat.")] = 64,
     batch: Annotated[int, typer.Option(min=2, help="Batch size of the batched-decode measurement.")] = 32,
     repeats: Annotated[int, typer.Option(min=1)] = 3,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads for both sides.")] = 1,
     out: Annotated[Path, typer.Option()] = DEFAULT_OUT_DIR,
 ) -> None:
     """Batch-1 greedy decode (engine vs HF transformers, fp32) and engine batched-decode throughput, interleaved."""
     from deepinfer_bench.speed import run_speed
 
     err_console.print(f"[dim]timing {repeats} x {steps} decode steps after a {prompt_len}-token prefill ...[/dim]")
-    df, ratios = run_speed(model_dir, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats)
+    df, ratios = run_speed(model_dir, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
+                           threads=threads)
     render_df(df, "decode speed: deepinfer vs HF transformers (fp32, same weights, same run)")
     b1 = ratios["b1_ms_per_token_engine_over_hf"]
     bk = ratios[f"b{batch}_tok_s_over_b1"]

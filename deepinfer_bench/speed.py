@@ -63,8 +63,12 @@ def _hf_decode_times(model, prompt_len: int, steps: int, seed: int, vocab: int) 
 
 
 def run_speed(model_dir: str | Path, *, prompt_len: int = 64, steps: int = 64, batch: int = 32,
-              repeats: int = 3) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Interleaved repeats of: engine batch 1, HF batch 1, engine batch `batch`. Returns the table and the ratios."""
+              repeats: int = 3, threads: int = 1) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Interleaved repeats of: engine batch 1, HF batch 1, engine batch `batch`. Returns the table and the ratios.
+
+    `threads` torch intra-op threads for both sides (default 1: the tiny model's ops are far too small to split, and
+    on a busy 2-core box OpenMP spin-waits make multi-threaded timings erratic)."""
+    torch.set_num_threads(threads)
     from deepinfer_bench.reference import build_hf_model
     from engine.config import ModelConfig
     from engine.loader import load_checkpoint
