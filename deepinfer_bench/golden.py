@@ -118,12 +118,13 @@ def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -
 def run_golden(model_dir: str | Path | None = None, golden_dir: str | Path | None = None, dtype: str = "float32",
                cp: int = 1, prefill_chunk: int | None = None) -> GoldenRun:
     """All golden prompts as one batch (prefill + decode) through the engine on `cp` ranks; one row per prompt."""
-    from engine.launch import run_spmd
+    from engine.launch import effective_cp, run_spmd
     from engine.parallel import check_layout
 
     model_dir = Path(model_dir or GOLDEN_DIR / "tiny")
     golden_dir = Path(golden_dir or GOLDEN_DIR)
     cfg = ModelConfig.from_json(model_dir)
+    cp = effective_cp(cp)
     check_layout(cfg, cp)
     meta, prompts = load_golden(golden_dir, cfg)
     max_new = max(len(p.output_ids) for p in prompts)

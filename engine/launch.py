@@ -28,22 +28,45 @@ def _engine_job(par: Parallel, config: Any, fn: Callable[..., Any], args: tuple)
             driver.shutdown()
 
 
+def _torchrun(job: Callable[..., Any], args: tuple) -> Any:
+    """Under torchrun this process is one rank: run the job; ranks > 0 then leave quietly (exit 0), so only rank 0
+    goes on to print results."""
+    import torch.distributed as dist
+
+    par = init_from_env()
+    out = job(par, *args)
+    if par.rank != 0:
+        dist.barrier()
+        dist.destroy_process_group()
+        raise SystemExit(0)
+    dist.barrier()
+    return out
+
+
 def run_engine_job(config: Any, fn: Callable[..., Any], args: tuple = ()) -> Any:
     """`fn(engine, *args)` on an LLMEngine built from `config` (which carries `cp`). `fn` must be a module-level
     function (it is pickled to the rank processes)."""
     cp = int(getattr(config, "cp", 1))
     if under_torchrun():
-        par = init_from_env()
-        return _engine_job(par, config, fn, args)
+        return _torchrun(_engine_job, (config, fn, args))
     if cp <= 1:
         return _engine_job(Parallel(), config, fn, args)
     return launch(_engine_job, cp, (config, fn, args))
 
 
+def effective_cp(cp: int) -> int:
+    """The rank count a job will really have: torchrun's WORLD_SIZE when launched by torchrun, else `cp`."""
+    if under_torchrun():
+        from engine.envs import get_envs
+
+        return int(dict(get_envs().recorded)["WORLD_SIZE"])
+    return cp
+
+
 def run_spmd(job: Callable[..., Any], cp: int, args: tuple = ()) -> Any:
     """`job(par, *args)` on every rank (SPMD); rank 0's result is returned. cp=1 runs in this process."""
     if under_torchrun():
-        return job(init_from_env(), *args)
+        return _torchrun(job, args)
     if cp <= 1:
         return job(Parallel(), *args)
     return launch(job, cp, args)
