@@ -15,7 +15,20 @@ __all__ = ["app"]
 
 
 def main() -> None:
-    app()
+    """`deepinfer`: user-facing errors (a malformed config, a bad checkpoint, an invalid layout, a failed rank...)
+    print one clear line and exit 2; DEEPINFER_TRACEBACK=1 shows the traceback instead."""
+    from deepinfer_bench.golden import GoldenError
+    from deepinfer_bench.report import err_console
+    from engine.envs import get_envs
+    from engine.parallel import RankFailed
+
+    try:
+        app()
+    except (ValueError, FileNotFoundError, GoldenError, RankFailed) as e:
+        if get_envs().DEEPINFER_TRACEBACK:
+            raise
+        err_console.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ class Envs:
         choices=("auto", "stand-in", "simulator", "neuron"))
     DEEPINFER_NUM_THREADS: int = _flag(0, "torch intra-op threads on the host (0 = torch's default)")
     DEEPINFER_DIST_TIMEOUT_S: float = _flag(120.0, "Seconds a rank waits on a collective before the job fails")
+    DEEPINFER_TRACEBACK: bool = _flag(False, "Show full Python tracebacks for user-facing errors (bad config, "
+                                             "checkpoint, layout...) instead of one clear line")
     # Recorded, not interpreted: third-party variables that change what a Neuron run does.
     recorded: tuple[tuple[str, str], ...] = ()
 

@@ -65,3 +65,21 @@ def test_golden_for_another_config_is_refused(tmp_path: Path) -> None:
     other = ModelConfig(**{**ModelConfig.from_json(TINY).__dict__, "index_topk": 8})
     with pytest.raises(GoldenError, match="made for config"):
         load_golden(GOLDEN_DIR, other)
+
+
+def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from deepinfer_bench.cli import main
+
+    for argv, expect in ((["golden", "--model-dir", str(tmp_path)], "no config.json"),
+                         (["golden", "--cp", "3"], "cp=3 does not divide n_routed_experts=8")):
+        with pytest.raises(SystemExit) as ex:
+            import sys
+
+            old, sys.argv = sys.argv, ["deepinfer", *argv]
+            try:
+                main()
+            finally:
+                sys.argv = old
+        assert ex.value.code == 2
+        err = capsys.readouterr().err
+        assert expect in err.replace("\n", " ") and "Traceback" not in err
