@@ -240,11 +240,7 @@ def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: in
     return row
 
 
-def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,
-               progress: Progress | None = None) -> pd.DataFrame:
-    """Run every cell of `spec` on one engine built from `config` (or over `runner`); one row per cell."""
-    engine = LLMEngine(config, runner)
-    _ = engine.runner  # build (load weights) now: a config the runner refuses fails before any cell
+def _matrix_job(engine: LLMEngine, spec: MatrixSpec, progress: Progress | None) -> pd.DataFrame:
     cells = spec.cells
     rows = []
     for k, (b, i, o) in enumerate(cells):
@@ -254,6 +250,18 @@ def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,
     if progress:
         progress(len(cells), len(cells), "")
     return pd.DataFrame([asdict(r) for r in rows], columns=COLUMNS)
+
+
+def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,
+               progress: Progress | None = None) -> pd.DataFrame:
+    """Run every cell of `spec` on one engine built from `config` (or over `runner`); one row per cell.
+    With config.cp > 1 the engine runs on cp ranks (rank 0 schedules; no per-cell progress across processes)."""
+    if runner is None:
+        from engine.launch import run_engine_job
+
+        return run_engine_job(config, _matrix_job, (spec, progress if config.cp <= 1 else None))
+    engine = LLMEngine(config, runner)
+    return _matrix_job(engine, spec, progress)
 
 
 def pivot(df: pd.DataFrame, metric: str) -> dict[int, pd.DataFrame]:
