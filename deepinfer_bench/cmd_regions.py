@@ -29,8 +29,12 @@ def regions_cmd(
     = None,
     overhead: Annotated[bool, typer.Option("--overhead", help="Also measure timing disabled vs no timer machinery "
                                                               "(and enabled), interleaved on one runner.")] = False,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Interleaved rounds for --overhead.")] = 7,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds of --overhead (each re-prefills, then "
+                                                                "cycles the variants step by step).")] = 5,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (default: "
+                                                "DEEPINFER_NUM_THREADS, else torch's). 1 keeps timings stable on a "
+                                                "shared box.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
@@ -40,6 +44,10 @@ def regions_cmd(
     from engine.envs import get_envs
 
     envs = get_envs()
+    if threads or envs.DEEPINFER_NUM_THREADS > 0:
+        import torch
+
+        torch.set_num_threads(threads or envs.DEEPINFER_NUM_THREADS)
     mode = graph_mode or envs.DEEPINFER_NEURON_GRAPH_MODE
     if mode not in ("eager", "regions", "layer"):
         raise typer.BadParameter(f"--graph-mode {mode!r}: expected eager, regions or layer")

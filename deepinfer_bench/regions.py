@@ -27,8 +27,8 @@ STAGE_COLUMNS = ["graph_mode", "region", "stage", "layer", "calls", "calls_per_s
 SUMMED_COLUMNS = ["graph_mode", "region", "stage", "layers", "calls_per_step", "ms_per_step", "p50_ms_sum",
                   "p90_ms_sum", "share_of_step"]
 SUMMARY_COLUMNS = ["graph_mode", "host_compiler", "timing", "batch_size", "context_len", "cp", "steps",
-                   "graph_launches_per_step", "compiled_shapes", "step_ms_p50", "step_ms_p90", "step_ms_mean",
-                   "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions"]
+                   "graph_launches_per_step", "compiled_shapes", "compiles_during_timing", "step_ms_p50",
+                   "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions"]
 OVERHEAD_COLUMNS = ["variant", "rounds", "steps_per_round", "step_ms_median", "step_ms_p10", "step_ms_p90",
                     "vs_no_timer"]
 
@@ -114,8 +114,11 @@ def _regions_job(par: Parallel, spec: RegionsSpec) -> dict[str, Any]:
     for _ in range(spec.warmup):
         dec.step()
     runner.timer.reset()
+    shapes = len(runner.regions.compiled) if runner.regions is not None else 0
     step_ms = [dec.step() for _ in range(spec.steps)]
-    return {"step_ms": step_ms, "timing": [asdict(r) for r in runner.timer.rows()], "graph": region_summary(runner),
+    graph = region_summary(runner)
+    graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - shapes  # a new block bucket mid-run
+    return {"step_ms": step_ms, "timing": [asdict(r) for r in runner.timer.rows()], "graph": graph,
             "collectives": par.report()}
 
 
@@ -148,6 +151,7 @@ def tabulate(spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any
         "batch_size": spec.batch, "context_len": spec.context, "cp": spec.cp, "steps": n,
         "graph_launches_per_step": graph.get("graph_launches_per_step", 0),
         "compiled_shapes": graph.get("compiled_shapes", 0),
+        "compiles_during_timing": graph.get("compiles_during_timing", 0),
         "step_ms_p50": percentile(step_ms, 50), "step_ms_p90": percentile(step_ms, 90), "step_ms_mean": step_mean,
         "stage_sum_ms_per_step": stage_sum, "stage_sum_over_step": stage_sum / step_mean,
         "timed_regions": int(t["region"].nunique()) if len(t) else 0}], columns=SUMMARY_COLUMNS)
@@ -159,34 +163,54 @@ def tabulate(spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any
 # Cost of the timer machinery: timing disabled vs no timer at all, side by side in one process
 
 
-def timing_overhead(spec: RegionsSpec, rounds: int = 7, steps_per_round: int = 10) -> pd.DataFrame:
-    """Interleave rounds of decode steps on ONE runner (same compiled graphs) with the region timer absent
-    (`no_timer`: the step loop has no timer calls at all) and present but disabled (`disabled`: a shared
-    nullcontext per region, `no_split` at boundaries), then enabled (`enabled`, for reference). Per-step medians."""
+def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 20) -> pd.DataFrame:
+    """Cost of the timer machinery, measured side by side on ONE runner (same compiled graphs).
+
+    Variants: `no_timer` (the step loop makes no timer calls at all), `disabled` (a disabled RegionTimer: one shared
+    nullcontext per region, `no_split` compiled into the graphs) and `enabled` (for reference: graph breaks, a sync and
+    a clock read at every boundary). Each round re-prefills the same prompts, then cycles the variants step by step
+    (no_timer, disabled, enabled, no_timer, ...), so slow drifts of a shared machine's load hit all variants alike.
+    `vs_no_timer` is the median over cycles of the paired ratio step_ms / no_timer step_ms of the same cycle, minus 1.
+    A last row, `disabled_region_us`, is the cost of entering one disabled region, from a tight loop."""
     from engine.profiling import RegionTimer
 
-    runner = _runner(spec, Parallel(), False, 3 * rounds * steps_per_round)
+    runner = _runner(spec, Parallel(), False, 3 * (steps_per_round + 1))
     if runner.regions is None:
         raise ValueError("timing_overhead needs --graph-mode regions or layer")
-    dec = _Decoder(runner, spec)
-    for _ in range(spec.warmup):
-        dec.step()
     disabled = runner.regions.timer
     enabled = RegionTimer(enabled=True, synchronize=runner.regions.backend.synchronize)
     variants = {"no_timer": None, "disabled": disabled, "enabled": enabled}
     samples: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds + 1):  # round 0 warms the timed graphs up and is dropped
-        for name, timer in variants.items():
-            runner.regions.timer = timer
-            ms = [dec.step() for _ in range(steps_per_round)]
-            if r:
-                samples[name].extend(ms)
+    shapes = None
+    for r in range(rounds + 1):  # round 0 compiles and warms every variant up and is dropped
+        dec = _Decoder(runner, spec)
+        for _ in range(steps_per_round + (1 if r == 0 else 0)):
+            for name, timer in variants.items():
+                runner.regions.timer = timer
+                ms = dec.step()
+                if r:
+                    samples[name].append(ms)
+        if r == 0:
+            shapes = len(runner.regions.compiled)
     runner.regions.timer = disabled
-    base = statistics.median(samples["no_timer"])
+    if len(runner.regions.compiled) != shapes:
+        raise RuntimeError("a new block bucket was compiled during the measured rounds; use a shorter run")
+    base = samples["no_timer"]
     rows = [{"variant": k, "rounds": rounds, "steps_per_round": steps_per_round,
              "step_ms_median": statistics.median(v), "step_ms_p10": percentile(v, 10),
-             "step_ms_p90": percentile(v, 90), "vs_no_timer": statistics.median(v) / base - 1.0}
+             "step_ms_p90": percentile(v, 90),
+             "vs_no_timer": statistics.median([a / b for a, b in zip(v, base, strict=True)]) - 1.0}
             for k, v in samples.items()]
+    n = 200_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with disabled.region("attn", 0):
+            pass
+    us = (time.perf_counter() - t0) / n * 1e6
+    per_step = us * runner.regions.launches_last_step
+    rows.append({"variant": "disabled_region_us", "rounds": 0, "steps_per_round": n, "step_ms_median": us / 1e3,
+                 "step_ms_p10": float("nan"), "step_ms_p90": float("nan"),
+                 "vs_no_timer": per_step / 1e3 / statistics.median(base)})
     return pd.DataFrame(rows, columns=OVERHEAD_COLUMNS)
 
 
