@@ -140,8 +140,12 @@ def serve_cmd(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     err_console.print(f"loading {model_dir} ({config.backend}, {dtype}) ...")
-    server_app = build_app(config, served_model_name=served_model_name, api_key=api_key,
-                           engine_process=engine_process)
+    try:
+        server_app = build_app(config, served_model_name=served_model_name, api_key=api_key,
+                               engine_process=engine_process)
+    except (RuntimeError, ValueError, OSError) as e:  # the engine could not be built (bad dir, bad checkpoint, ...)
+        err_console.print(f"[red]cannot start the engine: {e}[/red]")
+        raise typer.Exit(1) from None
     err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port}")
     uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                 timeout_graceful_shutdown=10)

@@ -109,3 +109,8 @@ def test_bench_serve_without_a_server_is_a_clear_error(tmp_path: Path) -> None:
 
     r = runner.invoke(app, ["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "cannot benchmark" in r.output
+
+
+def test_serve_with_a_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["serve", "--model-dir", str(tmp_path), "--engine-thread", "--backend", "host"])
+    assert r.exit_code == 1 and "cannot start the engine" in r.output
