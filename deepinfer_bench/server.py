@@ -110,8 +110,12 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(obj)}\n\n"
 
 
 def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
@@ -378,6 +382,9 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         # vLLM: running totals in every token chunk (guidellm asks for it); vLLM's own client ignores them there.
         continuous_usage = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
+        # The constant head of every chunk is serialised once: `data: {"id":..,"model":..,"choices":[` + choice.
+        prefix = _sse({**head, "choices": []}).removesuffix("[]}\n\n") + "["
+
         async def sse() -> AsyncIterator[str]:
             try:
                 async for seq, text, reason, ids in events():
@@ -385,8 +392,8 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                               "stop_reason": None}
                     if req.return_token_ids:
                         choice["token_ids"] = ids
-                    extra = {"usage": usage()} if continuous_usage else {}
-                    yield _sse({**head, "choices": [choice], **extra})
+                    tail = f',"usage":{_dumps(usage())}' if continuous_usage else ""
+                    yield f"{prefix}{_dumps(choice)}]{tail}}}\n\n"
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": usage()})
             except APIError as e:
