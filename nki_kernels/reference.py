@@ -122,9 +122,9 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 def _sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn on comb [T, n, n] (rows already softmaxed + eps): a column normalisation, then (iters - 1) x (rows,
-    columns), each dividing by (sum + eps). On a plain CPU tensor the ~6*iters tiny ops run in NumPy on the same
-    memory, in place (same fp32 arithmetic, a third of torch's per-op dispatch cost on the decode hot path); on a device, under
-    autograd or while torch.compile traces, they run as (out-of-place) torch ops."""
+    columns), each dividing by (sum + eps). On a plain CPU tensor the ~6*iters tiny ops run in NumPy, in place on
+    the same memory (same fp32 arithmetic, a third of torch's per-op dispatch cost on the decode hot path); on a
+    device, under autograd or while torch.compile traces, they run as (out-of-place) torch ops."""
     if comb.device.type == "cpu" and not comb.requires_grad and not torch.compiler.is_compiling():
         a, e = comb.numpy(), np.float32(eps)
         a /= a.sum(-2, keepdims=True) + e
