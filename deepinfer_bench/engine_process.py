@@ -14,6 +14,7 @@ Child -> parent: ("ready", info), ("added", rid), ("rejected", rid, is_value_err
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import multiprocessing as mp
@@ -40,16 +41,23 @@ class StepOutput:
 _STAT_FIELDS = [f.name for f in dataclasses.fields(LoopStats) if f.name != "recent_step_s"]
 
 
-def _child_main(conn: Any, factory: Callable[..., Any], args: tuple, coalesce_s: float) -> None:
+def _child_main(conn: Any, factory: Callable[..., Any], args: tuple, coalesce_s: float,
+                job_runner: Callable[..., Any] | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     try:
-        engine = factory(*args)
-        runner = getattr(engine, "runner", None)
-        info = {"vocab_size": getattr(engine, "vocab_size", None),
-                "max_model_len": getattr(runner, "max_model_len", None) or getattr(engine, "max_model_len", None)}
+        if job_runner is not None:  # e.g. engine.launch.run_engine_job: serve_engine runs on rank 0 of cp ranks
+            job_runner(*args, serve_engine, (conn, coalesce_s))
+        else:
+            serve_engine(factory(*args), conn, coalesce_s)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        conn.send(("dead", f"engine construction failed: {e!r}"))
-        return
+        conn.send(("dead", f"engine failed: {e!r}"))
+
+
+def serve_engine(engine: Any, conn: Any, coalesce_s: float) -> None:
+    """Serve `engine` over `conn` until told to stop (module level: it is pickled to rank 0 when cp > 1)."""
+    runner = getattr(engine, "runner", None)
+    info = {"vocab_size": getattr(engine, "vocab_size", None),
+            "max_model_len": getattr(runner, "max_model_len", None) or getattr(engine, "max_model_len", None)}
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -98,8 +106,10 @@ def _child_main(conn: Any, factory: Callable[..., Any], args: tuple, coalesce_s:
 class ProcessEngineLoop:
     """`EngineLoop`'s interface (start/stop/add/abort/alive/error/stats) over an engine in a child process."""
 
-    def __init__(self, factory: Callable[..., Any], args: tuple = (), *, coalesce_s: float = 0.002) -> None:
-        self.factory, self.args, self.coalesce_s = factory, args, coalesce_s
+    def __init__(self, factory: Callable[..., Any] | None, args: tuple = (), *, coalesce_s: float = 0.002,
+                 job_runner: Callable[..., Any] | None = None) -> None:
+        """The child builds `factory(*args)`, or calls `job_runner(*args, serve_engine, (conn, coalesce_s))`."""
+        self.factory, self.args, self.coalesce_s, self.job_runner = factory, args, coalesce_s, job_runner
         self.stats = LoopStats()
         self.error: BaseException | None = None
         self.info: dict[str, Any] = {}
@@ -116,10 +126,12 @@ class ProcessEngineLoop:
         """Spawn the engine process and wait until its engine is built; returns {vocab_size, max_model_len}."""
         ctx = mp.get_context("spawn")  # no fork of a process holding torch threads
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child, self.factory, self.args, self.coalesce_s),
-                                 name="deepinfer-engine", daemon=True)
+        self._proc = ctx.Process(target=_child_main, name="deepinfer-engine",
+                                 args=(child, self.factory, self.args, self.coalesce_s, self.job_runner))
         self._proc.start()
         child.close()
+        # Not a daemon (a job_runner may start rank processes), so make sure it never outlives this process.
+        atexit.register(self._kill)
         if not self._conn.poll(timeout_s):
             self._proc.kill()
             raise RuntimeError(f"engine process did not start within {timeout_s}s")
@@ -129,6 +141,11 @@ class ProcessEngineLoop:
             raise RuntimeError(msg[1])
         self.info = msg[1]
         return self.info
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
 
     @property
     def alive(self) -> bool:
