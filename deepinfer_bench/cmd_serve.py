@@ -128,10 +128,12 @@ def serve_cmd(
     from engine.llm import EngineConfig
 
     if cp > 1:
-        # LLMEngine drives one rank; a multi-rank serving driver (rank 0 schedules, all ranks step) does not exist
-        # yet, and silently serving with cp=1 would mislabel every number.
-        raise typer.BadParameter("--cp > 1 is not supported by `deepinfer serve` yet (the engine has no multi-rank "
-                                 "serving driver); use --cp 1", param_hint="--cp")
+        # The plumbing exists (ProcessEngineLoop(job_runner=engine.launch.run_engine_job) serves on rank 0 and gives
+        # cp=1's tokens), but engine.launch is built for batch jobs: ranks > 0 wait in a broadcast that times out
+        # after DEEPINFER_DIST_TIMEOUT_S when the server is idle, and launch() ends any job after its deadline.
+        raise typer.BadParameter("--cp > 1 is not supported by `deepinfer serve` yet: engine.launch ranks time out "
+                                 "while the server is idle (no heartbeat, job deadline); use --cp 1",
+                                 param_hint="--cp")
     try:
         config = EngineConfig(model_dir=str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
