@@ -115,3 +115,36 @@ def test_process_loop_rejection_outputs_and_death() -> None:
             await asyncio.to_thread(loop.stop)
 
     asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_process_loop_on_two_ranks_matches_one() -> None:
+    """ProcessEngineLoop(job_runner=run_engine_job) serves from rank 0 of cp=2 (`deepinfer serve --cp` is refused
+    until engine.launch ranks survive an idle server; this keeps the plumbing honest)."""
+    from deepinfer_bench.engine_process import ProcessEngineLoop
+    from engine.launch import run_engine_job
+    from engine.llm import LLM, EngineConfig
+    from tests.server.test_real_engine import TINY
+
+    if not (TINY / "config.json").exists():
+        pytest.skip("golden/tiny not generated yet")
+    kw = {"model_dir": str(TINY), "max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}
+    loop = ProcessEngineLoop(None, (EngineConfig(cp=2, **kw),), job_runner=run_engine_job)
+    assert loop.launch(timeout_s=120)["vocab_size"] == 1024
+
+    async def body() -> list[int]:
+        loop.start(asyncio.get_running_loop())
+        try:
+            q: asyncio.Queue = asyncio.Queue()
+            await loop.add([0, 5, 6, 7], params(6), "a", q.put_nowait)
+            out: list[int] = []
+            while True:
+                o = await asyncio.wait_for(q.get(), 60)
+                out += o.new_token_ids
+                if o.finished:
+                    return out
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    want = LLM(EngineConfig(**kw)).generate([[0, 5, 6, 7]], params(6))[0].output_token_ids
+    assert asyncio.run(body()) == list(want)
