@@ -30,7 +30,7 @@ SUMMARY_COLUMNS = ["graph_mode", "host_compiler", "timing", "batch_size", "conte
                    "graph_launches_per_step", "compiled_shapes", "compiles_during_timing", "step_ms_p50",
                    "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions"]
 OVERHEAD_COLUMNS = ["variant", "rounds", "steps_per_round", "step_ms_median", "step_ms_p10", "step_ms_p90",
-                    "vs_no_timer"]
+                    "vs_no_timer", "p10_vs_no_timer"]
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,9 @@ def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 2
     Variants: `no_timer` (the step loop makes no timer calls at all), `disabled` (a disabled RegionTimer: one shared
     nullcontext per region, `no_split` compiled into the graphs) and `enabled` (for reference: graph breaks, a sync and
     a clock read at every boundary). Each round re-prefills the same prompts, then cycles the variants step by step
-    (no_timer, disabled, enabled, no_timer, ...), so slow drifts of a shared machine's load hit all variants alike.
-    `vs_no_timer` is the median over cycles of the paired ratio step_ms / no_timer step_ms of the same cycle, minus 1.
+    (in a rotating order), so slow drifts of a shared machine's load hit all variants alike.
+    `vs_no_timer` is the median over cycles of the paired ratio step_ms / no_timer step_ms of the same cycle, minus 1;
+    `p10_vs_no_timer` compares the 10th percentiles (the least disturbed steps of a shared machine).
     A last row, `disabled_region_us`, is the cost of entering one disabled region, from a tight loop."""
     from engine.profiling import RegionTimer
 
@@ -184,9 +185,10 @@ def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 2
     shapes = None
     for r in range(rounds + 1):  # round 0 compiles and warms every variant up and is dropped
         dec = _Decoder(runner, spec)
-        for _ in range(steps_per_round + (1 if r == 0 else 0)):
-            for name, timer in variants.items():
-                runner.regions.timer = timer
+        for i in range(steps_per_round + (1 if r == 0 else 0)):
+            names = list(variants)
+            for name in names[i % 3:] + names[: i % 3]:  # rotate the order: no variant always runs first
+                runner.regions.timer = variants[name]
                 ms = dec.step()
                 if r:
                     samples[name].append(ms)
@@ -199,7 +201,8 @@ def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 2
     rows = [{"variant": k, "rounds": rounds, "steps_per_round": steps_per_round,
              "step_ms_median": statistics.median(v), "step_ms_p10": percentile(v, 10),
              "step_ms_p90": percentile(v, 90),
-             "vs_no_timer": statistics.median([a / b for a, b in zip(v, base, strict=True)]) - 1.0}
+             "vs_no_timer": statistics.median([a / b for a, b in zip(v, base, strict=True)]) - 1.0,
+             "p10_vs_no_timer": percentile(v, 10) / percentile(base, 10) - 1.0}
             for k, v in samples.items()]
     n = 200_000
     t0 = time.perf_counter()
@@ -210,7 +213,7 @@ def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 2
     per_step = us * runner.regions.launches_last_step
     rows.append({"variant": "disabled_region_us", "rounds": 0, "steps_per_round": n, "step_ms_median": us / 1e3,
                  "step_ms_p10": float("nan"), "step_ms_p90": float("nan"),
-                 "vs_no_timer": per_step / 1e3 / statistics.median(base)})
+                 "vs_no_timer": per_step / 1e3 / statistics.median(base), "p10_vs_no_timer": float("nan")})
     return pd.DataFrame(rows, columns=OVERHEAD_COLUMNS)
 
 
