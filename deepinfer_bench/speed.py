@@ -63,31 +63,41 @@ def _hf_decode_times(model, prompt_len: int, steps: int, seed: int, vocab: int) 
 
 
 def run_speed(model_dir: str | Path, *, prompt_len: int = 64, steps: int = 64, batch: int = 32,
-              repeats: int = 3, threads: int = 1) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Interleaved repeats of: engine batch 1, HF batch 1, engine batch `batch`. Returns the table and the ratios.
+              repeats: int = 3, threads: int = 1,
+              graph_modes: tuple[str, ...] = ("eager", "layer")) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Interleaved repeats of: engine batch 1 (each graph mode), HF batch 1, engine batch `batch` (each graph mode).
+    Returns the table and the ratios per graph mode.
 
     `threads` torch intra-op threads for both sides (default 1: the tiny model's ops are far too small to split, and
-    on a busy 2-core box OpenMP spin-waits make multi-threaded timings erratic)."""
-    torch.set_num_threads(threads)
+    on a busy 2-core box OpenMP spin-waits make multi-threaded timings erratic). Graph modes other than `eager`
+    compile region graphs (engine/regions.py) during the warm-up, which is not timed."""
     from deepinfer_bench.reference import build_hf_model
     from engine.config import ModelConfig
     from engine.loader import load_checkpoint
     from engine.runner import ModelRunner, RunnerConfig
 
+    torch.set_num_threads(threads)
     cfg = ModelConfig.from_json(Path(model_dir))
     state = load_checkpoint(model_dir, cfg, dtype=torch.float32, include_mtp=False)
     per_seq = 1 + (prompt_len + steps) // 16
-    runner = ModelRunner.from_state_dict(cfg, state, RunnerConfig(max_num_seqs=batch, num_kv_blocks=batch * per_seq * 2,
-                                                                  max_model_len=prompt_len + steps + 1))
+    runners = {mode: ModelRunner.from_state_dict(
+        cfg, state, RunnerConfig(max_num_seqs=batch, num_kv_blocks=batch * per_seq * 2,
+                                 max_model_len=prompt_len + steps + 1, graph_mode=mode)) for mode in graph_modes}
     hf = build_hf_model(cfg, state, dtype=torch.float32)
-    samples: dict[tuple[str, int], list[float]] = {("deepinfer", 1): [], ("hf-transformers", 1): [],
-                                                   ("deepinfer", batch): []}
-    _engine_decode_times(runner, 1, prompt_len, 4, 0)  # warm up both
+    samples: dict[tuple[str, int], list[float]] = {}
+    for runner in runners.values():  # warm up (and compile) every shape that is timed
+        _engine_decode_times(runner, 1, prompt_len, steps, 0)
+        _engine_decode_times(runner, batch, prompt_len, steps, 0)
     _hf_decode_times(hf, prompt_len, 4, 0, cfg.vocab_size)
     for r in range(repeats):
-        samples[("deepinfer", 1)] += _engine_decode_times(runner, 1, prompt_len, steps, r)
-        samples[("hf-transformers", 1)] += _hf_decode_times(hf, prompt_len, steps, r, cfg.vocab_size)
-        samples[("deepinfer", batch)] += _engine_decode_times(runner, batch, prompt_len, steps, r)
+        for mode, runner in runners.items():
+            samples.setdefault((f"deepinfer[{mode}]", 1), []).extend(
+                _engine_decode_times(runner, 1, prompt_len, steps, r))
+        samples.setdefault(("hf-transformers", 1), []).extend(
+            _hf_decode_times(hf, prompt_len, steps, r, cfg.vocab_size))
+        for mode, runner in runners.items():
+            samples.setdefault((f"deepinfer[{mode}]", batch), []).extend(
+                _engine_decode_times(runner, batch, prompt_len, steps, r))
     rows = []
     for (system, b), times in samples.items():
         p50, p90 = _quantiles(times)
@@ -95,12 +105,12 @@ def run_speed(model_dir: str | Path, *, prompt_len: int = 64, steps: int = 64, b
                      "ms_per_step_p50": p50 * 1e3, "ms_per_step_p90": p90 * 1e3, "ms_per_token_p50": p50 * 1e3 / b,
                      "decode_tok_s": b / p50})
     df = pd.DataFrame(rows, columns=COLUMNS)
-    e1 = df[(df.system == "deepinfer") & (df.batch_size == 1)].iloc[0]
     h1 = df[df.system == "hf-transformers"].iloc[0]
-    eb = df[(df.system == "deepinfer") & (df.batch_size == batch)].iloc[0]
-    ratios = {"b1_ms_per_token_engine_over_hf": float(e1.ms_per_token_p50 / h1.ms_per_token_p50),
-              "b1_target": TARGET_B1_RATIO,
-              f"b{batch}_tok_s_over_b1": float(eb.decode_tok_s / e1.decode_tok_s),
-              "batch_target": TARGET_BATCH_SPEEDUP,
-              "torch_threads": torch.get_num_threads()}
+    ratios: dict[str, float] = {"b1_target": TARGET_B1_RATIO, "batch_target": TARGET_BATCH_SPEEDUP,
+                                "torch_threads": threads}
+    for mode in graph_modes:
+        e1 = df[(df.system == f"deepinfer[{mode}]") & (df.batch_size == 1)].iloc[0]
+        eb = df[(df.system == f"deepinfer[{mode}]") & (df.batch_size == batch)].iloc[0]
+        ratios[f"{mode}:b1_ms_per_token_engine_over_hf"] = float(e1.ms_per_token_p50 / h1.ms_per_token_p50)
+        ratios[f"{mode}:b{batch}_tok_s_over_b1"] = float(eb.decode_tok_s / e1.decode_tok_s)
     return df, ratios
