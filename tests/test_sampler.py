@@ -59,7 +59,10 @@ def test_top_p_keeps_smallest_set_reaching_p(row, p, temp):
     kept = {int(i) for i, q in zip(idx[0], probs[0], strict=True) if q > 0}
     # Reference in float64: sort by (prob desc, index asc), take tokens until the mass reaches p.
     ref = torch.softmax(torch.tensor(row, dtype=torch.float64) / temp, dim=-1).tolist()
-    order = sorted(range(len(ref)), key=lambda i: (-ref[i], i))
+    # Order by the fp32 logits the sampler sees (ties: lower index first), not by the float64 probabilities: two
+    # distinct logits such as -9.9e-44 and 0.0 have equal float64 probabilities but a definite order.
+    scaled = (torch.tensor(row) / temp).tolist()
+    order = sorted(range(len(ref)), key=lambda i: (-scaled[i], i))
     cum, want = 0.0, set()
     for i in order:
         # Skip cases on a float knife edge (mass within 1e-5 of p at the boundary).
