@@ -67,7 +67,7 @@ class RunnerConfig:
     graph_mode: str | None = None  # eager | regions | layer
     region_timing: bool | None = None
     moe_capacity: float | None = None  # capacity factor of the grouped expert path for prefill chunks
-    host_compiler: str | None = None  # inductor | aot_eager | eager
+    host_compiler: str | None = None  # inductor | aot_eager | eager | none
 
 
 class ModelRunner:
@@ -81,7 +81,10 @@ class ModelRunner:
         layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
         self.num_steps = 0  # forward calls so far
         envs = get_envs()
-        pick = lambda v, flag: flag if v is None else v  # noqa: E731
+
+        def pick(value: Any, flag: Any) -> Any:  # RunnerConfig field, else the DEEPINFER_* flag
+            return flag if value is None else value
+
         self.graph_mode = pick(rc.graph_mode, envs.DEEPINFER_NEURON_GRAPH_MODE)
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode {self.graph_mode!r}: expected one of {', '.join(GRAPH_MODES)}")
