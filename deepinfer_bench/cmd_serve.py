@@ -85,7 +85,15 @@ def build_app(config: Any, *, served_model_name: str | None, api_key: str | None
     if engine_process:
         from deepinfer_bench.engine_process import ProcessEngineLoop
 
-        loop = ProcessEngineLoop(build_serving_engine, (config,))
+        if config.cp > 1:  # rank 0 of cp ranks schedules and serves; the others execute its steps (engine/launch.py)
+            import functools
+            import math
+
+            from engine.launch import run_engine_job
+
+            loop = ProcessEngineLoop(None, (config,), job_runner=functools.partial(run_engine_job, timeout_s=math.inf))
+        else:
+            loop = ProcessEngineLoop(build_serving_engine, (config,))
         info = loop.launch()
         tokenizer = load_tokenizer(model_dir)
         vocab_size, max_model_len = info["vocab_size"], info["max_model_len"] or config.max_model_len
@@ -127,12 +135,8 @@ def serve_cmd(
     from engine.envs import get_envs
     from engine.llm import EngineConfig
 
-    if cp > 1:
-        # The plumbing exists (ProcessEngineLoop(job_runner=engine.launch.run_engine_job) serves on rank 0 and gives
-        # cp=1's tokens), but engine.launch is built for batch jobs: ranks > 0 wait in a broadcast that times out
-        # after DEEPINFER_DIST_TIMEOUT_S when the server is idle, and launch() ends any job after its deadline.
-        raise typer.BadParameter("--cp > 1 is not supported by `deepinfer serve` yet: engine.launch ranks time out "
-                                 "while the server is idle (no heartbeat, job deadline); use --cp 1",
+    if cp > 1 and not engine_process:
+        raise typer.BadParameter("--cp > 1 runs the engine on rank processes: use the default --engine-process",
                                  param_hint="--cp")
     try:
         config = EngineConfig(model_dir=str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs,

@@ -28,6 +28,16 @@ def _engine_job(par: Parallel, config: Any, fn: Callable[..., Any], args: tuple)
             driver.shutdown()
 
 
+def _apply_threads() -> None:
+    """DEEPINFER_NUM_THREADS (if set) for work in this process; rank processes get their share in launch()."""
+    import torch
+
+    from engine.envs import get_envs
+
+    if get_envs().DEEPINFER_NUM_THREADS:
+        torch.set_num_threads(get_envs().DEEPINFER_NUM_THREADS)
+
+
 def _torchrun(job: Callable[..., Any], args: tuple) -> Any:
     """Under torchrun this process is one rank: run the job; ranks > 0 then leave quietly (exit 0), so only rank 0
     goes on to print results."""
@@ -43,15 +53,17 @@ def _torchrun(job: Callable[..., Any], args: tuple) -> Any:
     return out
 
 
-def run_engine_job(config: Any, fn: Callable[..., Any], args: tuple = ()) -> Any:
+def run_engine_job(config: Any, fn: Callable[..., Any], args: tuple = (), *, timeout_s: float | None = None) -> Any:
     """`fn(engine, *args)` on an LLMEngine built from `config` (which carries `cp`). `fn` must be a module-level
-    function (it is pickled to the rank processes)."""
+    function (it is pickled to the rank processes). `timeout_s` bounds a multi-rank job (None: launch's default;
+    math.inf for a server, which runs until it is stopped)."""
     cp = int(getattr(config, "cp", 1))
+    _apply_threads()
     if under_torchrun():
         return _torchrun(_engine_job, (config, fn, args))
     if cp <= 1:
         return _engine_job(Parallel(), config, fn, args)
-    return launch(_engine_job, cp, (config, fn, args))
+    return launch(_engine_job, cp, (config, fn, args), timeout_s=timeout_s)
 
 
 def effective_cp(cp: int) -> int:
@@ -65,6 +77,7 @@ def effective_cp(cp: int) -> int:
 
 def run_spmd(job: Callable[..., Any], cp: int, args: tuple = ()) -> Any:
     """`job(par, *args)` on every rank (SPMD); rank 0's result is returned. cp=1 runs in this process."""
+    _apply_threads()
     if under_torchrun():
         return _torchrun(job, args)
     if cp <= 1:

@@ -89,6 +89,9 @@ class Parallel:
     rank: int = 0
     cp: int = 1
     group: Any = None
+    # Rank 0 -> workers step messages (engine/runner.py DistributedRunner): gloo on the host, with no practical
+    # timeout, since a server may sit idle for hours between requests while the workers wait for the next step.
+    control_group: Any = None
     counts: Counter = field(default_factory=Counter)
     kill_at: int | None = None  # fault injection for tests: SIGKILL this rank at its n-th collective
 
@@ -135,7 +138,11 @@ def init_process_group(rank: int, cp: int, master_port: int, timeout_s: float) -
         import torch_xla.distributed.xla_backend  # noqa: F401
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
                             timeout=_dt.timedelta(seconds=timeout_s))
-    return Parallel(rank=rank, cp=cp, group=dist.group.WORLD)
+    return Parallel(rank=rank, cp=cp, group=dist.group.WORLD, control_group=_control_group())
+
+
+def _control_group() -> Any:
+    return dist.new_group(backend="gloo", timeout=_dt.timedelta(days=365))
 
 
 def init_from_env() -> Parallel:
@@ -151,7 +158,7 @@ def init_from_env() -> Parallel:
         import torch_xla.distributed.xla_backend  # noqa: F401
     timeout = _dt.timedelta(seconds=get_envs().DEEPINFER_DIST_TIMEOUT_S)
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD)
+    return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group())
 
 
 def under_torchrun() -> bool:
@@ -174,6 +181,10 @@ def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tup
                timeout_s: float, kill_at: tuple[int, int] | None, threads: int) -> None:
     torch.set_num_threads(threads)
     try:
+        if pick_backend() == "xla":  # pragma: no cover - one NeuronCore per rank, set before the runtime starts
+            from engine.envs import apply_env, neuron_worker_env
+
+            apply_env(neuron_worker_env(rank))
         par = init_process_group(rank, cp, port, timeout_s)
         if kill_at is not None and kill_at[0] == rank:
             par.kill_at = kill_at[1]

@@ -241,7 +241,7 @@ class DistributedRunner:
 
     def _send(self, msg: tuple) -> None:
         box = [msg]
-        self._dist.broadcast_object_list(box, src=0, group=self.runner.par.group)
+        self._dist.broadcast_object_list(box, src=0, group=self.runner.par.control_group)
 
     def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
         steps, ids = _describe(batch)
@@ -277,7 +277,7 @@ def worker_loop(runner: ModelRunner) -> None:
 
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=runner.par.group)
+        dist.broadcast_object_list(box, src=0, group=runner.par.control_group)
         msg = box[0]
         if msg[0] == "forward":
             runner.forward(_to_steps(msg[1]), torch.tensor(msg[2], dtype=torch.long))

@@ -119,8 +119,8 @@ def test_process_loop_rejection_outputs_and_death() -> None:
 
 @pytest.mark.slow
 def test_process_loop_on_two_ranks_matches_one() -> None:
-    """ProcessEngineLoop(job_runner=run_engine_job) serves from rank 0 of cp=2 (`deepinfer serve --cp` is refused
-    until engine.launch ranks survive an idle server; this keeps the plumbing honest)."""
+    """ProcessEngineLoop(job_runner=run_engine_job) serves from rank 0 of cp=2 (what `deepinfer serve --cp 2` does)
+    and gives cp=1's tokens."""
     from deepinfer_bench.engine_process import ProcessEngineLoop
     from engine.launch import run_engine_job
     from engine.llm import LLM, EngineConfig
