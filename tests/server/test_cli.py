@@ -39,6 +39,8 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
     r = runner.invoke(app, ["serve", "--dtype", "float16", "--backend", "host"])
     assert r.exit_code != 0 and "dtype" in r.output
     r = runner.invoke(app, ["serve", "--cp", "2", "--backend", "host"])
+    assert r.exit_code == 0 and seen["config"].cp == 2 and seen["process"] is True, r.output
+    r = runner.invoke(app, ["serve", "--cp", "2", "--engine-thread", "--backend", "host"])
     assert r.exit_code != 0 and "--cp" in r.output
 
 
