@@ -35,6 +35,11 @@ from nki_kernels.reference import (
 )
 
 
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the trailing `rd` dims of x [..., D] (V4 lays heads out as [nope | rope]); the rest is untouched."""
+    return torch.cat([x[..., :-rd], rope_apply(x[..., -rd:], cos, sin, inverse)], dim=-1)
+
+
 class Compressor(nn.Module):
     """Gated pooling of m consecutive tokens into one entry; CSA (m=4) overlaps with the previous block (coff=2)."""
 
@@ -59,7 +64,7 @@ class Compressor(nn.Module):
         """RMSNorm, then RoPE of the trailing dims at the position of the block's first token. [W, D] -> [W, D]."""
         e = rms_norm(pooled, self.norm.weight, self.eps)
         cos, sin = rope.cos_sin(first_pos)
-        e = torch.cat([e[..., : -self.rd], rope_apply(e[..., -self.rd:], cos, sin)], dim=-1)
+        e = rope_tail(e, cos, sin, self.rd)
         return e.to(dtype)
 
     # -- one sequence, n new tokens --------------------------------------------------------------------------------
@@ -173,7 +178,7 @@ class Indexer(nn.Module):
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, Di] (RoPE on the trailing dims, no per-head norm) and head weights [T, Hi] fp32."""
         q = linear(qr, self.wq_b.weight).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = torch.cat([q[..., : -self.rd], rope_apply(q[..., -self.rd:], cos.unsqueeze(1), sin.unsqueeze(1))], -1)
+        q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd)
         w = linear(x, self.weights_proj.weight).float() * self.weight_scale
         return q, w
 
@@ -234,7 +239,7 @@ class Attention(nn.Module):
         self.rope = Rope(cfg, compressed=bool(self.ratio))
 
     def _rope_tail(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return torch.cat([x[..., : -self.rd], rope_apply(x[..., -self.rd:], cos, sin, inverse)], dim=-1)
+        return rope_tail(x, cos, sin, self.rd, inverse)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, dim] -> q [T, H, D], kv [T, D], qr [T, q_lora]."""
