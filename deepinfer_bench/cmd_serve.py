@@ -41,18 +41,33 @@ def tokenizer_root(model_dir: str | Path) -> Path:
     if cfg_path.exists() and "model_type" in json.loads(cfg_path.read_text()):
         return model_dir
     files = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
-    digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:16]
+    keyed = files + ([cfg_path] if cfg_path.exists() else [])  # the HF config.json written below derives from it
+    digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in keyed)).hexdigest()[:16]
     out = Path(tempfile.gettempdir()) / "deepinfer-tokenizers" / f"{model_dir.name}-{digest}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         for f in files:
             shutil.copyfile(f, tmp / f.name)
+        _write_hf_config(cfg_path, tmp / "config.json")
         try:
             tmp.rename(out)
         except OSError:  # another server made it first
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_hf_config(official: Path, out: Path) -> None:
+    """Clients (vLLM's `get_config`) look for an HF config.json beside the tokenizer: write the HF spelling of the
+    model's config there (skipped if the config cannot be read; the server itself reports that error)."""
+    from engine.config import ConfigError, ModelConfig
+
+    try:
+        hf = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
+              **ModelConfig.from_json(official).to_hf_json()}
+    except (ConfigError, OSError):
+        return
+    out.write_text(json.dumps(hf, indent=1) + "\n")
 
 
 def build_serving_engine(config: Any) -> Any:

@@ -183,6 +183,46 @@ class ModelConfig:
         d["compress_ratios"] = list(self.compress_ratios)
         return d
 
+    def to_hf_json(self) -> dict[str, Any]:
+        """The HF `DeepseekV4Config` keyword arguments of this config (transformers >= 5.24 spelling: layer_types,
+        compress_rates, mlp_layer_types, rope_parameters); main layers only, since HF has no MTP layer. Layer
+        types follow the official rule: ratio 0 = sliding, 4 = CSA (overlap + indexer), any other = HCA, and HF has
+        one HCA rate per model."""
+        csa, hca_t, sliding = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+        ratios = self.compress_ratios[: self.n_layers]
+        hca = sorted({r for r in ratios if r not in (0, 4)})
+        if len(hca) > 1:
+            raise ConfigError(f"HF DeepseekV4Config supports one HCA compress rate, config has {hca}")
+        rotary = self.rope_head_dim / self.head_dim
+        compress: dict[str, Any] = {"rope_type": "default", "rope_theta": self.compress_rope_theta,
+                                    "partial_rotary_factor": rotary}
+        if self.original_seq_len > 0:  # official applies YaRN whenever original_seq_len > 0, with no attention factor
+            compress.update(rope_type="yarn", factor=self.rope_factor,
+                            original_max_position_embeddings=self.original_seq_len, beta_fast=self.beta_fast,
+                            beta_slow=self.beta_slow, attention_factor=1.0)
+        return {
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "moe_intermediate_size": self.moe_inter_dim,
+            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads, "num_key_value_heads": 1,
+            "head_dim": self.head_dim, "q_lora_rank": self.q_lora_rank, "partial_rotary_factor": rotary,
+            "num_experts_per_tok": self.n_activated_experts, "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts, "scoring_func": self.score_func, "norm_topk_prob": True,
+            "routed_scaling_factor": self.route_scale, "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta, "compress_rope_theta": self.compress_rope_theta,
+            "layer_types": [sliding if r == 0 else csa if r == 4 else hca_t for r in ratios],
+            "compress_rates": {csa: 4, hca_t: hca[0] if hca else 128},
+            "mlp_layer_types": ["hash_moe" if self.is_hash_layer(i) else "moe" for i in range(self.n_layers)],
+            "rope_parameters": {"main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                         "partial_rotary_factor": rotary}, "compress": compress},
+            "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
+            "swiglu_limit": self.swiglu_limit, "sliding_window": self.window_size, "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank, "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
+            "num_nextn_predict_layers": self.n_mtp_layers, "rms_norm_eps": self.norm_eps,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": None,
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+            "use_cache": True,
+        }
+
     # ---- constructors ---------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +13,9 @@ from typer.testing import CliRunner
 from deepinfer_bench import cmd_serve
 from deepinfer_bench.cli import app
 from deepinfer_bench.serve_bench import COLUMNS, load_serve_matrix
+from engine.config import ModelConfig
+
+TINY = Path(__file__).resolve().parents[2] / "golden" / "tiny"
 
 runner = CliRunner()
 
@@ -74,10 +79,14 @@ def test_tokenizer_root(tmp_path: Path) -> None:
     for d in (official, hf):
         (d / "tokenizer.json").write_text("{}")
         (d / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
-    (official / "config.json").write_text('{"dim": 8, "dtype": "fp8"}')
+    shutil.copy(TINY / "config.json", official / "config.json")  # official spelling: no model_type
     (hf / "config.json").write_text('{"model_type": "deepseek_v4"}')
     root = cmd_serve.tokenizer_root(official)
-    assert root != official and sorted(p.name for p in root.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert root != official
+    assert sorted(p.name for p in root.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    hf_cfg = json.loads((root / "config.json").read_text())  # the HF spelling of the same model, for clients
+    assert hf_cfg["model_type"] == "deepseek_v4"
+    assert ModelConfig.from_dict(hf_cfg) == ModelConfig.from_json(official)
     assert cmd_serve.tokenizer_root(official) == root  # stable
     assert cmd_serve.tokenizer_root(hf) == hf.resolve() and cmd_serve.tokenizer_root(bare) == bare.resolve()
 
