@@ -13,11 +13,6 @@ from engine.llm import LLM, EngineConfig, SamplingParams
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
-needs_golden = pytest.mark.skipif(
-    not (GOLDEN / "golden.json").exists() or not (GOLDEN / "tiny" / "config.json").exists(),
-    reason="golden/golden.json or golden/tiny missing (python golden/make_golden.py)")
-
-
 def _check(names: set[str] | None, max_new: int | None, budget: int, extra_blocks: int) -> None:
     meta = json.loads((GOLDEN / "golden.json").read_text())
     prompts = [p for p in meta["prompts"] if names is None or p["name"] in names]
@@ -47,14 +42,12 @@ def _check(names: set[str] | None, max_new: int | None, budget: int, extra_block
     assert stats.num_used_blocks == 0 and stats.num_preemptions > 0, stats
 
 
-@needs_golden
 def test_greedy_through_scheduler_equals_golden_quick():
     # Sized with the fake runner: 12 steps, ids_17 prefilled in two chunks, then preempted when ids_16's first
     # decode needs a second block of the 2-block pool; ids_20 waits.
     _check({"ids_16", "ids_17", "ids_20"}, max_new=4, budget=24, extra_blocks=0)
 
 
-@needs_golden
 @pytest.mark.slow
 def test_greedy_through_scheduler_equals_golden_all_prompts():
     _check(None, None, budget=48, extra_blocks=1)

@@ -14,7 +14,6 @@ from deepinfer_bench.regions import RegionsSpec, tabulate
 TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
 
 
-@pytest.mark.skipif(not (TINY / "config.json").exists(), reason="golden/tiny not present")
 def test_regions_command_writes_results(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["regions", "--timing", "--graph-mode", "layer", "--host-compiler", "none",
                                    "--batch", "2", "--context", "9", "--steps", "2", "--warmup", "1",

@@ -126,8 +126,6 @@ def test_process_loop_on_two_ranks_matches_one() -> None:
     from engine.llm import LLM, EngineConfig
     from tests.server.test_real_engine import TINY
 
-    if not (TINY / "config.json").exists():
-        pytest.skip("golden/tiny not generated yet")
     kw = {"model_dir": str(TINY), "max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}
     loop = ProcessEngineLoop(None, (EngineConfig(cp=2, **kw),), job_runner=run_engine_job)
     assert loop.launch(timeout_s=120)["vocab_size"] == 1024

@@ -18,7 +18,6 @@ import pytest
 from tests.server.conftest import REPO, start_server, stop_server
 
 TINY = REPO / "golden" / "tiny"
-pytestmark = pytest.mark.skipif(not (TINY / "config.json").exists(), reason="golden/tiny not generated yet")
 
 SERVE_ARGS = ["--max-num-seqs", "64", "--num-kv-blocks", "128", "--block-size", "16", "--max-model-len", "256",
               "--max-num-batched-tokens", "1024", "--backend", "host"]
