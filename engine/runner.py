@@ -62,7 +62,7 @@ class RunnerConfig:
     max_model_len: int = 4096
     dtype: str = "float32"
     batch_decode: bool = True  # vectorised decode path (False: every sequence goes through the chunk path)
-    with_mtp: bool = False  # keep MTP weights (loaded anyway by `deepinfer generate`? no: only when asked)
+    with_mtp: bool = False  # load and keep the MTP block (mtp.*) and its cache; off unless asked (no lookahead yet)
     # Region graphs (engine/regions.py); None = take the DEEPINFER_* flag (engine/envs.py).
     graph_mode: str | None = None  # eager | regions | layer
     region_timing: bool | None = None
