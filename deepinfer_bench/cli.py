@@ -27,7 +27,9 @@ def main() -> None:
     except (ValueError, FileNotFoundError, GoldenError, RankFailed) as e:
         if get_envs().DEEPINFER_TRACEBACK:
             raise
-        err_console.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
 
 
