@@ -82,7 +82,7 @@ def load_golden(golden_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Any], lis
 
 
 def _golden_job(par: Parallel, model_dir: str, dtype: str, prompts: list[list[int]], max_new: int,
-                prefill_chunk: int | None) -> tuple[list[list[int]], list[torch.Tensor], dict[str, int], int]:
+                prefill_chunk: int | None) -> tuple[list[list[int]], list[torch.Tensor], dict[str, int], int, str, int]:
     from engine.runner import ModelRunner, RunnerConfig, default_block_size, greedy_generate
 
     cfg = ModelConfig.from_json(Path(model_dir))
@@ -92,7 +92,8 @@ def _golden_job(par: Parallel, model_dir: str, dtype: str, prompts: list[list[in
                       max_model_len=max(len(p) for p in prompts) + max_new, dtype=dtype)
     runner = ModelRunner.from_model_dir(model_dir, rc, par)
     outs, logits = greedy_generate(runner, prompts, max_new, prefill_chunk=prefill_chunk)
-    return outs, logits, par.report(), runner.num_steps
+    launches = runner.regions.launches if runner.regions is not None else 0
+    return outs, logits, par.report(), runner.num_steps, runner.graph_mode, launches
 
 
 def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -> dict[str, Any]:
@@ -128,13 +129,13 @@ def run_golden(model_dir: str | Path | None = None, golden_dir: str | Path | Non
     check_layout(cfg, cp)
     meta, prompts = load_golden(golden_dir, cfg)
     max_new = max(len(p.output_ids) for p in prompts)
-    outs, logits, coll, steps = run_spmd(_golden_job, cp, (str(model_dir), dtype, [p.prompt_ids for p in prompts],
-                                                    max_new, prefill_chunk))
+    job_args = (str(model_dir), dtype, [p.prompt_ids for p in prompts], max_new, prefill_chunk)
+    outs, logits, coll, steps, graph_mode, launches = run_spmd(_golden_job, cp, job_args)
     rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, outs, logits, strict=True)]
     run_meta = {"model_dir": str(model_dir), "golden_dir": str(golden_dir), "dtype": dtype, "cp": cp,
                 "prefill_chunk": prefill_chunk, "config_hash": cfg.config_hash(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference")},
-                "engine_steps": steps, "collectives": coll}
+                "engine_steps": steps, "graph_mode": graph_mode, "region_launches": launches, "collectives": coll}
     return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=coll, steps=steps)
 
 

@@ -83,3 +83,21 @@ def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.Captu
         assert ex.value.code == 2
         err = capsys.readouterr().err
         assert expect in err.replace("\n", " ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["layer", "regions"])
+def test_golden_in_region_graph_modes(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Region graph modes (static-shape decode, uncompiled so it stays fast) give the golden tokens too."""
+    from engine.envs import get_envs
+
+    monkeypatch.setenv("DEEPINFER_NEURON_GRAPH_MODE", mode)
+    monkeypatch.setenv("DEEPINFER_HOST_COMPILER", "none")
+    get_envs.cache_clear()
+    try:
+        run = run_golden(TINY, GOLDEN_DIR, dtype="float32", cp=1)
+    finally:
+        monkeypatch.undo()
+        get_envs.cache_clear()
+    assert run.ok, run.table.to_string()
+    assert (run.table["tokens_matched"] == run.table["tokens_total"]).all()
+    assert run.meta["graph_mode"] == mode and run.meta["region_launches"] > 0  # decode really ran as regions
