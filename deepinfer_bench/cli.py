@@ -15,22 +15,17 @@ __all__ = ["app"]
 
 
 def main() -> None:
-    """`deepinfer`: user-facing errors (a malformed config, a bad checkpoint, an invalid layout, a failed rank...)
-    print one clear line and exit 2; DEEPINFER_TRACEBACK=1 shows the traceback instead."""
-    from deepinfer_bench.golden import GoldenError
-    from deepinfer_bench.report import err_console
-    from engine.envs import get_envs
-    from engine.parallel import RankFailed
+    """`deepinfer`: user-facing errors print one clear line and exit 2 (deepinfer_bench/options.py `user_errors`);
+    DEEPINFER_TRACEBACK=1 shows the traceback instead."""
+    import click
+
+    from deepinfer_bench.options import user_errors
 
     try:
-        app()
-    except (ValueError, FileNotFoundError, GoldenError, RankFailed) as e:
-        if get_envs().DEEPINFER_TRACEBACK:
-            raise
-        from rich.markup import escape
-
-        err_console.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise SystemExit(2) from None
+        with user_errors():  # commands without the engine options (kernels, bench serve, env) get the same rule
+            app()
+    except click.exceptions.Exit as e:
+        raise SystemExit(e.exit_code) from None
 
 
 if __name__ == "__main__":

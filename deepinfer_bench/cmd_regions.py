@@ -8,30 +8,24 @@ from typing import Annotated
 import typer
 
 from deepinfer_bench.app import app
-from deepinfer_bench.report import DEFAULT_MODEL_DIR, DEFAULT_OUT_DIR, err_console, render_df, save_results
+from deepinfer_bench.options import EngineArgs, engine_options
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
 
 
 @app.command("regions")
+@engine_options
 def regions_cmd(
+    engine: EngineArgs,
     timing: Annotated[bool, typer.Option("--timing", help="Time every stage (sync + clock at each split()); also "
                                                           "on with DEEPINFER_NEURON_REGION_TIMING=1.")] = False,
-    graph_mode: Annotated[str | None, typer.Option("--graph-mode", help="eager | regions | layer (default: "
-                                                                        "DEEPINFER_NEURON_GRAPH_MODE).")] = None,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Decode batch size.")] = 4,
     context: Annotated[int, typer.Option("--context", min=1, help="Prompt length before decoding.")] = 64,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Timed decode steps.")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", min=1, help="Untimed decode steps first (compiles).")] = 3,
-    model_dir: Annotated[Path, typer.Option("--model-dir", help="Model dir (default: the tiny model).")]
-    = DEFAULT_MODEL_DIR,
-    cp: Annotated[int, typer.Option("--cp", min=1, help="Context/expert-parallel ranks.")] = 1,
-    host_compiler: Annotated[str | None, typer.Option("--host-compiler", help="inductor | aot_eager | eager | none "
-                                                                              "(default: DEEPINFER_HOST_COMPILER).")]
-    = None,
     overhead: Annotated[bool, typer.Option("--overhead", help="Also measure timing disabled vs no timer machinery "
                                                               "(and enabled), interleaved on one runner.")] = False,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds of --overhead (each re-prefills, then "
                                                                 "cycles the variants step by step).")] = 5,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (default: "
                                                 "DEEPINFER_NUM_THREADS, else torch's). 1 keeps timings stable on a "
                                                 "shared box.")] = None,
@@ -40,25 +34,19 @@ def regions_cmd(
 ) -> None:
     """Run decode steps through the region graphs; per region and stage: calls, p50/p90 ms, share of the step, per
     layer and summed over layers; graph launches per step; the measured step time. CSV + meta.json + PNG."""
-    from deepinfer_bench.regions import RegionsSpec, run_regions, save_plot, timing_overhead
+    from deepinfer_bench.regions import RegionsSpec, engine_settings, run_regions, save_plot, timing_overhead
     from engine.envs import get_envs
 
-    envs = get_envs()
-    if threads or envs.DEEPINFER_NUM_THREADS > 0:
-        import torch
-
-        torch.set_num_threads(threads or envs.DEEPINFER_NUM_THREADS)
-    mode = graph_mode or envs.DEEPINFER_NEURON_GRAPH_MODE
-    if mode not in ("eager", "regions", "layer"):
-        raise typer.BadParameter(f"--graph-mode {mode!r}: expected eager, regions or layer")
-    if host_compiler not in (None, "inductor", "aot_eager", "eager", "none"):
-        raise typer.BadParameter(f"--host-compiler {host_compiler!r}: expected inductor, aot_eager, eager or none")
-    spec = RegionsSpec(model_dir=str(model_dir), graph_mode=mode, timing=timing or envs.DEEPINFER_NEURON_REGION_TIMING,
-                       batch=batch, context=context, steps=steps, warmup=warmup, cp=cp, dtype=dtype,
-                       host_compiler=host_compiler)
+    spec = RegionsSpec(batch=batch, context=context, steps=steps, warmup=warmup)
+    cfg = engine.model_config()
+    timing = timing or get_envs().DEEPINFER_NEURON_REGION_TIMING
+    config = engine.config(cfg, **engine_settings(spec, cfg, engine.cp or 1, timing))
+    mode = config.graph.mode
+    if overhead and (config.cp != 1 or str(mode) == "eager"):
+        raise typer.BadParameter("--overhead needs --cp 1 and --graph-mode regions or layer")
     err_console.print(f"[dim]regions: {mode}, batch {batch}, context {context}, {warmup} warmup + {steps} steps, "
-                      f"cp {cp}, timing {'on' if spec.timing else 'off'}[/dim]")
-    result = run_regions(spec)
+                      f"cp {config.cp}, backend {config.backend}, timing {'on' if timing else 'off'}[/dim]")
+    result = run_regions(config, spec, threads=threads)
     render_df(result.summed, f"stages summed over layers ({mode})",
               columns=["region", "stage", "layers", "calls_per_step", "ms_per_step", "p50_ms_sum", "p90_ms_sum",
                        "share_of_step"])
@@ -73,9 +61,7 @@ def regions_cmd(
     if len(result.per_layer):
         save_plot(result, path.parent / "regions.png")
     if overhead:
-        if cp != 1 or mode == "eager":
-            raise typer.BadParameter("--overhead needs --cp 1 and --graph-mode regions or layer")
-        df = timing_overhead(spec, rounds=rounds)
+        df = timing_overhead(config, spec, rounds=rounds, threads=threads)
         render_df(df, "timer cost: per-step medians, interleaved rounds on one runner")
         df.to_csv(path.parent / "regions_overhead.csv", index=False)
     err_console.print(f"-> {path.parent}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -13,15 +12,8 @@ from typing import Any
 import typer
 
 from deepinfer_bench.app import app, bench_app
-from deepinfer_bench.report import DEFAULT_MODEL_DIR, DEFAULT_OUT_DIR, err_console, render_df, save_results
-
-
-def resolve_backend(requested: str) -> str:
-    """`auto` -> neuron when torch-neuronx is importable, else host."""
-    if requested != "auto":
-        return requested
-    return "neuron" if importlib.util.find_spec("torch_neuronx") is not None else "host"
-
+from deepinfer_bench.options import EngineArgs, engine_options
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -71,21 +63,22 @@ def _write_hf_config(official: Path, out: Path) -> None:
 
 
 def build_serving_engine(config: Any) -> Any:
-    """The engine for serving: Neuron worker environment first (basic mode, one NeuronCore for this rank, no MTP
-    lookahead: the engine never runs MTP while serving), then the engine with its fixed KV pool, weights loaded
-    before the first request so its TTFT does not include loading."""
-    from engine.envs import apply_env, get_envs, neuron_worker_env
-    from engine.llm import LLMEngine
+    """The engine for serving (in the engine process): the process set up by the config's backend (threads,
+    Neuron runtime variables), the fixed KV pool, and the weights loaded before the first request so its TTFT
+    does not include loading. The engine never runs MTP while serving."""
+    import engine
 
-    if config.backend == "neuron":
-        apply_env(neuron_worker_env(rank=0))
-    elif get_envs().DEEPINFER_NUM_THREADS > 0:
-        import torch
+    return engine.build(config)
 
-        torch.set_num_threads(get_envs().DEEPINFER_NUM_THREADS)  # applies to the engine thread too
-    engine = LLMEngine(config)
-    _ = engine.runner  # load now
-    return engine
+
+def engine_settings(cfg: Any, block_size: int | None) -> dict[str, Any]:
+    """Serving defaults: 32 slots, 2048 tokens per step, a pool of 8192 token positions (or one max_model_len)."""
+    from engine.config import default_block_size
+
+    bs = block_size or default_block_size(cfg)
+    max_len = min(4096, cfg.max_position_embeddings)
+    return {"max_num_seqs": 32, "max_num_batched_tokens": 2048, "max_model_len": max_len,
+            "num_kv_blocks": -(-max(8192, max_len) // bs)}
 
 
 def build_app(config: Any, *, served_model_name: str | None, api_key: str | None, engine_process: bool = True) -> Any:
@@ -95,7 +88,7 @@ def build_app(config: Any, *, served_model_name: str | None, api_key: str | None
     from engine.sampler import SamplingParams
     from engine.tokenizer import load_tokenizer
 
-    model_dir = Path(config.model_dir).resolve()
+    model_dir = Path(config.model.model_dir).resolve()
     engine, loop = None, None
     if engine_process:
         from deepinfer_bench.engine_process import ProcessEngineLoop
@@ -104,41 +97,33 @@ def build_app(config: Any, *, served_model_name: str | None, api_key: str | None
             import functools
             import math
 
-            from engine.launch import run_engine_job
+            from engine.launch import run_job
 
-            loop = ProcessEngineLoop(None, (config,), job_runner=functools.partial(run_engine_job, timeout_s=math.inf))
+            loop = ProcessEngineLoop(None, (config,), job_runner=functools.partial(run_job, timeout_s=math.inf))
         else:
             loop = ProcessEngineLoop(build_serving_engine, (config,))
         info = loop.launch()
         tokenizer = load_tokenizer(model_dir)
-        vocab_size, max_model_len = info["vocab_size"], info["max_model_len"] or config.max_model_len
+        vocab_size, max_model_len = info["vocab_size"], info["max_model_len"] or config.cache.max_model_len
     else:
         engine = build_serving_engine(config)
         tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
-        max_model_len = getattr(getattr(engine, "runner", None), "max_model_len", None) or config.max_model_len
+        max_model_len = config.cache.max_model_len
     scfg = ServerConfig(served_model_name=served_model_name or model_dir.name,
                         model_root=str(tokenizer_root(model_dir)), model_aliases=(str(model_dir),),
-                        max_model_len=min(max_model_len, config.max_model_len),
+                        max_model_len=min(max_model_len, config.cache.max_model_len),
                         vocab_size=vocab_size, api_key=api_key)
     return create_app(engine, tokenizer, scfg, make_sampling_params=SamplingParams, engine_loop=loop)
 
 
 @app.command("serve")
+@engine_options
 def serve_cmd(
-    model_dir: Path = typer.Option(DEFAULT_MODEL_DIR, "--model-dir", help="Model directory (config.json, "
-                                   "safetensors, tokenizer.json). Default: the embedded tiny model."),
+    engine: EngineArgs,
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
     served_model_name: str | None = typer.Option(None, help="Model id in /v1/models and requests (default: the "
                                                  "model directory name; the directory path is accepted too)."),
-    num_kv_blocks: int = typer.Option(64, help="Fixed KV pool size in blocks."),
-    block_size: int = typer.Option(128, help="Token positions per KV block (multiple of every compress ratio)."),
-    max_num_seqs: int = typer.Option(32, help="Largest running batch (fixed KV slots)."),
-    max_num_batched_tokens: int = typer.Option(2048, help="Token budget per engine step (chunked prefill)."),
-    max_model_len: int = typer.Option(4096, help="Longest prompt + output, in tokens."),
-    cp: int = typer.Option(1, help="Context-parallel ranks."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
-    backend: str | None = typer.Option(None, help="auto | host | neuron (default: DEEPINFER_BACKEND)"),
     api_key: str | None = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1/*, /tokenize."),
     engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="Run the engine in a child "
                                         "process (default; no GIL shared with HTTP) or on a thread of the server."),
@@ -147,26 +132,19 @@ def serve_cmd(
     """Serve the model over an OpenAI-compatible HTTP API (`vllm bench serve --backend openai` works against it)."""
     import uvicorn
 
-    from engine.envs import get_envs
-    from engine.llm import EngineConfig
-
-    if cp > 1 and not engine_process:
+    if (engine.cp or 1) > 1 and not engine_process:
         raise typer.BadParameter("--cp > 1 runs the engine on rank processes: use the default --engine-process",
                                  param_hint="--cp")
-    try:
-        config = EngineConfig(model_dir=str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
-                              block_size=block_size, max_model_len=max_model_len, cp=cp,
-                              backend=resolve_backend(backend or get_envs().DEEPINFER_BACKEND))
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    err_console.print(f"loading {model_dir} ({config.backend}, {dtype}) ...")
+    cfg = engine.model_config()
+    config = engine.config(cfg, **engine_settings(cfg, engine.block_size))
+    err_console.print(f"loading {engine.model_dir} ({config.backend}, {config.model.dtype}, cp {config.cp}, graph "
+                      f"{config.graph.mode}) ...")
     try:
         server_app = build_app(config, served_model_name=served_model_name, api_key=api_key,
                                engine_process=engine_process)
-    except (RuntimeError, ValueError, OSError) as e:  # the engine could not be built (bad dir, bad checkpoint, ...)
-        err_console.print(f"[red]cannot start the engine: {e}[/red]")
-        raise typer.Exit(1) from None
+    except RuntimeError as e:  # the engine process could not build the engine (bad checkpoint, ...)
+        err_console.print(f"[red]error:[/red] cannot start the engine: {e}")
+        raise typer.Exit(2) from None
     err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port}")
     uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                 timeout_graceful_shutdown=10)

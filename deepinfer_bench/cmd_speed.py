@@ -9,12 +9,14 @@ import pandas as pd
 import typer
 
 from deepinfer_bench.app import bench_app
-from deepinfer_bench.report import DEFAULT_MODEL_DIR, DEFAULT_OUT_DIR, err_console, render_df, save_results
+from deepinfer_bench.options import EngineArgs, engine_options
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
 
 
 @bench_app.command("engine-vs-hf")
+@engine_options
 def engine_vs_hf_cmd(
-    model_dir: Annotated[Path, typer.Option(help="Model dir (default: the tiny model).")] = DEFAULT_MODEL_DIR,
+    engine: EngineArgs,
     prompt_len: Annotated[int, typer.Option(min=1)] = 64,
     steps: Annotated[int, typer.Option(min=2, help="Decode steps per repeat.")] = 64,
     batch: Annotated[int, typer.Option(min=2, help="Batch size of the batched-decode measurement.")] = 32,
@@ -22,15 +24,20 @@ def engine_vs_hf_cmd(
     threads: Annotated[int, typer.Option(min=1, help="torch threads for both sides.")] = 1,
     graph_modes: Annotated[str, typer.Option(
         help="Engine graph modes to time, comma-separated (eager, regions, layer); compiled modes compile during "
-             "the warm-up.")] = "eager,layer",
+             "the warm-up. Overrides --graph-mode.")] = "eager,layer",
     out: Annotated[Path, typer.Option()] = DEFAULT_OUT_DIR,
 ) -> None:
     """Batch-1 greedy decode (engine vs HF transformers, fp32) and engine batched-decode throughput, interleaved."""
-    from deepinfer_bench.speed import run_speed
+    from deepinfer_bench.speed import engine_settings, run_speed
+    from engine.config import GraphMode
 
+    modes = tuple(str(GraphMode.parse(m.strip(), "--graph-modes")) for m in graph_modes.split(",") if m.strip())
+    if (engine.cp or 1) != 1:
+        raise typer.BadParameter("engine-vs-hf times one process against HF: --cp must be 1", param_hint="--cp")
+    cfg = engine.model_config()
+    config = engine.config(cfg, **engine_settings(cfg, batch, prompt_len, steps))
     err_console.print(f"[dim]timing {repeats} x {steps} decode steps after a {prompt_len}-token prefill ...[/dim]")
-    modes = tuple(m.strip() for m in graph_modes.split(",") if m.strip())
-    df, ratios = run_speed(model_dir, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
+    df, ratios = run_speed(config, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
                            threads=threads, graph_modes=modes)
     render_df(df, "decode speed: deepinfer vs HF transformers (fp32, same weights, same run)")
     rows = []
@@ -42,5 +49,5 @@ def engine_vs_hf_cmd(
                  {"graph_mode": mode, "measure": f"batch-{batch} tok/s / batch-1 tok/s (engine)", "value": bk,
                   "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]}]
     render_df(pd.DataFrame(rows), "targets")
-    path = save_results(df, out, "engine_vs_hf", {"ratios": ratios, "model_dir": str(model_dir)})
+    path = save_results(df, out, "engine_vs_hf", {"ratios": ratios, "engine_config": config.to_dict()})
     err_console.print(f"-> {path}")

@@ -45,7 +45,7 @@ def _child_main(conn: Any, factory: Callable[..., Any], args: tuple, coalesce_s:
                 job_runner: Callable[..., Any] | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     try:
-        if job_runner is not None:  # e.g. engine.launch.run_engine_job: serve_engine runs on rank 0 of cp ranks
+        if job_runner is not None:  # e.g. engine.launch.run_job: serve_engine runs on rank 0 of cp ranks
             job_runner(*args, serve_engine, (conn, coalesce_s))
         else:
             serve_engine(factory(*args), conn, coalesce_s)

@@ -1,5 +1,11 @@
-"""`deepinfer golden`: every golden prompt, as one batch, through the full engine, against the independent HF
-reference outputs in golden/ (golden/make_golden.py). Returns data; the CLI renders it."""
+"""`deepinfer golden`: every golden prompt through the engine's serving path, against the independent HF reference
+outputs in golden/ (golden/make_golden.py). Returns data; the CLI renders it.
+
+The prompts go to an `LLMEngine` as requests (greedy, `ignore_eos`, `max_tokens` = the golden's length): the same
+scheduler (queueing, chunked prefill, preemption under the configured limits), KV pool, sampler and rank-job path
+(`engine.run_job`, cp ranks) that `deepinfer serve` and `bench matrix` use. The engine's `on_logits` hook records
+the fp32 logits every token was sampled from; they are compared with the reference's.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +18,7 @@ import pandas as pd
 import torch
 
 from deepinfer_bench.report import REPO_ROOT
-from engine.config import ModelConfig
-from engine.parallel import Parallel
+from engine.config import EngineConfig, ModelConfig
 
 GOLDEN_DIR = REPO_ROOT / "golden"
 MAGIC, FORMAT_VERSION = "deepinfer-golden", 1
@@ -81,19 +86,40 @@ def load_golden(golden_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Any], lis
     return meta, prompts
 
 
-def _golden_job(par: Parallel, model_dir: str, dtype: str, prompts: list[list[int]], max_new: int,
-                prefill_chunk: int | None) -> tuple[list[list[int]], list[torch.Tensor], dict[str, int], int, str, int]:
-    from engine.runner import ModelRunner, RunnerConfig, default_block_size, greedy_generate
+def engine_settings(prompts: list[GoldenPrompt], cfg: ModelConfig, cp: int = 1) -> dict[str, Any]:
+    """Engine sizes under which every golden prompt runs at once: one slot each, the whole prefill in one step and
+    a pool that holds them all (`deepinfer golden --max-num-seqs 3 ...` overrides any of them)."""
+    from engine.config import default_block_size
 
-    cfg = ModelConfig.from_json(Path(model_dir))
-    bs = default_block_size(cfg, par.cp)
-    blocks = sum(-(-(len(p) + max_new) // bs) for p in prompts)
-    rc = RunnerConfig(max_num_seqs=len(prompts), num_kv_blocks=blocks, block_size=bs,
-                      max_model_len=max(len(p) for p in prompts) + max_new, dtype=dtype)
-    runner = ModelRunner.from_model_dir(model_dir, rc, par)
-    outs, logits = greedy_generate(runner, prompts, max_new, prefill_chunk=prefill_chunk)
-    launches = runner.regions.launches if runner.regions is not None else 0
-    return outs, logits, par.report(), runner.num_steps, runner.graph_mode, launches
+    bs = default_block_size(cfg, cp)
+    return {"max_num_seqs": len(prompts),
+            "max_num_batched_tokens": max(len(prompts), sum(len(p.prompt_ids) for p in prompts)),
+            "max_model_len": max(len(p.prompt_ids) + len(p.output_ids) for p in prompts),
+            "num_kv_blocks": sum(-(-(len(p.prompt_ids) + len(p.output_ids)) // bs) for p in prompts)}
+
+
+def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | None = None,
+                  **overrides: Any) -> EngineConfig:
+    """The engine config `deepinfer golden` runs: `engine_settings` for the golden prompts, then `overrides` (flat
+    EngineConfig names, e.g. max_num_seqs=3, graph_mode="layer", cp=2)."""
+    model_dir = Path(model_dir or GOLDEN_DIR / "tiny")
+    cfg = ModelConfig.from_json(model_dir)
+    _, prompts = load_golden(Path(golden_dir or GOLDEN_DIR), cfg)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    settings = engine_settings(prompts, cfg, int(given.get("cp", 1)))
+    return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), **{**settings, **given})
+
+
+def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> dict[str, Any]:
+    """On rank 0: every prompt as a greedy request, with the logits each token was sampled from."""
+    from engine.llm import greedy_with_logits
+
+    outs, logits = greedy_with_logits(engine, prompts, max_new)
+    runner, stats = engine.runner, engine.stats()
+    regions = getattr(runner, "regions", None)
+    return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
+            "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
+            "region_launches": regions.launches if regions is not None else 0}
 
 
 def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -> dict[str, Any]:
@@ -116,27 +142,23 @@ def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -
             "max_abs_dlogit": dlogit, "logit_tol": tol, "verdict": verdict}
 
 
-def run_golden(model_dir: str | Path | None = None, golden_dir: str | Path | None = None, dtype: str = "float32",
-               cp: int = 1, prefill_chunk: int | None = None) -> GoldenRun:
-    """All golden prompts as one batch (prefill + decode) through the engine on `cp` ranks; one row per prompt."""
-    from engine.launch import effective_cp, run_spmd
-    from engine.parallel import check_layout
-
-    model_dir = Path(model_dir or GOLDEN_DIR / "tiny")
+def run_golden(config: EngineConfig, golden_dir: str | Path | None = None) -> GoldenRun:
+    """Every golden prompt through an engine built from `config` (on its cp ranks); one row per prompt. The
+    config's model must be the one the golden was made for (checked by config hash)."""
     golden_dir = Path(golden_dir or GOLDEN_DIR)
-    cfg = ModelConfig.from_json(model_dir)
-    cp = effective_cp(cp)
-    check_layout(cfg, cp)
+    cfg = config.model.config
     meta, prompts = load_golden(golden_dir, cfg)
-    max_new = max(len(p.output_ids) for p in prompts)
-    job_args = (str(model_dir), dtype, [p.prompt_ids for p in prompts], max_new, prefill_chunk)
-    outs, logits, coll, steps, graph_mode, launches = run_spmd(_golden_job, cp, job_args)
-    rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, outs, logits, strict=True)]
-    run_meta = {"model_dir": str(model_dir), "golden_dir": str(golden_dir), "dtype": dtype, "cp": cp,
-                "prefill_chunk": prefill_chunk, "config_hash": cfg.config_hash(),
+    from engine import run_job
+
+    res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts]))
+    dtype = str(config.model.dtype)
+    rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, res["outs"], res["logits"], strict=True)]
+    run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference")},
-                "engine_steps": steps, "graph_mode": graph_mode, "region_launches": launches, "collectives": coll}
-    return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=coll, steps=steps)
+                "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
+                "region_launches": res["region_launches"], "collectives": res["collectives"]}
+    return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
+                     steps=res["steps"])
 
 
 def collectives_per_layer(coll: dict[str, int], steps: int) -> pd.DataFrame:

@@ -34,7 +34,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from engine.llm import EngineConfig, LLMEngine, RequestRejected, SamplingParams
+from engine.config import EngineConfig
+from engine.llm import LLMEngine, RequestRejected, SamplingParams
 
 MATRICES_DIR = Path(__file__).resolve().parents[1] / "matrices"
 
@@ -116,21 +117,20 @@ def resolve_matrix(name_or_path: str | Path) -> Path:
     return cand
 
 
-def engine_config(spec: MatrixSpec, model_dir: str | Path | None, *, cp: int = 1, **overrides: Any) -> EngineConfig:
-    """The one engine config serving every cell: slots for the largest batch, context for the longest cell, a
-    pool big enough for the biggest cell and a prefill budget of the largest batch x input (unless the matrix or
-    `overrides` set them; None overrides are ignored)."""
-    block_size = spec.block_size or 128
-    max_len = spec.max_model_len or max(i + o for _, i, o in spec.cells)
-    kw: dict[str, Any] = dict(
-        model_dir=None if model_dir is None else str(model_dir), dtype=spec.dtype, cp=cp, seed=spec.seed,
-        max_num_seqs=max(spec.batch_size), block_size=block_size, max_model_len=max_len,
+def engine_settings(spec: MatrixSpec, cfg: Any, cp: int = 1) -> dict[str, Any]:
+    """The engine sizes serving every cell: slots for the largest batch, context for the longest cell, a pool big
+    enough for the biggest cell and a prefill budget of the largest batch x input, unless the matrix sets them
+    (the command's --max-num-seqs etc. override these in turn)."""
+    from engine.config import default_block_size
+
+    block_size = spec.block_size or default_block_size(cfg, cp)
+    out: dict[str, Any] = dict(
+        dtype=spec.dtype, seed=spec.seed, max_num_seqs=max(spec.batch_size), block_size=block_size,
+        max_model_len=spec.max_model_len or max(i + o for _, i, o in spec.cells),
         num_kv_blocks=spec.num_kv_blocks or max(b * -(-(i + o) // block_size) for b, i, o in spec.cells),
         max_num_batched_tokens=spec.max_num_batched_tokens or max(max(b * i for b, i, _ in spec.cells),
-                                                                  max(spec.batch_size)),
-    )
-    kw.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig(**kw)
+                                                                  max(spec.batch_size)))
+    return out
 
 
 @dataclass
@@ -162,13 +162,14 @@ class _Run:
 
 def skip_reason(config: EngineConfig, batch_size: int, input_len: int, output_len: int) -> str:
     """Why this cell cannot run on an engine with `config` ("" if it can)."""
-    if batch_size > config.max_num_seqs:
-        return f"batch_size {batch_size} > max_num_seqs {config.max_num_seqs}"
-    if input_len + output_len > config.max_model_len:
-        return f"input_len + output_len = {input_len + output_len} exceeds max_model_len {config.max_model_len}"
-    need = batch_size * -(-(input_len + output_len) // config.block_size)
-    if need > config.num_kv_blocks:
-        return f"needs {need} KV blocks of {config.block_size} tokens, the pool has {config.num_kv_blocks}"
+    c = config.cache
+    if batch_size > c.max_num_seqs:
+        return f"batch_size {batch_size} > max_num_seqs {c.max_num_seqs}"
+    if input_len + output_len > c.max_model_len:
+        return f"input_len + output_len = {input_len + output_len} exceeds max_model_len {c.max_model_len}"
+    need = batch_size * -(-(input_len + output_len) // c.block_size)
+    if need > c.num_kv_blocks:
+        return f"needs {need} KV blocks of {c.block_size} tokens, the pool has {c.num_kv_blocks}"
     return ""
 
 
@@ -257,9 +258,9 @@ def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,
     """Run every cell of `spec` on one engine built from `config` (or over `runner`); one row per cell.
     With config.cp > 1 the engine runs on cp ranks (rank 0 schedules; no per-cell progress across processes)."""
     if runner is None:
-        from engine.launch import run_engine_job
+        from engine import run_job
 
-        return run_engine_job(config, _matrix_job, (spec, progress if config.cp <= 1 else None))
+        return run_job(config, _matrix_job, (spec, progress if config.cp <= 1 else None))
     engine = LLMEngine(config, runner)
     return _matrix_job(engine, spec, progress)
 

@@ -19,7 +19,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from engine.parallel import Parallel
 from engine.profiling import TIMING_COLUMNS, percentile
 
 STAGE_COLUMNS = ["graph_mode", "region", "stage", "layer", "calls", "calls_per_step", "total_ms", "p50_ms", "p90_ms",
@@ -35,17 +34,31 @@ OVERHEAD_COLUMNS = ["variant", "rounds", "steps_per_round", "step_ms_median", "s
 
 @dataclass(frozen=True)
 class RegionsSpec:
-    model_dir: str
-    graph_mode: str = "regions"
-    timing: bool = True
+    """The workload (the engine itself - graph mode, timing, cp, dtype, compiler - is the EngineConfig)."""
+
     batch: int = 4
     context: int = 64
     steps: int = 20
     warmup: int = 3
-    cp: int = 1
-    dtype: str = "float32"
-    host_compiler: str | None = None  # None: DEEPINFER_HOST_COMPILER
     seed: int = 0
+
+    @property
+    def max_len(self) -> int:
+        """Context a run needs: prefill, warm-up, and the longer of the timed steps and an --overhead run."""
+        return self.context + self.warmup + max(self.steps, OVERHEAD_ROUND_STEPS * 3 + 3) + 1
+
+
+OVERHEAD_ROUND_STEPS = 20
+
+
+def engine_settings(spec: RegionsSpec, cfg: Any, cp: int = 1, timing: bool = True) -> dict[str, Any]:
+    """Engine sizes for the run: one slot per sequence of the batch and the context it needs."""
+    from engine.config import default_block_size
+
+    bs = default_block_size(cfg, cp)
+    return {"max_num_seqs": spec.batch, "num_kv_blocks": spec.batch * -(-spec.max_len // bs),
+            "max_model_len": spec.max_len, "max_num_batched_tokens": max(512, spec.batch * spec.context),
+            "region_timing": timing}
 
 
 @dataclass
@@ -54,20 +67,6 @@ class RegionsResult:
     summed: pd.DataFrame
     summary: pd.DataFrame
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-def _runner(spec: RegionsSpec, par: Parallel, timing: bool, extra_steps: int) -> Any:
-    from engine.config import ModelConfig
-    from engine.runner import ModelRunner, RunnerConfig, default_block_size
-
-    cfg = ModelConfig.from_json(Path(spec.model_dir))
-    bs = default_block_size(cfg, par.cp)
-    max_len = spec.context + spec.warmup + extra_steps + 1
-    blocks = spec.batch * -(-max_len // bs)
-    rc = RunnerConfig(max_num_seqs=spec.batch, num_kv_blocks=blocks, block_size=bs, max_model_len=max_len,
-                      dtype=spec.dtype, graph_mode=spec.graph_mode, region_timing=timing,
-                      host_compiler=spec.host_compiler)
-    return ModelRunner.from_model_dir(spec.model_dir, rc, par)
 
 
 class _Decoder:
@@ -105,11 +104,12 @@ class _Decoder:
         return ms
 
 
-def _regions_job(par: Parallel, spec: RegionsSpec) -> dict[str, Any]:
+def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
+    """On rank 0 (the others execute its steps): prefill, warm up, reset the timer, time `spec.steps` steps."""
     from engine.regions import region_summary
 
     torch.manual_seed(spec.seed)
-    runner = _runner(spec, par, spec.timing, spec.steps)
+    runner = engine.runner
     dec = _Decoder(runner, spec)
     for _ in range(spec.warmup):
         dec.step()
@@ -119,23 +119,25 @@ def _regions_job(par: Parallel, spec: RegionsSpec) -> dict[str, Any]:
     graph = region_summary(runner)
     graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - shapes  # a new block bucket mid-run
     return {"step_ms": step_ms, "timing": [asdict(r) for r in runner.timer.rows()], "graph": graph,
-            "collectives": par.report()}
+            "collectives": runner.par.report()}
 
 
-def run_regions(spec: RegionsSpec) -> RegionsResult:
-    """Time `spec.steps` decode steps; per-layer and layer-summed stage tables plus a one-row summary."""
-    from engine.launch import run_spmd
+def run_regions(config: Any, spec: RegionsSpec, threads: int | None = None) -> RegionsResult:
+    """Time `spec.steps` decode steps of an engine built from `config`; per-layer and layer-summed stage tables
+    plus a one-row summary."""
+    from engine import run_job
 
-    out = run_spmd(_regions_job, spec.cp, (spec,))
-    return tabulate(spec, out["step_ms"], out["timing"], out["graph"], out["collectives"])
+    out = run_job(config, _regions_job, (spec,), threads=threads)
+    return tabulate(config, spec, out["step_ms"], out["timing"], out["graph"], out["collectives"])
 
 
-def tabulate(spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any]], graph: dict[str, Any],
-             collectives: dict[str, int] | None = None) -> RegionsResult:
+def tabulate(config: Any, spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any]],
+             graph: dict[str, Any], collectives: dict[str, int] | None = None) -> RegionsResult:
+    mode = str(config.graph.mode)
     n = len(step_ms)
     step_mean = statistics.fmean(step_ms)
     t = pd.DataFrame(timing, columns=TIMING_COLUMNS)
-    t.insert(0, "graph_mode", spec.graph_mode)
+    t.insert(0, "graph_mode", mode)
     t["calls_per_step"] = t["calls"] / n
     t["ms_per_step"] = t["total_ms"] / n
     t["share_of_step"] = t["ms_per_step"] / step_mean
@@ -147,15 +149,16 @@ def tabulate(spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any
               .reset_index())[SUMMED_COLUMNS]
     stage_sum = float(t["ms_per_step"].sum()) if len(t) else float("nan")
     summary = pd.DataFrame([{
-        "graph_mode": spec.graph_mode, "host_compiler": graph.get("graph_backend", "-"), "timing": spec.timing,
-        "batch_size": spec.batch, "context_len": spec.context, "cp": spec.cp, "steps": n,
+        "graph_mode": mode, "host_compiler": graph.get("graph_backend", "-"), "timing": config.graph.region_timing,
+        "batch_size": spec.batch, "context_len": spec.context, "cp": config.cp, "steps": n,
         "graph_launches_per_step": graph.get("graph_launches_per_step", 0),
         "compiled_shapes": graph.get("compiled_shapes", 0),
         "compiles_during_timing": graph.get("compiles_during_timing", 0),
         "step_ms_p50": percentile(step_ms, 50), "step_ms_p90": percentile(step_ms, 90), "step_ms_mean": step_mean,
         "stage_sum_ms_per_step": stage_sum, "stage_sum_over_step": stage_sum / step_mean,
         "timed_regions": int(t["region"].nunique()) if len(t) else 0}], columns=SUMMARY_COLUMNS)
-    meta = {"spec": asdict(spec), "graph": graph, "step_ms": step_ms, "collectives": collectives or {}}
+    meta = {"spec": asdict(spec), "engine_config": config.to_dict(), "graph": graph, "step_ms": step_ms,
+            "collectives": collectives or {}}
     return RegionsResult(per_layer=per_layer, summed=summed, summary=summary, meta=meta)
 
 
@@ -163,7 +166,7 @@ def tabulate(spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any
 # Cost of the timer machinery: timing disabled vs no timer at all, side by side in one process
 
 
-def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 20) -> pd.DataFrame:
+def timing_overhead(config: Any, spec: RegionsSpec, rounds: int = 5, threads: int | None = None) -> pd.DataFrame:
     """Cost of the timer machinery, measured side by side on ONE runner (same compiled graphs).
 
     Variants: `no_timer` (the step loop makes no timer calls at all), `disabled` (a disabled RegionTimer: one shared
@@ -173,9 +176,18 @@ def timing_overhead(spec: RegionsSpec, rounds: int = 5, steps_per_round: int = 2
     `vs_no_timer` is the median over cycles of the paired ratio step_ms / no_timer step_ms of the same cycle, minus 1;
     `p10_vs_no_timer` compares the 10th percentiles (the least disturbed steps of a shared machine).
     A last row, `disabled_region_us`, is the cost of entering one disabled region, from a tight loop."""
+    from engine import run_job
+
+    if config.cp != 1:
+        raise ValueError("timing_overhead runs on one rank (cp 1)")
+    return run_job(config.replace(region_timing=False), _overhead_job, (spec, rounds), threads=threads)
+
+
+def _overhead_job(engine: Any, spec: RegionsSpec, rounds: int) -> pd.DataFrame:
     from engine.profiling import RegionTimer
 
-    runner = _runner(spec, Parallel(), False, 3 * (steps_per_round + 1))
+    steps_per_round = OVERHEAD_ROUND_STEPS
+    runner = engine.runner
     if runner.regions is None:
         raise ValueError("timing_overhead needs --graph-mode regions or layer")
     disabled = runner.regions.timer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -62,27 +62,35 @@ def _hf_decode_times(model, prompt_len: int, steps: int, seed: int, vocab: int) 
     return times
 
 
-def run_speed(model_dir: str | Path, *, prompt_len: int = 64, steps: int = 64, batch: int = 32,
+def engine_settings(cfg: Any, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
+    """Engine sizes for the run: `batch` slots, the context of prefill + decode, and a pool twice that."""
+    from engine.config import default_block_size
+
+    max_len = prompt_len + steps + 1
+    per_seq = -(-max_len // default_block_size(cfg))
+    return {"max_num_seqs": batch, "num_kv_blocks": batch * per_seq * 2, "max_model_len": max_len,
+            "max_num_batched_tokens": max(512, batch * prompt_len)}
+
+
+def run_speed(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int = 32,
               repeats: int = 3, threads: int = 1,
               graph_modes: tuple[str, ...] = ("eager", "layer")) -> tuple[pd.DataFrame, dict[str, float]]:
     """Interleaved repeats of: engine batch 1 (each graph mode), HF batch 1, engine batch `batch` (each graph mode).
-    Returns the table and the ratios per graph mode.
+    Returns the table and the ratios per graph mode. `config`: the engine (fp32 against HF's fp32); each graph mode
+    is `config.replace(graph_mode=...)` over the same loaded weights.
 
     `threads` torch intra-op threads for both sides (default 1: the tiny model's ops are far too small to split, and
     on a busy 2-core box OpenMP spin-waits make multi-threaded timings erratic). Graph modes other than `eager`
     compile region graphs (engine/regions.py) during the warm-up, which is not timed."""
+    import engine as engine_pkg
     from deepinfer_bench.reference import build_hf_model
-    from engine.config import ModelConfig
-    from engine.loader import load_checkpoint
-    from engine.runner import ModelRunner, RunnerConfig
+    from engine.launch import load_weights
 
     torch.set_num_threads(threads)
-    cfg = ModelConfig.from_json(Path(model_dir))
-    state = load_checkpoint(model_dir, cfg, dtype=torch.float32, include_mtp=False)
-    per_seq = 1 + (prompt_len + steps) // 16
-    runners = {mode: ModelRunner.from_state_dict(
-        cfg, state, RunnerConfig(max_num_seqs=batch, num_kv_blocks=batch * per_seq * 2,
-                                 max_model_len=prompt_len + steps + 1, graph_mode=mode)) for mode in graph_modes}
+    cfg = config.model.config
+    state = load_weights(config)
+    runners = {mode: engine_pkg.build(config.replace(graph_mode=mode), weights=state, threads=threads).runner
+               for mode in graph_modes}
     hf = build_hf_model(cfg, state, dtype=torch.float32)
     samples: dict[tuple[str, int], list[float]] = {}
     for runner in runners.values():  # warm up (and compile) every shape that is timed

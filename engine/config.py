@@ -1,331 +1,331 @@
-"""Model and engine configuration.
+"""Engine configuration: one frozen `EngineConfig`, built one way, read everywhere.
 
-`ModelConfig` is one frozen schema with DeepSeek's official field names (`inference/model.py` `ModelArgs`). It is
-built from either spelling of a DeepSeek-V4 config: the HF `config.json` at the root of the model repo, or the
-official `inference/config.json`. Unknown keys and inconsistent values are errors, never silently dropped.
+`EngineConfig` nests the parts of an engine (vLLM's shape):
+
+* `model: ModelSpec` - the model's hyper-parameters (`ModelConfig`, parsed once from config.json), where its weights
+  come from (model dir, load format), the compute dtype, whether the MTP block is kept;
+* `cache: CacheConfig` - scheduler and KV-pool sizes (max_num_seqs, max_num_batched_tokens, num_kv_blocks,
+  block_size, max_model_len);
+* `parallel: ParallelConfig` - context/expert-parallel ranks;
+* `graph: GraphConfig` - how decode steps are cut into graphs (mode, batch buckets, host compiler, region timing,
+  MoE capacity);
+* `backend` (host | xla | neuron; "auto" is resolved here, in `resolve_backend`, and nowhere else) and `kernels`
+  (which implementation of the kernel ops runs inside the model).
+
+`EngineConfig.from_model_dir(dir, **overrides)` is the constructor every command uses; overrides are flat names
+(`max_num_seqs=3`, `graph_mode="layer"`, `cp=4`; None = not given). Defaults come from the `DEEPINFER_*` flags
+(engine/envs.py `engine_defaults`), then from the model (block size, max_model_len). `replace(**overrides)` derives
+a new config with the same flat names. Choice lists are `str` Enums defined here once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Official name <- HF name (only where they differ).
-_HF_TO_OFFICIAL = {
-    "hidden_size": "dim",
-    "moe_intermediate_size": "moe_inter_dim",
-    "num_hidden_layers": "n_layers",
-    "num_hash_layers": "n_hash_layers",
-    "num_attention_heads": "n_heads",
-    "num_experts_per_tok": "n_activated_experts",
-    "scoring_func": "score_func",
-    "routed_scaling_factor": "route_scale",
-    "qk_rope_head_dim": "rope_head_dim",
-    "sliding_window": "window_size",
-    "rms_norm_eps": "norm_eps",
-    "num_nextn_predict_layers": "n_mtp_layers",
-    "max_position_embeddings": "max_position_embeddings",
-}
+from engine.model_config import ConfigError, ModelConfig
 
-# Keys we accept but that carry no information for this engine, or that must hold one fixed value.
-_FIXED = {
-    "num_key_value_heads": 1,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "norm_topk_prob": True,
-    "topk_method": "noaux_tc",
-    "hidden_act": "silu",
-    "first_k_dense_replace": 0,
-    "n_group": 1,
-    "topk_group": 1,
-    "model_type": "deepseek_v4",
-}
-_IGNORED = {
-    "architectures", "transformers_version", "torch_dtype", "use_cache", "initializer_range", "attention_dropout",
-    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "pad_token_id", "output_hidden_states",
-    "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "auto_map", "max_batch_size", "max_seq_len", "scale_dtype", "kv_lora_rank", "qk_nope_head_dim",
-    "v_head_dim", "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux", "_name_or_path", "layer_types",
-    "mlp_layer_types", "compress_rates", "rope_parameters", "rope_scaling", "partial_rotary_factor",
-    "quantization_config", "output_attentions",
-}
-# HF's `dtype` key (torch dtype of the saved weights); any other value is the official checkpoint format.
-_HF_TORCH_DTYPES = {"bfloat16", "float16", "float32", "float64", "auto"}
-_LAYER_TYPE_RATIO = {"sliding_attention": 0}
-_HF_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+__all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
+           "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "ParallelConfig",
+           "check_layout", "default_block_size", "resolve_backend"]
 
 
-class ConfigError(ValueError):
-    """A config.json that cannot describe a DeepSeek-V4 model."""
+class _Choice(str, enum.Enum):
+    """A str Enum whose str() is its value (so it prints, formats and serialises as the plain choice)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, what: str) -> Any:
+        try:
+            return cls(str(value.value if isinstance(value, enum.Enum) else value))
+        except ValueError:
+            raise ValueError(f"{what} {value!r}: expected one of {', '.join(m.value for m in cls)}") from None
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Backend(_Choice):
+    AUTO = "auto"  # resolved by `resolve_backend` when the config is built; a built config never holds it
+    HOST = "host"  # CPU torch
+    XLA = "xla"  # a torch-xla device (PJRT_DEVICE picks it: CPU here, the Neuron PJRT plugin on a trn2)
+    NEURON = "neuron"  # xla on the Neuron PJRT device, with the Neuron runtime environment
+
+
+class GraphMode(_Choice):
+    EAGER = "eager"  # no graphs
+    REGIONS = "regions"  # two graphs per layer (attention half, MoE half)
+    LAYER = "layer"  # one graph per layer
+
+
+class HostCompiler(_Choice):
+    INDUCTOR = "inductor"
+    AOT_EAGER = "aot_eager"
+    EAGER = "eager"  # dynamo capture only
+    NONE = "none"  # no torch.compile: the same static-shape code as plain Python
+
+
+class Kernels(_Choice):
+    REFERENCE = "reference"  # the torch formulation of every op (nki_kernels/reference.py)
+    STAND_IN = "stand-in"  # the NKI kernels executed on the NumPy stand-in, inside the model (host only)
+    NKI = "nki"  # the NKI kernels on a Neuron device
+
+
+class LoadFormat(_Choice):
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"  # random weights for the directory's config.json (engine/model/dummy.py)
+
+
+class DType(_Choice):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class LayoutError(ValueError):
+    """A parallel layout that this model cannot use."""
+
+
+def check_layout(cfg: ModelConfig, cp: int) -> None:
+    """Reject invalid context/expert-parallel layouts up front, with the reason."""
+    if cp < 1:
+        raise LayoutError(f"cp={cp}: must be >= 1")
+    if cp == 1:
+        return
+    problems = []
+    if cfg.n_routed_experts % cp:
+        problems.append(f"cp={cp} does not divide n_routed_experts={cfg.n_routed_experts} (experts are sharded)")
+    if cfg.window_size % cp:
+        problems.append(f"cp={cp} does not divide window_size={cfg.window_size} (the window KV is sharded)")
+    if cp > cfg.window_size:
+        problems.append(f"cp={cp} is larger than window_size={cfg.window_size}")
+    if problems:
+        raise LayoutError("invalid parallel layout: " + "; ".join(problems))
+
+
+def default_block_size(cfg: ModelConfig, cp: int = 1) -> int:
+    """Smallest multiple of every compress ratio x cp that is at least 16 (128 x cp for the real models)."""
+    size = 1
+    for r in set(cfg.compress_ratios):
+        if r:
+            size = size * r // math.gcd(size, r)
+    size *= cp
+    return size * max(1, -(-16 // size))
+
+
+def resolve_backend(requested: Backend | str) -> Backend:
+    """The one place "auto" is resolved: neuron on a machine with a Neuron device and torch-neuronx, else host
+    (xla is never chosen automatically: on a CPU it is a verification path, not a faster one)."""
+    want = Backend.parse(requested, "backend")
+    if want is not Backend.AUTO:
+        return want
+    import glob
+    import importlib.util
+
+    has_device = bool(glob.glob("/dev/neuron*"))
+    return Backend.NEURON if has_device and importlib.util.find_spec("torch_neuronx") is not None else Backend.HOST
+
+
+def _positive_ints(obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """DeepSeek-V4 hyper-parameters, official names (shared/spec/deepseek_v4.md §1)."""
-
-    vocab_size: int = 129280
-    dim: int = 4096
-    moe_inter_dim: int = 2048
-    n_layers: int = 43
-    n_hash_layers: int = 3
-    n_mtp_layers: int = 1
-    n_heads: int = 64
-    n_routed_experts: int = 256
-    n_shared_experts: int = 1
-    n_activated_experts: int = 6
-    score_func: str = "sqrtsoftplus"
-    route_scale: float = 1.5
-    swiglu_limit: float = 10.0
-    q_lora_rank: int = 1024
-    head_dim: int = 512
-    rope_head_dim: int = 64
-    norm_eps: float = 1e-6
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    window_size: int = 128
-    # One entry per main layer plus one per MTP layer (the official layout); 0 = sliding only, 4 = CSA, else HCA.
-    compress_ratios: tuple[int, ...] = field(default_factory=tuple)
-    compress_rope_theta: float = 160000.0
-    rope_theta: float = 10000.0
-    rope_factor: float = 16.0
-    original_seq_len: int = 65536
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    max_position_embeddings: int = 1048576
-    bos_token_id: int = 0
-    eos_token_id: int = 1
-    # Checkpoint formats: "fp8" = FP8 e4m3 linears with 128x128 UE8M0 scales; "bf16" = plain weights.
-    dtype: str = "fp8"
-    scale_fmt: str | None = "ue8m0"
-    expert_dtype: str | None = "fp4"
+class ModelSpec:
+    config: ModelConfig
+    model_dir: str | None = None  # None: weights are handed to engine.build() (tests, benchmarks sharing weights)
+    load_format: LoadFormat = LoadFormat.SAFETENSORS
+    dtype: DType = DType.FLOAT32  # compute dtype of activations and non-fp32-kept weights
+    with_mtp: bool = False  # load and keep the MTP block (mtp.*) and its cache
 
     def __post_init__(self) -> None:
-        ratios = tuple(int(r) for r in self.compress_ratios)
-        if not ratios:
-            ratios = (0,) * (self.n_layers + self.n_mtp_layers)
-        if len(ratios) == self.n_layers and self.n_mtp_layers:
-            ratios = ratios + (0,) * self.n_mtp_layers  # HF truncates the list to the main layers
-        object.__setattr__(self, "compress_ratios", ratios)  # normalisation inside the constructor only
-        for f in dataclasses.fields(self):  # 16 vs 16.0 must not change config_hash()
-            v = getattr(self, f.name)
-            if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
-                object.__setattr__(self, f.name, float(v))
-        errs = []
-        if len(ratios) != self.n_layers + self.n_mtp_layers:
-            errs.append(f"compress_ratios has {len(ratios)} entries, expected n_layers + n_mtp_layers = "
-                        f"{self.n_layers + self.n_mtp_layers}")
-        for r in ratios:
-            if r != 0 and r < 2:
-                errs.append(f"compress ratio {r} is not 0 (sliding), 4 (CSA) or >= 2 (HCA)")
-        for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
-                     "n_activated_experts", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups", "o_lora_rank",
-                     "window_size", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters"):
-            if int(getattr(self, name)) <= 0:
-                errs.append(f"{name} must be positive, got {getattr(self, name)}")
-        if self.n_hash_layers < 0 or self.n_hash_layers > self.n_layers:
-            errs.append(f"n_hash_layers={self.n_hash_layers} outside [0, n_layers={self.n_layers}]")
-        if self.n_shared_experts != 1:
-            errs.append(f"n_shared_experts={self.n_shared_experts}: DeepSeek-V4 has exactly one shared expert")
-        if self.n_activated_experts > self.n_routed_experts:
-            errs.append(f"n_activated_experts={self.n_activated_experts} > n_routed_experts={self.n_routed_experts}")
-        if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
-            errs.append(f"rope_head_dim={self.rope_head_dim} must be even and <= head_dim={self.head_dim}")
-        if self.rope_head_dim > self.index_head_dim:
-            errs.append(f"rope_head_dim={self.rope_head_dim} > index_head_dim={self.index_head_dim}")
-        if self.n_heads % self.o_groups:
-            errs.append(f"n_heads={self.n_heads} not divisible by o_groups={self.o_groups}")
-        if self.score_func != "sqrtsoftplus":
-            errs.append(f"score_func={self.score_func!r}: DeepSeek-V4 uses 'sqrtsoftplus'")
-        if self.dtype not in ("fp8", "bf16"):
-            errs.append(f"dtype={self.dtype!r} is not 'fp8' or 'bf16'")
-        if self.expert_dtype not in (None, "fp4", "fp8", "bf16"):
-            errs.append(f"expert_dtype={self.expert_dtype!r} is not None, 'fp4', 'fp8' or 'bf16'")
-        if errs:
-            raise ConfigError("invalid DeepSeek-V4 config: " + "; ".join(errs))
+        if not isinstance(self.config, ModelConfig):
+            raise ValueError(f"model config must be a ModelConfig, got {type(self.config).__name__}")
+        object.__setattr__(self, "load_format", LoadFormat.parse(self.load_format, "load_format"))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, "dtype"))
+        if self.model_dir is not None:
+            object.__setattr__(self, "model_dir", str(self.model_dir))  # accept a Path, store a str
 
-    # ---- derived values -------------------------------------------------------------------------------------
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Scheduler limits and the fixed KV pool (vLLM's names)."""
+
+    max_num_seqs: int = 8  # fixed KV slots = largest running batch
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    num_kv_blocks: int = 64  # fixed KV pool size
+    block_size: int = 128  # token positions per block; a multiple of every compress ratio x cp
+    max_model_len: int = 4096  # longest prompt + output
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+                              "max_model_len"))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                             f"{self.max_num_seqs} (every running sequence decodes one token per step)")
 
     @property
-    def hc_dim(self) -> int:
-        return self.hc_mult * self.dim
+    def pool_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
 
     @property
-    def mix_hc(self) -> int:
-        return (2 + self.hc_mult) * self.hc_mult
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
 
-    def layer_ratio(self, layer_id: int) -> int:
-        return self.compress_ratios[layer_id]
 
-    def is_hash_layer(self, layer_id: int) -> bool:
-        return layer_id < self.n_hash_layers
+@dataclass(frozen=True)
+class ParallelConfig:
+    cp: int = 1  # context-parallel ranks (attention KV sharded by position; routed experts sharded the same way)
 
-    def config_hash(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+    def __post_init__(self) -> None:
+        _positive_ints(self, ("cp",))
 
-    def to_official_json(self) -> dict[str, Any]:
-        """The official `inference/config.json` spelling of this config."""
-        d = dataclasses.asdict(self)
-        d["compress_ratios"] = list(self.compress_ratios)
+
+@dataclass(frozen=True)
+class GraphConfig:
+    mode: GraphMode = GraphMode.EAGER
+    batch_buckets: tuple[int, ...] = BATCH_BUCKETS  # decode batches are padded to one of these
+    host_compiler: HostCompiler = HostCompiler.INDUCTOR  # torch.compile backend of region graphs on the host
+    region_timing: bool = False  # run regions stage by stage with a sync and a clock read at every split()
+    moe_capacity: float = 0.0  # capacity factor of the grouped expert path for prefill chunks (0 = off)
+    batch_decode: bool = True  # vectorised decode path (False: every sequence through the chunk path; tests)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", GraphMode.parse(self.mode, "graph mode"))
+        object.__setattr__(self, "host_compiler", HostCompiler.parse(self.host_compiler, "host compiler"))
+        buckets = tuple(int(b) for b in self.batch_buckets)
+        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"batch_buckets must be increasing positive ints, got {self.batch_buckets!r}")
+        object.__setattr__(self, "batch_buckets", buckets)
+        if not isinstance(self.moe_capacity, (int, float)) or self.moe_capacity < 0:
+            raise ValueError(f"moe_capacity must be a number >= 0, got {self.moe_capacity!r}")
+        object.__setattr__(self, "moe_capacity", float(self.moe_capacity))
+
+
+# Flat override name -> (part, field). The CLI options, the DEEPINFER_* defaults and `replace()` all use these.
+_FLAT: dict[str, tuple[str, str]] = {
+    "load_format": ("model", "load_format"), "dtype": ("model", "dtype"), "with_mtp": ("model", "with_mtp"),
+    **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
+    "cp": ("parallel", "cp"),
+    "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
+    "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
+    "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"),
+    "backend": ("", "backend"), "kernels": ("", "kernels"), "seed": ("", "seed"),
+}
+OVERRIDES = tuple(_FLAT)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    backend: Backend = Backend.HOST
+    kernels: Kernels = Kernels.REFERENCE
+    seed: int = 0  # seeds unseeded requests' generators (and dummy weights)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", resolve_backend(self.backend))
+        object.__setattr__(self, "kernels", Kernels.parse(self.kernels, "kernels"))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        cfg, cp, bs = self.model.config, self.parallel.cp, self.cache.block_size
+        check_layout(cfg, cp)
+        bad = sorted({m for m in cfg.compress_ratios if m and bs % (m * cp)})
+        if bad:
+            raise ValueError(f"block_size={bs} must be a multiple of every compress ratio x cp={cp} (not of "
+                             f"{', '.join(str(m * cp) for m in bad)}); the default for this model is "
+                             f"{default_block_size(cfg, cp)}")
+        if self.cache.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.cache.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        if self.kernels is Kernels.NKI and self.backend is Backend.HOST:
+            raise ValueError("kernels 'nki' run on a Neuron device: use --backend neuron (or --kernels stand-in "
+                             "to execute the NKI kernels on the NumPy stand-in on the host)")
+
+    # ---- constructors -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, **overrides: Any) -> EngineConfig:
+        """The engine config of the model in `model_dir` (config.json parsed once, here). `overrides` are flat
+        names (see OVERRIDES); None values are ignored; the DEEPINFER_* flags fill what is not given."""
+        return cls.from_model_config(ModelConfig.from_json(Path(model_dir)), model_dir=str(model_dir), **overrides)
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, *, model_dir: str | None = None, **overrides: Any) -> EngineConfig:
+        """As `from_model_dir`, for a ModelConfig at hand (weights then come from `engine.build(weights=...)`
+        unless `model_dir` is given or load_format is dummy)."""
+        from engine.envs import engine_defaults, get_envs
+
+        given = _check_names({k: v for k, v in overrides.items() if v is not None})
+        flat = {**engine_defaults(get_envs()), **given}
+        cp = int(flat.get("cp", 1))
+        flat.setdefault("block_size", default_block_size(cfg, cp))
+        flat.setdefault("max_model_len", min(CacheConfig.max_model_len, cfg.max_position_embeddings))
+        return _assemble(ModelSpec(config=cfg, model_dir=model_dir), flat)
+
+    def replace(self, **overrides: Any) -> EngineConfig:
+        """A new config with `overrides` (flat names; None values ignored) applied to this one."""
+        given = _check_names({k: v for k, v in overrides.items() if v is not None})
+        flat = self.flat()
+        cfg = self.model.config
+        if "cp" in given and "block_size" not in given and flat["block_size"] == default_block_size(cfg, self.cp):
+            given["block_size"] = default_block_size(cfg, int(given["cp"]))  # a defaulted block size follows cp
+        return _assemble(self.model, {**flat, **given})
+
+    # ---- views ------------------------------------------------------------------------------------------------
+    def flat(self) -> dict[str, Any]:
+        """Every setting under its flat name."""
+        return {name: getattr(getattr(self, part) if part else self, attr) for name, (part, attr) in _FLAT.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready record for results metadata (the model config as its hash plus the directory)."""
+        d = {k: (v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v)
+             for k, v in self.flat().items()}
+        d.update(model_dir=self.model.model_dir, model_config_hash=self.model.config.config_hash(),
+                 config_hash=self.config_hash())
         return d
 
-    def to_hf_json(self) -> dict[str, Any]:
-        """The HF `DeepseekV4Config` keyword arguments of this config (transformers >= 5.24 spelling: layer_types,
-        compress_rates, mlp_layer_types, rope_parameters); main layers only, since HF has no MTP layer. Layer
-        types follow the official rule: ratio 0 = sliding, 4 = CSA (overlap + indexer), any other = HCA, and HF has
-        one HCA rate per model."""
-        csa, hca_t, sliding = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-        ratios = self.compress_ratios[: self.n_layers]
-        hca = sorted({r for r in ratios if r not in (0, 4)})
-        if len(hca) > 1:
-            raise ConfigError(f"HF DeepseekV4Config supports one HCA compress rate, config has {hca}")
-        rotary = self.rope_head_dim / self.head_dim
-        compress: dict[str, Any] = {"rope_type": "default", "rope_theta": self.compress_rope_theta,
-                                    "partial_rotary_factor": rotary}
-        if self.original_seq_len > 0:  # official applies YaRN whenever original_seq_len > 0, with no attention factor
-            compress.update(rope_type="yarn", factor=self.rope_factor,
-                            original_max_position_embeddings=self.original_seq_len, beta_fast=self.beta_fast,
-                            beta_slow=self.beta_slow, attention_factor=1.0)
-        return {
-            "vocab_size": self.vocab_size, "hidden_size": self.dim, "moe_intermediate_size": self.moe_inter_dim,
-            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads, "num_key_value_heads": 1,
-            "head_dim": self.head_dim, "q_lora_rank": self.q_lora_rank, "partial_rotary_factor": rotary,
-            "num_experts_per_tok": self.n_activated_experts, "n_routed_experts": self.n_routed_experts,
-            "n_shared_experts": self.n_shared_experts, "scoring_func": self.score_func, "norm_topk_prob": True,
-            "routed_scaling_factor": self.route_scale, "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta, "compress_rope_theta": self.compress_rope_theta,
-            "layer_types": [sliding if r == 0 else csa if r == 4 else hca_t for r in ratios],
-            "compress_rates": {csa: 4, hca_t: hca[0] if hca else 128},
-            "mlp_layer_types": ["hash_moe" if self.is_hash_layer(i) else "moe" for i in range(self.n_layers)],
-            "rope_parameters": {"main": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                         "partial_rotary_factor": rotary}, "compress": compress},
-            "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
-            "swiglu_limit": self.swiglu_limit, "sliding_window": self.window_size, "o_groups": self.o_groups,
-            "o_lora_rank": self.o_lora_rank, "index_n_heads": self.index_n_heads,
-            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
-            "num_nextn_predict_layers": self.n_mtp_layers, "rms_norm_eps": self.norm_eps,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": None,
-            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-            "use_cache": True,
-        }
+    def config_hash(self) -> str:
+        blob = json.dumps({**{k: str(v) for k, v in self.flat().items()},
+                           "model": self.model.config.config_hash()}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
-    # ---- constructors ---------------------------------------------------------------------------------------
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Normalise an HF or official config dict. Unknown keys or contradictory spellings raise ConfigError."""
-        return cls(**_normalise(dict(raw)))
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise ConfigError(f"no config.json at {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        try:
-            return cls.from_dict(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from e
+    @property
+    def cp(self) -> int:
+        return self.parallel.cp
 
 
-def _put(out: dict[str, Any], key: str, value: Any, source: str) -> None:
-    if key in out and out[key] != value:
-        raise ConfigError(f"inconsistent {key}: {out[key]!r} vs {value!r} (from {source})")
-    out[key] = value
-
-
-def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    out: dict[str, Any] = {}
-    unknown = []
-    for key, value in raw.items():
-        if key == "dtype" and value in _HF_TORCH_DTYPES:
-            continue  # HF's `dtype` is the torch dtype name ("bfloat16"), not the checkpoint format
-        if key in _FIXED:
-            if value != _FIXED[key]:
-                raise ConfigError(f"{key}={value!r} is not supported (DeepSeek-V4 has {_FIXED[key]!r})")
-        elif key in _HF_TO_OFFICIAL:
-            _put(out, _HF_TO_OFFICIAL[key], value, key)
-        elif key in fields:
-            if key == "compress_ratios":
-                value = tuple(value)
-            _put(out, key, value, key)
-        elif key not in _IGNORED:
-            unknown.append(key)
+def _check_names(overrides: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(overrides) - set(_FLAT))
     if unknown:
-        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
-
-    _rope_keys(raw, out)
-    if "compress_ratios" not in out and raw.get("layer_types"):
-        rates = dict(_HF_COMPRESS_RATES)
-        rates.update({k: int(v) for k, v in (raw.get("compress_rates") or {}).items()})
-        rates.update(_LAYER_TYPE_RATIO)
-        try:
-            out["compress_ratios"] = tuple(rates[t] for t in raw["layer_types"])
-        except KeyError as e:
-            raise ConfigError(f"unknown layer type {e.args[0]!r} in layer_types") from e
-    if "n_hash_layers" not in out and raw.get("mlp_layer_types"):
-        types = list(raw["mlp_layer_types"])
-        n = 0
-        while n < len(types) and types[n] == "hash_moe":
-            n += 1
-        if any(t == "hash_moe" for t in types[n:]):
-            raise ConfigError("mlp_layer_types: hash_moe layers must come first")
-        out["n_hash_layers"] = n
-    if "partial_rotary_factor" in raw and raw["partial_rotary_factor"] is not None:
-        rd = round(float(raw["partial_rotary_factor"]) * int(out.get("head_dim", 512)))
-        _put(out, "rope_head_dim", rd, "partial_rotary_factor")
-    q = raw.get("quantization_config")
-    if q is not None:
-        if q.get("quant_method", "fp8") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"quantization_config {q} is not FP8 e4m3")
-        if list(q.get("weight_block_size", [128, 128])) != [128, 128]:
-            raise ConfigError(f"weight_block_size {q.get('weight_block_size')} is not [128, 128]")
-        _put(out, "dtype", "fp8", "quantization_config")
-        if "scale_fmt" in q:
-            _put(out, "scale_fmt", q["scale_fmt"], "quantization_config")
-    return out
+        raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(_FLAT)}")
+    return overrides
 
 
-def _rope_keys(raw: dict[str, Any], out: dict[str, Any]) -> None:
-    yarn = raw.get("rope_scaling")
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "compress" in params:
-        main, comp = params.get("main", {}), params["compress"]
-        if "rope_theta" in main:
-            _put(out, "rope_theta", float(main["rope_theta"]), "rope_parameters.main")
-        if "rope_theta" in comp:
-            _put(out, "compress_rope_theta", float(comp["rope_theta"]), "rope_parameters.compress")
-        yarn = comp
-    if yarn:
-        kind = yarn.get("type", yarn.get("rope_type", "yarn"))
-        if kind != "yarn":
-            raise ConfigError(f"rope scaling type {kind!r}: DeepSeek-V4 uses yarn")
-        for src, dst in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
-                         ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
-            if src in yarn:
-                v = yarn[src]
-                _put(out, dst, int(v) if dst == "original_seq_len" else float(v), f"rope_scaling.{src}")
-        for k in ("mscale", "mscale_all_dim", "attention_factor"):
-            if yarn.get(k) not in (None, 1, 1.0, 0, 0.0):
-                raise ConfigError(f"rope_scaling.{k}={yarn[k]}: V4 applies no YaRN attention factor")
+def _assemble(model: ModelSpec, flat: dict[str, Any]) -> EngineConfig:
+    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "parallel": {}, "graph": {}, "": {}}
+    for name, value in flat.items():
+        part, attr = _FLAT[name]
+        parts[part][attr] = value
+    return EngineConfig(model=dataclasses.replace(model, **parts["model"]), cache=CacheConfig(**parts["cache"]),
+                        parallel=ParallelConfig(**parts["parallel"]), graph=GraphConfig(**parts["graph"]),
+                        **parts[""])

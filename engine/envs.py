@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from engine.config import Backend, GraphMode, HostCompiler
+from nki_kernels.dispatch import KERNEL_EXECUTORS
+
 
 def _flag(default: Any, doc: str, *, graph: bool = False, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "graph": graph, "choices": choices})
@@ -25,20 +28,20 @@ def _flag(default: Any, doc: str, *, graph: bool = False, choices: tuple[str, ..
 class Envs:
     DEEPINFER_NEURON_GRAPH_MODE: str = _flag(
         "eager", "How the decode step is cut into compiled graphs: eager (none), regions (two per layer), layer (one)",
-        graph=True, choices=("eager", "regions", "layer"))
+        graph=True, choices=GraphMode.values())
     DEEPINFER_NEURON_REGION_TIMING: bool = _flag(
         False, "Run each region stage by stage with a device sync and a timer at every split() boundary")
     DEEPINFER_NEURON_MOE_CAPACITY: float = _flag(
         0.0, "Capacity factor of the grouped expert path for prefill chunks (0 = dense path only)", graph=True)
     DEEPINFER_HOST_COMPILER: str = _flag(
         "inductor", "torch.compile backend for region graphs on the host: inductor, aot_eager, eager (dynamo "
-        "capture only) or none (no compile; same static-shape code)", graph=True,
-        choices=("inductor", "aot_eager", "eager", "none"))
-    DEEPINFER_BACKEND: str = _flag("auto", "Engine backend: auto, host (CPU torch) or neuron", graph=True,
-                                   choices=("auto", "host", "neuron"))
+        "capture only) or none (no compile; same static-shape code)", graph=True, choices=HostCompiler.values())
+    DEEPINFER_BACKEND: str = _flag("auto", "Engine backend: auto (neuron where a Neuron device is, else host), host "
+                                   "(CPU torch), xla (a torch-xla device) or neuron", graph=True,
+                                   choices=Backend.values())
     DEEPINFER_KERNEL_EXECUTOR: str = _flag(
-        "auto", "Where NKI kernels run: auto, stand-in, simulator or neuron", graph=True,
-        choices=("auto", "stand-in", "simulator", "neuron"))
+        "auto", "Where `deepinfer kernels` runs the NKI kernels: auto, stand-in, simulator or neuron", graph=True,
+        choices=KERNEL_EXECUTORS)
     DEEPINFER_NUM_THREADS: int = _flag(0, "torch intra-op threads on the host (0 = torch's default)")
     DEEPINFER_DIST_TIMEOUT_S: float = _flag(120.0, "Seconds a rank waits on a collective before the job fails")
     DEEPINFER_TRACEBACK: bool = _flag(False, "Show full Python tracebacks for user-facing errors (bad config, "
@@ -104,6 +107,14 @@ def read_envs(environ: Mapping[str, str]) -> Envs:
         values[key] = _parse(key, typ, raw, f.metadata.get("choices"))
     recorded = tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_RECORDED_PREFIXES)))
     return Envs(**values, recorded=recorded)
+
+
+def engine_defaults(envs: Envs) -> dict[str, Any]:
+    """The engine settings these flags supply when a command does not set them (EngineConfig's flat names). Flags
+    only fill defaults: nothing below the config reads them."""
+    return {"graph_mode": envs.DEEPINFER_NEURON_GRAPH_MODE, "region_timing": envs.DEEPINFER_NEURON_REGION_TIMING,
+            "moe_capacity": envs.DEEPINFER_NEURON_MOE_CAPACITY, "host_compiler": envs.DEEPINFER_HOST_COMPILER,
+            "backend": envs.DEEPINFER_BACKEND}
 
 
 @cache

@@ -1,20 +1,95 @@
-"""Run a function against an engine on 1 or cp ranks, the same way for every command (`--cp N` or torchrun).
+"""Building an engine, and running a function against it on 1 or cp ranks, the one way every command does.
 
-With cp > 1, rank 0 owns the scheduler and a DistributedRunner; the other ranks execute what it broadcasts
-(`worker_loop`). The function runs on rank 0 only and its return value comes back to the caller.
+* `build(config)` -> `LLMEngine`: the process is set up by the config's backend (threads, reproducible math,
+  runtime variables), the weights are loaded (memory-mapped, only this rank's experts under expert parallelism) or
+  handed in, the model and its KV cache are built, and the engine (scheduler, sampler, tokenizer) wraps them.
+* `run_job(config, fn, args)` -> `fn(engine, *args)` on rank 0: with cp = 1 in this process; with cp > 1 on cp rank
+  processes (or under torchrun, where this process is one rank), rank 0 owning the scheduler and a
+  `DistributedRunner` whose steps the other ranks execute (`worker_loop`). Its return value comes back to the
+  caller. `fn` must be a module-level function (it is pickled to the rank processes).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.parallel import Parallel, init_from_env, launch, under_torchrun
 
+if TYPE_CHECKING:
+    import torch
 
-def _engine_job(par: Parallel, config: Any, fn: Callable[..., Any], args: tuple) -> Any:
+    from engine.config import EngineConfig
     from engine.llm import LLMEngine
-    from engine.runner import DistributedRunner, build_runner, worker_loop
+    from engine.runner import ModelRunner
+
+
+def load_weights(config: EngineConfig, par: Parallel | None = None) -> dict[str, torch.Tensor]:
+    """Official-named tensors for `config`: random (load_format dummy) or read from `config.model.model_dir`."""
+    import torch
+
+    spec, par = config.model, par or Parallel()
+    if str(spec.load_format) == "dummy":
+        from engine.model.dummy import random_weights
+
+        return random_weights(spec.config, seed=config.seed, with_mtp=spec.with_mtp)
+    if spec.model_dir is None:
+        raise ValueError("the engine config names no model directory and no weights were given")
+    from engine.loader import load_checkpoint
+
+    experts = par.local_experts(spec.config.n_routed_experts) if par.enabled else None
+    return load_checkpoint(spec.model_dir, spec.config, dtype=torch.float32, include_mtp=spec.with_mtp,
+                           experts=experts)
+
+
+def build_runner(config: EngineConfig, par: Parallel | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> ModelRunner:
+    """The model runner of `config` on this rank (`weights`: official-named tensors to use instead of loading)."""
+    from engine.backends import get_backend
+    from engine.model.model import Transformer
+    from engine.runner import ModelRunner, parse_dtype
+
+    par = par or Parallel()
+    backend = get_backend(config)
+    state = weights if weights is not None else load_weights(config, par)
+    model = Transformer(config.model.config, par, with_mtp=config.model.with_mtp)
+    wanted = model.state_dict(keep_vars=True).keys()
+    model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(config.model.dtype))
+    return ModelRunner(config, model, par, backend)
+
+
+def build(config: EngineConfig, *, weights: dict[str, torch.Tensor] | None = None, par: Parallel | None = None,
+          threads: int | None = None) -> LLMEngine:
+    """An `LLMEngine` for `config` in this process (one rank: use `run_job` for cp > 1). `threads`: torch intra-op
+    threads (default DEEPINFER_NUM_THREADS, else torch's)."""
+    from engine.backends import get_backend
+    from engine.llm import LLMEngine
+
+    if par is None:  # a rank process was set up by run_job already
+        get_backend(config).setup_process(_threads(threads))
+    return LLMEngine(config, build_runner(config, par, weights))
+
+
+def _threads(threads: int | None) -> int | None:
+    if threads:
+        return threads
+    from engine.envs import get_envs
+
+    return get_envs().DEEPINFER_NUM_THREADS or None
+
+
+def _setup_rank(config: EngineConfig, rank: int, threads: int) -> str:
+    from engine.backends import get_backend
+
+    backend = get_backend(config)
+    backend.setup_process(threads, rank)
+    return backend.dist_backend
+
+
+def _engine_job(par: Parallel, config: EngineConfig, fn: Callable[..., Any], args: tuple) -> Any:
+    from engine.llm import LLMEngine
+    from engine.runner import DistributedRunner, worker_loop
 
     runner = build_runner(config, par)
     if par.rank != 0:
@@ -22,29 +97,23 @@ def _engine_job(par: Parallel, config: Any, fn: Callable[..., Any], args: tuple)
         return None
     driver = DistributedRunner(runner) if par.enabled else runner
     try:
-        return fn(LLMEngine(config, runner=driver), *args)
+        return fn(LLMEngine(config, driver), *args)
     finally:
         if par.enabled:
             driver.shutdown()
 
 
-def _apply_threads() -> None:
-    """DEEPINFER_NUM_THREADS (if set) for work in this process; rank processes get their share in launch()."""
-    import torch
-
-    from engine.envs import get_envs
-
-    if get_envs().DEEPINFER_NUM_THREADS:
-        torch.set_num_threads(get_envs().DEEPINFER_NUM_THREADS)
-
-
-def _torchrun(job: Callable[..., Any], args: tuple) -> Any:
+def _torchrun(config: EngineConfig, fn: Callable[..., Any], args: tuple, threads: int | None) -> Any:
     """Under torchrun this process is one rank: run the job; ranks > 0 then leave quietly (exit 0), so only rank 0
     goes on to print results."""
     import torch.distributed as dist
 
-    par = init_from_env()
-    out = job(par, *args)
+    from engine.backends import get_backend
+
+    backend = get_backend(config)
+    backend.setup_process(_threads(threads))
+    par = init_from_env(backend.dist_backend)
+    out = _engine_job(par, config, fn, args)
     if par.rank != 0:
         dist.barrier()
         dist.destroy_process_group()
@@ -53,17 +122,21 @@ def _torchrun(job: Callable[..., Any], args: tuple) -> Any:
     return out
 
 
-def run_engine_job(config: Any, fn: Callable[..., Any], args: tuple = (), *, timeout_s: float | None = None) -> Any:
-    """`fn(engine, *args)` on an LLMEngine built from `config` (which carries `cp`). `fn` must be a module-level
-    function (it is pickled to the rank processes). `timeout_s` bounds a multi-rank job (None: launch's default;
-    math.inf for a server, which runs until it is stopped)."""
-    cp = int(getattr(config, "cp", 1))
-    _apply_threads()
+def run_job(config: EngineConfig, fn: Callable[..., Any], args: tuple = (), *, timeout_s: float | None = None,
+            threads: int | None = None, kill_at: tuple[int, int] | None = None) -> Any:
+    """`fn(engine, *args)` on an LLMEngine built from `config` (on `config.parallel.cp` ranks). `timeout_s` bounds a
+    multi-rank job (None: launch's default; math.inf for a server, which runs until it is stopped). `threads`:
+    torch threads of this process (cp = 1) or split between the ranks (default DEEPINFER_NUM_THREADS).
+    `kill_at=(rank, n)`: fault injection for tests (that rank SIGKILLs itself at its n-th collective)."""
     if under_torchrun():
-        return _torchrun(_engine_job, (config, fn, args))
-    if cp <= 1:
-        return _engine_job(Parallel(), config, fn, args)
-    return launch(_engine_job, cp, (config, fn, args), timeout_s=timeout_s)
+        return _torchrun(config, fn, args, threads)
+    if config.parallel.cp <= 1:
+        return fn(build(config, threads=threads), *args)
+    import torch
+
+    total = _threads(threads) or torch.get_num_threads()
+    return launch(_engine_job, config.parallel.cp, (config, fn, args), timeout_s=timeout_s, kill_at=kill_at,
+                  setup=functools.partial(_setup_rank, config), threads=max(1, total // config.parallel.cp))
 
 
 def effective_cp(cp: int) -> int:
@@ -73,13 +146,3 @@ def effective_cp(cp: int) -> int:
 
         return int(dict(get_envs().recorded)["WORLD_SIZE"])
     return cp
-
-
-def run_spmd(job: Callable[..., Any], cp: int, args: tuple = ()) -> Any:
-    """`job(par, *args)` on every rank (SPMD); rank 0's result is returned. cp=1 runs in this process."""
-    _apply_threads()
-    if under_torchrun():
-        return _torchrun(job, args)
-    if cp <= 1:
-        return job(Parallel(), *args)
-    return launch(job, cp, args)

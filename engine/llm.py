@@ -1,8 +1,12 @@
 """vLLM-shaped facade: `LLMEngine` (add_request / abort / step, for serving) and `LLM(config).generate(...)`.
 
 One `step()` = schedule (pure Python) -> reset released slots -> `runner.execute(batch)` -> one batched sampler
-call for the sequences whose chunk reached their last token -> stop checks -> free finished sequences. The runner
-is built lazily from the config by `engine.runner.build_runner(config)`, or passed in (tests pass a fake one).
+call for the sequences whose chunk reached their last token -> stop checks (token ids, EOS, stop strings on the
+incrementally detokenised text: the engine is their one owner) -> free finished sequences. The runner comes from
+`engine.build(config)` / `engine.run_job` (engine/launch.py), or is passed in (tests pass a fake one).
+
+`on_logits(request_ids, logits)`, when set, sees the fp32 logits [B, V] every sampled token of a step is drawn
+from, before sampling (the golden check records them; logprobs are computed from the same rows).
 """
 
 from __future__ import annotations
@@ -10,20 +14,20 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from engine.config import EngineConfig
+from engine.detokenizer import TextState
 from engine.sampler import Sampler, SamplingParams, make_generator
-from engine.scheduler import RequestRejected, ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
-
-    from engine.config import ModelConfig
 
 __all__ = ["EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams"]
 
@@ -40,42 +44,6 @@ class ModelRunnerLike(Protocol):
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str | None = None
-    dtype: str = "float32"  # activations / weights on the host: float32 | bfloat16
-    max_num_seqs: int = 8  # fixed KV slots = largest batch
-    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
-    num_kv_blocks: int = 64  # fixed KV pool size
-    block_size: int = 128  # token positions per block; a multiple of every compress ratio
-    max_model_len: int = 4096
-    cp: int = 1  # context-parallel ranks
-    seed: int = 0  # seeds unseeded requests' generators (and dummy weights)
-    backend: str = "auto"  # auto | host | neuron
-    load_format: str = "safetensors"  # safetensors | dummy
-
-    def __post_init__(self) -> None:
-        if self.model_dir is not None:
-            object.__setattr__(self, "model_dir", str(self.model_dir))  # accept a Path, store a str
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.backend not in ("auto", "host", "neuron"):
-            raise ValueError(f"backend must be 'auto', 'host' or 'neuron', got {self.backend!r}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
-        if not isinstance(self.cp, int) or self.cp < 1:
-            raise ValueError(f"cp must be a positive int, got {self.cp!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        self.scheduler_config  # validates the scheduling fields  # noqa: B018
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
-                               max_model_len=self.max_model_len)
-
-
-@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -83,9 +51,11 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # 'stop' | 'length' | 'abort' once finished
     prompt_len: int
-    # Detokenised output ("" without a tokenizer): every step when stop strings are set (cut at the stop string),
-    # else only in the final output.
+    # Detokenised output ("" without a tokenizer): `text` is everything released so far (cut before a stop string),
+    # `text_delta` what this output added (text that could start a stop string is held back until it cannot).
     text: str = ""
+    text_delta: str = ""
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished the request
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -119,26 +89,20 @@ class _Counters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None, *,
-                 tokenizer: Tokenizer | None = None, eos_token_id: int | None = None) -> None:
+                 tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.scheduler = Scheduler(config.scheduler_config)
+        self.model_config = config.model.config
+        self.scheduler = Scheduler(config.cache)
         self.sampler = Sampler()
-        self.model_config = _load_model_config(config.model_dir)
-        if self.model_config is not None:
-            bad = sorted({m for m in self.model_config.compress_ratios if m and config.block_size % m})
-            if bad:
-                raise ValueError(f"block_size={config.block_size} must be a multiple of every compress ratio "
-                                 f"(not of {bad})")
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_dir)
-        if eos_token_id is None and self.model_config is not None:
-            eos_token_id = self.model_config.eos_token_id
-        if eos_token_id is None and self.tokenizer is not None:
-            eos_token_id = self.tokenizer.eos_token_id
-        self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model_dir)
+        self.eos_token_id = self.model_config.eos_token_id
+        self.vocab_size = self.model_config.vocab_size
+        self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
         self._runner = None
         if runner is not None:
             self._bind_runner(runner)
         self._requests: dict[str, Sequence] = {}
+        self._text: dict[str, TextState] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._c = _Counters()
@@ -147,44 +111,44 @@ class LLMEngine:
     @property
     def runner(self) -> ModelRunnerLike:
         if self._runner is None:
-            from engine.runner import build_runner
+            from engine.launch import build_runner
 
             self._bind_runner(build_runner(self.config))
         return self._runner  # type: ignore[return-value]
 
     def _bind_runner(self, runner: ModelRunnerLike) -> None:
-        cfg = self.config
+        cache = self.config.cache
         for name in ("max_num_seqs", "num_kv_blocks", "max_model_len"):
             have = getattr(runner, name, None)
-            if have is not None and have < getattr(cfg, name):
-                raise ValueError(f"runner.{name}={have} < config.{name}={getattr(cfg, name)}")
-        if getattr(runner, "block_size", cfg.block_size) != cfg.block_size:
-            raise ValueError(f"runner.block_size={runner.block_size} != config.block_size={cfg.block_size}")
+            if have is not None and have < getattr(cache, name):
+                raise ValueError(f"runner.{name}={have} < config.{name}={getattr(cache, name)}")
+        if getattr(runner, "block_size", cache.block_size) != cache.block_size:
+            raise ValueError(f"runner.block_size={runner.block_size} != config.block_size={cache.block_size}")
         self._runner = runner
-
-    @property
-    def vocab_size(self) -> int:
-        if self.model_config is not None:
-            return self.model_config.vocab_size
-        return int(self.runner.vocab_size)  # type: ignore[attr-defined]
 
     # ---- requests -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | SequenceABC[int]) -> list[int]:
+        """Token ids of a prompt: a string through the tokenizer, or ids checked against the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"text prompt given but the model directory ({self.config.model_dir}) has no "
-                                 "tokenizer.json: pass token ids instead")
+                raise ValueError(f"text prompt given but the model directory ({self.config.model.model_dir}) has "
+                                 "no tokenizer.json: pass token ids instead")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        ids = [int(t) for t in prompt]
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size}) (the model's vocab_size)")
+        return ids
 
-    def add_request(self, prompt_token_ids: str | SequenceABC[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | SequenceABC[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises RequestRejected if it could never fit this engine."""
+        """Queue a request; returns its id. Raises RequestRejected if it could never fit this engine, ValueError for
+        a bad prompt (token id outside the vocabulary, text without a tokenizer, stop strings without one)."""
         params = params or SamplingParams()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (no tokenizer.json in the model directory); "
                              "use stop_token_ids")
-        ids = self.encode(prompt_token_ids)
+        ids = self.encode(prompt)
         order = next(self._ids)
         rid = str(order) if request_id is None else str(request_id)
         if rid in self._requests and not self._requests[rid].is_finished:
@@ -198,6 +162,8 @@ class LLMEngine:
         seq = Sequence(rid, ids, params, arrival_time=arrival_time, order=order, generator=gen)
         self.scheduler.add(seq)
         self._requests[rid] = seq
+        if self.tokenizer is not None:
+            self._text[rid] = TextState(self.tokenizer.decode, ids, params.stop)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -206,9 +172,9 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, "abort")
-        self._final_text(seq)
+        delta = self._finish_text(seq)
         self._release_slots()
-        self._c.pending.append(self._output(seq, []))
+        self._c.pending.append(self._output(seq, [], delta))
         self._c.finished += 1
         return True
 
@@ -240,49 +206,54 @@ class LLMEngine:
         if not sample:
             return []
         seqs = [batch.entries[i][0] for i in sample]
-        tokens = self.sampler(logits[sample], [s.sampling_params for s in seqs],  # [Bs, V]
-                              [s.generator for s in seqs])
+        rows = logits[sample]  # [Bs, V]
+        if self.on_logits is not None:
+            self.on_logits([s.seq_id for s in seqs], rows)
+        tokens = self.sampler(rows, [s.sampling_params for s in seqs], [s.generator for s in seqs])
         now = time.perf_counter()
         outputs = []
         for seq, tok in zip(seqs, tokens, strict=True):
             seq.append_token(tok, now)
             self._c.generated_tokens += 1
-            reason = self._stop_reason(seq, tok)
+            reason, stop_reason, delta = self._check_stop(seq, tok)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._c.finished += 1
-                self._final_text(seq)
-            outputs.append(self._output(seq, [tok]))
+            outputs.append(self._output(seq, [tok], delta, stop_reason))
         return outputs
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.sampling_params
-        n = seq.num_output_tokens
-        if self.tokenizer is not None and p.stop:
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
-        if n >= p.min_tokens:
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_token_id):
-                return "stop"
-            if p.stop:
-                # Only the tail can contain a new match; cut the text at the earliest stop string (vLLM).
-                text = seq.output_text
-                hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-                if hits:
-                    seq.output_text = text[: min(hits)]
-                    return "stop"
-        if n >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+    def _check_stop(self, seq: Sequence, tok: int) -> tuple[str | None, str | int | None, str]:
+        """(finish reason, stop reason, released text) after `tok` was appended to `seq`."""
+        p, n = seq.sampling_params, seq.num_output_tokens
+        text = self._text.get(seq.seq_id)
+        if n >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_token_id)):
+            # a stop token ends the text without being part of it (vLLM)
+            return "stop", (tok if tok in p.stop_token_ids else None), self._finish_text(seq)
+        length = n >= p.max_tokens or seq.num_tokens >= self.config.cache.max_model_len
+        delta = ""
+        if text is not None:
+            delta = text.push(tok, final=length, check_stop=n >= p.min_tokens)
+            seq.output_text = text.text
+            if text.stop_hit is not None:
+                return "stop", text.stop_hit, delta
+        return ("length" if length else None), None, delta
 
-    def _final_text(self, seq: Sequence) -> None:
-        # Without stop strings the text is decoded once, at the end (servers detokenise incrementally themselves).
-        if self.tokenizer is not None and not seq.sampling_params.stop:
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+    def _finish_text(self, seq: Sequence) -> str:
+        text = self._text.get(seq.seq_id)
+        if text is None:
+            return ""
+        delta = text.finish()
+        seq.output_text = text.text
+        return delta
 
-    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], delta: str = "",
+                stop_reason: str | int | None = None) -> RequestOutput:
+        if seq.is_finished:
+            self._text.pop(seq.seq_id, None)
         return RequestOutput(request_id=seq.seq_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
                              finished=seq.is_finished, finish_reason=seq.finish_reason,
-                             prompt_len=seq.num_prompt_tokens, text=seq.output_text, arrival_time=seq.arrival_time,
+                             prompt_len=seq.num_prompt_tokens, text=seq.output_text, text_delta=delta,
+                             stop_reason=stop_reason, arrival_time=seq.arrival_time,
                              first_token_time=seq.first_token_time, finished_time=seq.finished_time,
                              num_preemptions=seq.num_preemptions)
 
@@ -303,7 +274,6 @@ class LLMEngine:
                            num_preemptions=self.scheduler.num_preemptions, num_finished=self._c.finished,
                            num_steps=self._c.steps)
 
-
     def reset_peak_usage(self) -> None:
         self.scheduler.block_manager.reset_peak()
 
@@ -311,11 +281,10 @@ class LLMEngine:
 class LLM:
     """Offline batch generation: `LLM(config).generate(prompts, params)` (vLLM's shape)."""
 
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunnerLike | None = None, **kwargs) -> None:
-        if config is None:
-            config = EngineConfig(**kwargs)
-        elif kwargs:
-            config = replace(config, **kwargs)
+    def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None, **overrides) -> None:
+        """`overrides`: flat engine settings applied to `config` (EngineConfig.replace)."""
+        if overrides:
+            config = config.replace(**overrides)
         self.engine = LLMEngine(config, runner)
 
     def generate(self, prompts: SequenceABC[str] | SequenceABC[SequenceABC[int]],
@@ -348,9 +317,29 @@ class LLM:
         return [final[r] for r in rids]
 
 
-def _load_model_config(model_dir: str | None) -> ModelConfig | None:
-    if model_dir is None or not (Path(model_dir) / "config.json").exists():
-        return None
-    from engine.config import ModelConfig
+def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]],
+                       max_new_tokens: int | SequenceABC[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Every prompt as a greedy request (`ignore_eos`, `max_tokens` each) through `engine`'s scheduler; returns per
+    prompt the generated ids and the fp32 logits [n, vocab] each of them was sampled from (via `on_logits`). The
+    golden check and the engine tests use it, so they check the loop the server runs."""
+    import torch
 
-    return ModelConfig.from_json(model_dir)
+    news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    rows: dict[str, list[torch.Tensor]] = {}
+
+    def record(request_ids: list[str], logits: torch.Tensor) -> None:
+        for rid, row in zip(request_ids, logits, strict=True):
+            rows.setdefault(rid, []).append(row.float().clone())
+
+    prev, engine.on_logits = engine.on_logits, record
+    try:
+        rids = [engine.add_request(list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, news, strict=True)]
+        outs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = list(o.output_token_ids)
+    finally:
+        engine.on_logits = prev
+    return [outs[r] for r in rids], [torch.stack(rows[r]) for r in rids]

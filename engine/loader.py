@@ -459,28 +459,14 @@ def _detect_scheme(ckpt: _Checkpoint, cfg: ModelConfig) -> str:
 
 
 # ---- loading ---------------------------------------------------------------------------------------------------
-_SHAPE_FIELDS = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
-                 "n_activated_experts", "q_lora_rank", "head_dim", "o_groups", "o_lora_rank", "index_n_heads",
-                 "index_head_dim", "hc_mult", "n_hash_layers")
-
-
-def _check_dir_config(model_dir: Path, cfg: ModelConfig | None) -> ModelConfig:
+def _dir_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.exists():
         raise CheckpointError(f"{model_dir}: no config.json")
     try:
-        disk = ModelConfig.from_json(path)
+        return ModelConfig.from_json(path)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from e
-    if cfg is None:
-        return disk
-    diff = [f"{f}: {getattr(disk, f)} on disk vs {getattr(cfg, f)}" for f in _SHAPE_FIELDS
-            if getattr(disk, f) != getattr(cfg, f)]
-    if disk.compress_ratios[: cfg.n_layers] != cfg.compress_ratios[: cfg.n_layers]:
-        diff.append(f"compress_ratios: {disk.compress_ratios} on disk vs {cfg.compress_ratios}")
-    if diff:
-        raise CheckpointError(f"{path} does not match the requested config: " + "; ".join(diff))
-    return cfg
 
 
 def _wanted(cfg: ModelConfig, layers: Iterable[int] | None, experts: Iterable[int] | Callable[[int], bool] | None,
@@ -576,7 +562,8 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dt
     Args:
         model_dir: directory with `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards,
             in official, HF-module or HF-`save_pretrained` naming (detected).
-        cfg: the model config; None reads `model_dir/config.json`. Otherwise its shape fields must match it.
+        cfg: the model config (the engine passes the one its EngineConfig parsed); None reads
+            `model_dir/config.json`. Every tensor is checked against the shapes this config implies.
         dtype: dtype of the returned weights. FP8/FP4 are dequantised exactly. The tensors the spec keeps in
             fp32 (`hc_*`, `attn_sink`, `ape`, `gate.bias`) are always float32, `tid2eid` int64.
         layers: main-layer ids to load (None = all). Global tensors (embed, head, norm, hc_head_*) always load.
@@ -590,7 +577,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dt
         truncated or corrupt file, missing shard, missing config.json).
     """
     model_dir = Path(model_dir)
-    cfg = _check_dir_config(model_dir, cfg)
+    cfg = cfg if cfg is not None else _dir_config(model_dir)
     ckpt = _Checkpoint(model_dir)
     scheme = _detect_scheme(ckpt, cfg)
     if scheme != "official":

@@ -37,49 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
+from engine.config import LayoutError, check_layout
+
+__all__ = ["LayoutError", "Parallel", "RankFailed", "check_layout", "init_from_env", "launch", "under_torchrun"]
 
 
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out; the message names the rank and the error."""
-
-
-class LayoutError(ValueError):
-    """A parallel layout that this model cannot use."""
-
-
-def check_layout(cfg: ModelConfig, cp: int) -> None:
-    """Reject invalid layouts up front, with the reason."""
-    if cp < 1:
-        raise LayoutError(f"cp={cp}: must be >= 1")
-    if cp == 1:
-        return
-    problems = []
-    if cfg.n_routed_experts % cp:
-        problems.append(f"cp={cp} does not divide n_routed_experts={cfg.n_routed_experts} (experts are sharded)")
-    if cfg.window_size % cp:
-        problems.append(f"cp={cp} does not divide window_size={cfg.window_size} (the window KV is sharded)")
-    if cp > cfg.window_size:
-        problems.append(f"cp={cp} is larger than window_size={cfg.window_size}")
-    if problems:
-        raise LayoutError("invalid parallel layout: " + "; ".join(problems))
-
-
-def pick_backend() -> str:
-    """The one place that chooses the process-group backend: gloo on the host, the Neuron stack's group on trn2."""
-    from engine.envs import get_envs
-
-    want = get_envs().DEEPINFER_BACKEND
-    if want == "neuron" or (want == "auto" and neuron_available()):
-        return "xla"  # torch-neuronx (PyTorch/XLA): `import torch_xla.distributed.xla_backend` registers it
-    return "gloo"
-
-
-def neuron_available() -> bool:
-    import glob
-    import importlib.util
-
-    return bool(glob.glob("/dev/neuron*")) and importlib.util.find_spec("torch_neuronx") is not None
 
 
 @dataclass
@@ -132,11 +96,10 @@ class Parallel:
 # Process groups
 
 
-def init_process_group(rank: int, cp: int, master_port: int, timeout_s: float) -> Parallel:
-    backend = pick_backend()
-    if backend == "xla":  # pragma: no cover - needs a Neuron machine
+def init_process_group(rank: int, cp: int, master_port: int, timeout_s: float, dist_backend: str = "gloo") -> Parallel:
+    if dist_backend == "xla":  # pragma: no cover - needs a Neuron machine
         import torch_xla.distributed.xla_backend  # noqa: F401
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
+    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
                             timeout=_dt.timedelta(seconds=timeout_s))
     return Parallel(rank=rank, cp=cp, group=dist.group.WORLD, control_group=_control_group())
 
@@ -145,7 +108,7 @@ def _control_group() -> Any:
     return dist.new_group(backend="gloo", timeout=_dt.timedelta(days=365))
 
 
-def init_from_env() -> Parallel:
+def init_from_env(dist_backend: str = "gloo") -> Parallel:
     """Join the group described by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     from engine.envs import get_envs
 
@@ -153,11 +116,10 @@ def init_from_env() -> Parallel:
     world = int(rec.get("WORLD_SIZE", "1"))
     if world == 1:
         return Parallel()
-    backend = pick_backend()
-    if backend == "xla":  # pragma: no cover
+    if dist_backend == "xla":  # pragma: no cover
         import torch_xla.distributed.xla_backend  # noqa: F401
     timeout = _dt.timedelta(seconds=get_envs().DEEPINFER_DIST_TIMEOUT_S)
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    dist.init_process_group(dist_backend, init_method="env://", timeout=timeout)
     return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group())
 
 
@@ -178,14 +140,12 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tuple, results: Any,
-               timeout_s: float, kill_at: tuple[int, int] | None, threads: int) -> None:
-    torch.set_num_threads(threads)
+               timeout_s: float, kill_at: tuple[int, int] | None, threads: int,
+               setup: Callable[[int, int], str] | None) -> None:
     try:
-        if pick_backend() == "xla":  # pragma: no cover - one NeuronCore per rank, set before the runtime starts
-            from engine.envs import apply_env, neuron_worker_env
-
-            apply_env(neuron_worker_env(rank))
-        par = init_process_group(rank, cp, port, timeout_s)
+        # threads, reproducible math, per-rank runtime variables: set before any runtime starts
+        dist_backend = setup(rank, threads) if setup is not None else _default_setup(rank, threads)
+        par = init_process_group(rank, cp, port, timeout_s, dist_backend)
         if kill_at is not None and kill_at[0] == rank:
             par.kill_at = kill_at[1]
         out = job(par, *args)
@@ -202,9 +162,21 @@ def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tup
         os._exit(1)
 
 
+def _default_setup(rank: int, threads: int) -> str:
+    from engine.backends.host import setup_host_process
+
+    setup_host_process(threads)
+    return "gloo"
+
+
 def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: float | None = None,
-           kill_at: tuple[int, int] | None = None) -> Any:
+           kill_at: tuple[int, int] | None = None, setup: Callable[[int, int], str] | None = None,
+           threads: int | None = None) -> Any:
     """Run `job(par, *args)` on cp ranks (processes) and return rank 0's result.
+
+    `setup(rank, threads) -> dist backend name` runs first in every rank process (the engine passes its backend's
+    `setup_process`); the default sets the host threads and joins over gloo. `threads`: torch threads per rank
+    (default: DEEPINFER_NUM_THREADS or torch's, split between the ranks).
 
     Any rank that raises, dies (e.g. SIGKILL) or outlives `timeout_s` ends the job: the others are terminated
     (SIGTERM, then SIGKILL after 5 s) and RankFailed names the rank and its error. `kill_at=(rank, n)` makes that
@@ -218,9 +190,10 @@ def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: flo
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    threads = max(1, (envs.DEEPINFER_NUM_THREADS or torch.get_num_threads()) // cp)
+    threads = threads or max(1, (envs.DEEPINFER_NUM_THREADS or torch.get_num_threads()) // cp)
     procs = [ctx.Process(target=_rank_main, name=f"deepinfer-rank{r}", daemon=True,
-                         args=(r, cp, port, job, args, results, coll_timeout, kill_at, threads)) for r in range(cp)]
+                         args=(r, cp, port, job, args, results, coll_timeout, kill_at, threads, setup))
+             for r in range(cp)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

@@ -1,4 +1,4 @@
-"""Region graphs for the decode step (`DEEPINFER_NEURON_GRAPH_MODE`).
+"""Region graphs for the decode step (`EngineConfig.graph.mode`; `--graph-mode`, default DEEPINFER_NEURON_GRAPH_MODE).
 
 A **region** is a piece of one decoder layer compiled as one graph by the backend (engine/backends/):
 * `regions` mode, two per layer: `attn` = mHC collapse, attn_norm, q/kv, compressor(s), indexer, sparse attention,
@@ -30,12 +30,10 @@ from typing import Any
 import torch
 
 from engine.backends import Backend
+from engine.config import BATCH_BUCKETS, GraphMode
 from engine.model.cache import KVCache, SeqStep
 from engine.model.model import Block, Transformer
 from engine.profiling import RegionTimer, no_split
-
-GRAPH_MODES = ("eager", "regions", "layer")
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
@@ -94,16 +92,17 @@ class RegionRunner:
     `launches` counts graph calls; `launches_last_step` is the count of the latest step (2 x layers in `regions`
     mode, 1 x layers in `layer` mode). `compiled` records each (region, layer, batch bucket, block bucket) seen."""
 
-    def __init__(self, model: Transformer, cache: KVCache, mode: str, backend: Backend, max_blocks: int,
+    def __init__(self, model: Transformer, cache: KVCache, mode: GraphMode | str, backend: Backend, max_blocks: int,
                  timer: RegionTimer | None = None, buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
-        if mode not in ("regions", "layer"):
-            raise ValueError(f"graph mode {mode!r}: RegionRunner runs 'regions' or 'layer'")
+        mode = GraphMode.parse(mode, "graph mode")
+        if mode is GraphMode.EAGER:
+            raise ValueError("graph mode 'eager': RegionRunner runs 'regions' or 'layer'")
         if not cache.scratch:
             raise ValueError("region graphs need KVCache(scratch=True) (padded rows write to the scratch slot)")
         self.model, self.cache, self.mode, self.backend = model, cache, mode, backend
         self.max_blocks, self.buckets = max_blocks, buckets
         self.timer = timer
-        self.kinds = ("layer",) if mode == "layer" else ("attn", "moe")
+        self.kinds = ("layer",) if mode is GraphMode.LAYER else ("attn", "moe")
         self._graphs: dict[tuple[str, int, bool], Callable[..., torch.Tensor]] = {}
         self._boundary = backend.boundary(self._split)  # kept out of graphs; used only by the timed graphs
         self.launches = 0
@@ -177,6 +176,6 @@ def region_summary(runner: Any) -> dict[str, Any]:
     rr = getattr(runner, "regions", None)
     if rr is None:
         return {"graph_mode": "eager", "graph_launches_per_step": 0}
-    return {"graph_mode": rr.mode, "graph_launches_per_step": rr.launches_last_step,
+    return {"graph_mode": str(rr.mode), "graph_launches_per_step": rr.launches_last_step,
             "graph_backend": f"{rr.backend.name}:{getattr(rr.backend, 'compiler', '')}",
             "compiled_shapes": len(rr.compiled)}

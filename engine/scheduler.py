@@ -17,34 +17,13 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from engine.config import CacheConfig
 from engine.kv_cache import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
 
 class RequestRejected(ValueError):
     """A request that can never be served with this engine configuration."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    num_kv_blocks: int = 64
-    block_size: int = 128
-    max_model_len: int = 4096
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
-                             f"{self.max_num_seqs} (every running sequence decodes one token per step)")
-
-    @property
-    def pool_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
 
 
 @dataclass
@@ -73,7 +52,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         self.waiting: list[Sequence] = []  # sorted by arrival order

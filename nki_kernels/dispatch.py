@@ -12,13 +12,30 @@ by `engine.envs` (nki_kernels never imports engine).
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from nki_kernels import _nki
 
-EXECUTORS = ("auto", "stand-in", "simulator", "neuron", "reference")
+
+class Executor(str, enum.Enum):
+    """Where a kernel call runs (the one list of executors; `deepinfer kernels --executor` and the engine use it)."""
+
+    AUTO = "auto"
+    STAND_IN = "stand-in"
+    SIMULATOR = "simulator"
+    NEURON = "neuron"
+    REFERENCE = "reference"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+EXECUTORS = tuple(e.value for e in Executor)
+# what a user may pick for a whole kernel run (the reference is the comparison, not an executor of the kernels)
+KERNEL_EXECUTORS = tuple(e for e in EXECUTORS if e != "reference")
 
 COUNTS: Counter[tuple[str, str]] = Counter()
 # When a list is installed here (see `record`), every kernel dispatch appends (name, kernel, args): the trn2
@@ -35,6 +52,7 @@ PROVES = {
 
 def resolve_executor(requested: str = "auto", *, simulator: bool = False) -> str:
     """The concrete executor for `requested`; raises when an explicit one is unavailable here."""
+    requested = str(requested)
     if requested not in EXECUTORS:
         raise ValueError(f"unknown executor {requested!r}; expected one of {', '.join(EXECUTORS)}")
     have_real = _nki.real_nki() is not None

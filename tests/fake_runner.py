@@ -12,7 +12,21 @@ import time
 
 import torch
 
+from engine.config import EngineConfig, ModelConfig
+
 _MOD = (1 << 61) - 1
+NO_EOS = 10**9  # an EOS id the fake vocabulary never produces
+
+
+def fake_config(max_num_seqs: int = 4, budget: int = 32, num_kv_blocks: int = 16, block_size: int = 8,
+                max_model_len: int = 256, *, vocab_size: int = 97, eos_token_id: int = NO_EOS,
+                model_dir: str | None = None, **settings) -> EngineConfig:
+    """An engine config for the fake runner: a sliding-only ModelConfig (any block size fits) of its vocabulary."""
+    cfg = ModelConfig(vocab_size=vocab_size, n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(0,),
+                      eos_token_id=eos_token_id, max_position_embeddings=max(max_model_len, 4096))
+    return EngineConfig.from_model_config(cfg, model_dir=model_dir, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=budget, num_kv_blocks=num_kv_blocks,
+                                          block_size=block_size, max_model_len=max_model_len, **settings)
 
 
 class FakeRunner:

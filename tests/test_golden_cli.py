@@ -11,14 +11,21 @@ import pytest
 from typer.testing import CliRunner
 
 from deepinfer_bench.cli import app
-from deepinfer_bench.golden import GOLDEN_DIR, GoldenError, collectives_per_layer, load_golden, run_golden
+from deepinfer_bench.golden import (
+    GOLDEN_DIR,
+    GoldenError,
+    collectives_per_layer,
+    golden_config,
+    load_golden,
+    run_golden,
+)
 from engine.config import ModelConfig
 
 TINY = GOLDEN_DIR / "tiny"
 
 
 def test_golden_cp2_chunked_prefill_matches_with_one_moe_allgather_per_layer() -> None:
-    run = run_golden(TINY, GOLDEN_DIR, dtype="float32", cp=2, prefill_chunk=37)
+    run = run_golden(golden_config(cp=2, max_num_batched_tokens=37), GOLDEN_DIR)
     assert run.ok, run.table.to_string()
     per_layer = collectives_per_layer(run.collectives, run.steps)
     assert (per_layer["moe.exchange:all_gather"] == 1).all()
@@ -29,7 +36,7 @@ def test_golden_cp2_chunked_prefill_matches_with_one_moe_allgather_per_layer() -
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [4, 8])
 def test_golden_cp4_cp8(cp: int) -> None:
-    run = run_golden(TINY, GOLDEN_DIR, dtype="float32", cp=cp)
+    run = run_golden(golden_config(cp=cp), GOLDEN_DIR)
     assert run.ok, run.table.to_string()
 
 
@@ -47,7 +54,8 @@ def test_cli_golden_fp32_all_prompts_match(tmp_path: Path) -> None:
     assert table["max_abs_dlogit"].max() < 1e-3
     assert f"{len(table)}/{len(table)} prompts match" in res.output
     meta = json.loads((run_dir / "meta.json").read_text())
-    assert meta["config_hash"] == ModelConfig.from_json(TINY).config_hash()
+    assert meta["engine_config"]["model_config_hash"] == ModelConfig.from_json(TINY).config_hash()
+    assert meta["engine_config"]["max_num_seqs"] == len(table)  # every prompt at once by default
     assert "git_sha" in meta and "env" in meta
 
 
@@ -86,18 +94,38 @@ def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.parametrize("mode", ["layer", "regions"])
-def test_golden_in_region_graph_modes(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+def test_golden_in_region_graph_modes(mode: str) -> None:
     """Region graph modes (static-shape decode, uncompiled so it stays fast) give the golden tokens too."""
-    from engine.envs import get_envs
-
-    monkeypatch.setenv("DEEPINFER_NEURON_GRAPH_MODE", mode)
-    monkeypatch.setenv("DEEPINFER_HOST_COMPILER", "none")
-    get_envs.cache_clear()
-    try:
-        run = run_golden(TINY, GOLDEN_DIR, dtype="float32", cp=1)
-    finally:
-        monkeypatch.undo()
-        get_envs.cache_clear()
+    run = run_golden(golden_config(graph_mode=mode, host_compiler="none"), GOLDEN_DIR)
     assert run.ok, run.table.to_string()
     assert (run.table["tokens_matched"] == run.table["tokens_total"]).all()
     assert run.meta["graph_mode"] == mode and run.meta["region_launches"] > 0  # decode really ran as regions
+
+
+def test_golden_under_tight_scheduler_limits_queues_chunks_and_preempts() -> None:
+    """3 slots, 24 tokens per step, a pool that cannot hold the batch: requests wait, prefills are chunked next to
+    running decodes, the newest get preempted and recomputed - and every token and logit still matches."""
+    run = run_golden(golden_config(max_num_seqs=3, max_num_batched_tokens=24, num_kv_blocks=26), GOLDEN_DIR)
+    assert run.ok, run.table.to_string()
+    assert run.meta["preemptions"] > 0 and run.steps > 150
+
+
+def test_cli_golden_takes_the_shared_engine_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepinfer_bench.golden as G
+
+    seen = {}
+
+    def fake_run(config, golden_dir=None):
+        seen["config"] = config
+        raise SystemExit(0)
+
+    monkeypatch.setattr(G, "run_golden", fake_run)
+    res = CliRunner().invoke(app, ["golden", "--max-num-seqs", "3", "--max-num-batched-tokens", "48", "--graph-mode",
+                                   "layer", "--backend", "host", "--dtype", "bfloat16", "--num-kv-blocks", "40",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    c = seen["config"]
+    assert (c.cache.max_num_seqs, c.cache.max_num_batched_tokens, c.cache.num_kv_blocks) == (3, 48, 40)
+    assert str(c.graph.mode) == "layer" and str(c.backend) == "host" and str(c.model.dtype) == "bfloat16"
+    assert c.cache.max_model_len == max(p["prompt_len"] + len(p["output_ids"])
+                                        for p in json.loads((GOLDEN_DIR / "golden.json").read_text())["prompts"])

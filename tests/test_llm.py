@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.llm import LLM, EngineConfig, LLMEngine, RequestRejected, SamplingParams
-from tests.fake_runner import FakeRunner
+from engine.config import EngineConfig
+from engine.llm import LLM, LLMEngine, RequestRejected, SamplingParams
+from tests.fake_runner import FakeRunner, fake_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def make_engine(max_num_seqs=4, budget=32, num_kv_blocks=16, block_size=8, max_model_len=256, **kw) -> LLMEngine:
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_kv_blocks=num_kv_blocks,
-                       block_size=block_size, max_model_len=max_model_len)
-    return LLMEngine(cfg, FakeRunner(max_num_seqs, num_kv_blocks, block_size, max_model_len), **kw)
+    cfg = fake_config(max_num_seqs, budget, num_kv_blocks, block_size, max_model_len, **kw)
+    return LLMEngine(cfg, FakeRunner(max_num_seqs, num_kv_blocks, block_size, max_model_len))
 
 
 def run_all(eng: LLMEngine) -> dict[str, list]:
@@ -123,13 +123,12 @@ def test_stop_token_ids_eos_ignore_eos_min_tokens():
 
 def test_seeded_sampling_reproducible_across_schedules():
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11, max_tokens=10, ignore_eos=True)
-    a = LLM(EngineConfig(max_num_seqs=1, max_num_batched_tokens=4, num_kv_blocks=16, block_size=8),
-            runner=FakeRunner(1, 16, 8)).generate([[5, 6, 7, 8, 9]], params)
+    a = LLM(fake_config(1, 4, 16, 8), runner=FakeRunner(1, 16, 8)).generate([[5, 6, 7, 8, 9]], params)
     others = [[1, 2], [3] * 30, [4] * 7]
-    b = LLM(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=16, block_size=8),
-            runner=FakeRunner(4, 16, 8)).generate(others[:2] + [[5, 6, 7, 8, 9]] + others[2:],
-                                                  [params.__class__(temperature=1.0, max_tokens=10)] * 2
-                                                  + [params] + [params.__class__(temperature=1.0, max_tokens=10)])
+    b = LLM(fake_config(4, 64, 16, 8), runner=FakeRunner(4, 16, 8)).generate(
+        others[:2] + [[5, 6, 7, 8, 9]] + others[2:],
+        [params.__class__(temperature=1.0, max_tokens=10)] * 2 + [params]
+        + [params.__class__(temperature=1.0, max_tokens=10)])
     assert a[0].output_token_ids == b[2].output_token_ids
 
 
@@ -149,13 +148,15 @@ def _word_tokenizer(tmp_path: Path) -> Path:
 
 def test_text_prompts_and_stop_strings_with_tokenizer(tmp_path):
     model_dir = _word_tokenizer(tmp_path)
-    cfg = EngineConfig(model_dir=str(model_dir), max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=16,
-                       block_size=8)
+    cfg = fake_config(2, 32, 16, 8, model_dir=str(model_dir), eos_token_id=0)
     llm = LLM(cfg, runner=FakeRunner(2, 16, 8))
     eng = llm.engine
     assert eng.tokenizer is not None and eng.eos_token_id == 0
     (full,) = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert full.prompt_len == 2 and full.text == eng.tokenizer.decode(full.output_token_ids)
+    # the text continues the prompt's (incremental detokenisation with the prompt as context, as vLLM's)
+    prompt_ids = eng.tokenizer.encode("hello world")
+    whole, head = eng.tokenizer.decode(prompt_ids + full.output_token_ids), eng.tokenizer.decode(prompt_ids)
+    assert full.prompt_len == 2 and full.text == whole[len(head):]
     words = full.text.split()
     target = words[2]
     (cut,) = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
@@ -173,8 +174,7 @@ def test_text_prompt_without_tokenizer_is_a_clear_error():
 
 
 def test_rejection_is_clear_and_queues_nothing():
-    llm = LLM(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=4, block_size=8,
-                           max_model_len=64), runner=FakeRunner(2, 4, 8, 64))
+    llm = LLM(fake_config(2, 16, 4, 8, 64), runner=FakeRunner(2, 4, 8, 64))
     with pytest.raises(RequestRejected, match=r"prompt 1 rejected: .*exceeds the maximum context length"):
         llm.generate([[1] * 4, [1] * 60], SamplingParams(max_tokens=8))
     with pytest.raises(RequestRejected, match="num_kv_blocks=4"):
@@ -185,13 +185,24 @@ def test_rejection_is_clear_and_queues_nothing():
 
 
 def test_engine_config_validation():
-    with pytest.raises(ValueError, match="dtype"):
-        EngineConfig(dtype="fp16")
+    with pytest.raises(ValueError, match="dtype 'fp16'"):
+        fake_config(dtype="fp16")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
+        fake_config(max_num_seqs=8, budget=4)
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        LLMEngine(EngineConfig(num_kv_blocks=64, block_size=8), FakeRunner(8, 32, 8))
-    assert EngineConfig(model_dir=Path("/x")).model_dir == "/x"
+        LLMEngine(fake_config(num_kv_blocks=64, block_size=8), FakeRunner(8, 32, 8))
+    with pytest.raises(TypeError, match="unknown engine setting"):
+        fake_config(max_num_seq=8)
+    cfg = fake_config(model_dir=Path("/x"))
+    assert cfg.model.model_dir == "/x" and isinstance(cfg, EngineConfig)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error():
+    eng = make_engine()
+    for bad in ([1, 2, 97], [-1]):
+        with pytest.raises(ValueError, match=r"token id -?\d+ is out of range \[0, 97\)"):
+            eng.add_request(bad, GREEDY)
+    assert not eng.has_unfinished()
 
 
 def test_engine_imports_no_presentation_libraries():

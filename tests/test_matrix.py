@@ -11,7 +11,17 @@ import pytest
 from typer.testing import CliRunner
 
 from deepinfer_bench import matrix as M
-from tests.fake_runner import FakeRunner
+from engine.config import ModelConfig
+from tests.fake_runner import FakeRunner, fake_config
+
+TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
+
+
+def _config(spec: M.MatrixSpec, **overrides):
+    """The engine config the command builds for `spec`, over the fake runner's model."""
+    s = {**M.engine_settings(spec, fake_config().model.config), **overrides}
+    return fake_config(s.pop("max_num_seqs"), s.pop("max_num_batched_tokens"), s.pop("num_kv_blocks"),
+                       s.pop("block_size"), s.pop("max_model_len"), **s)
 
 REQUIRED = ["batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90",
             "e2e_ms_p50", "prefill_tok_s", "decode_tok_s", "kv_blocks_used", "status", "skip_reason"]
@@ -21,7 +31,9 @@ REQUIRED = ["batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90
 def test_shipped_matrices_parse_and_fit(name):
     spec = M.MatrixSpec.from_toml(M.resolve_matrix(name))
     assert spec.name == name and spec.cells
-    cfg = M.engine_config(spec, None)
+    settings = M.engine_settings(spec, ModelConfig.from_json(TINY))
+    cfg = _config(spec)
+    assert cfg.cache.max_num_seqs == settings["max_num_seqs"]
     assert all(not M.skip_reason(cfg, *c) for c in spec.cells), "a shipped matrix should fit its own engine"
 
 
@@ -39,8 +51,8 @@ def test_matrix_spec_errors(tmp_path):
 def test_run_matrix_over_fake_runner(tmp_path):
     spec = M.MatrixSpec(name="t", batch_size=(1, 3, 8), input_len=(10, 40), output_len=(5,), warmup=1, repeats=2,
                         warmup_output_len=2, block_size=16, num_kv_blocks=12)
-    cfg = M.engine_config(spec, None, max_num_batched_tokens=64)
-    assert cfg.max_num_seqs == 8 and cfg.max_model_len == 45 and cfg.num_kv_blocks == 12
+    cfg = _config(spec, max_num_batched_tokens=64)
+    assert (cfg.cache.max_num_seqs, cfg.cache.max_model_len, cfg.cache.num_kv_blocks) == (8, 45, 12)
     calls = []
     df = M.run_matrix(spec, cfg, runner=FakeRunner(8, 12, 16, 45, step_delay_s=0.001),
                       progress=lambda done, total, label: calls.append((done, total, label)))
@@ -77,8 +89,8 @@ def test_run_matrix_records_runtime_errors_and_goes_on():
 
     spec = M.MatrixSpec(name="e", batch_size=(1, 4), input_len=(16,), output_len=(3,), warmup=0, repeats=1,
                         block_size=16)
-    cfg = M.engine_config(spec, None)
-    df = M.run_matrix(spec, cfg, runner=Failing(4, cfg.num_kv_blocks, 16, cfg.max_model_len))
+    cfg = _config(spec)
+    df = M.run_matrix(spec, cfg, runner=Failing(4, cfg.cache.num_kv_blocks, 16, cfg.cache.max_model_len))
     assert df.status.tolist() == ["ok", "error"]
     assert df.skip_reason.iloc[1] == "RuntimeError: out of device memory"
 
@@ -102,13 +114,13 @@ def test_cli_matrix_builds_config_and_writes_results(tmp_path, monkeypatch):
         return _fake_df(spec)
 
     monkeypatch.setattr(M, "run_matrix", fake_run_matrix)
-    res = CliRunner().invoke(app, ["bench", "matrix", "--matrix", "quick", "--model-dir", str(tmp_path / "m"),
+    res = CliRunner().invoke(app, ["bench", "matrix", "--matrix", "quick", "--model-dir", str(TINY),
                                    "--cp", "2", "--out", str(tmp_path / "out"), "--num-kv-blocks", "77"])
     assert res.exit_code == 0, res.output
     spec, cfg = seen["spec"], seen["config"]
     assert spec.name == "quick"
-    assert cfg.cp == 2 and cfg.num_kv_blocks == 77 and cfg.model_dir == str(tmp_path / "m")
-    assert cfg.max_num_seqs == max(spec.batch_size)
+    assert cfg.cp == 2 and cfg.cache.num_kv_blocks == 77 and cfg.model.model_dir == str(TINY)
+    assert cfg.cache.max_num_seqs == max(spec.batch_size) and cfg.cache.block_size == 128  # quick.toml's
     (csv,) = (tmp_path / "out").glob("matrix-quick-*/matrix-quick.csv")
     df = pd.read_csv(csv)
     assert set(REQUIRED) <= set(df.columns) and len(df) == len(spec.cells)

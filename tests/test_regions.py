@@ -20,7 +20,8 @@ from engine.model.dummy import random_weights
 from engine.model.moe import MoE
 from engine.profiling import REST, RegionTimer, no_split, percentile
 from engine.regions import batch_bucket, block_bucket
-from engine.runner import ModelRunner, RunnerConfig, greedy_generate
+from engine.runner import ModelRunner
+from tests.engines import build, greedy
 
 TINY = dict(vocab_size=1024, dim=128, n_layers=4, n_mtp_layers=0, compress_ratios=(0, 4, 16, 4), n_hash_layers=2,
             n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, window_size=16,
@@ -44,15 +45,18 @@ def _prompts(lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
     return [torch.randint(2, 1024, (n,), generator=g).tolist() for n in lens]
 
 
-def _runner(cfg: ModelConfig, **rc: object) -> ModelRunner:
-    return ModelRunner.from_state_dict(cfg, random_weights(cfg, 0, with_mtp=False),
-                                       RunnerConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256, **rc))
+def _engine(cfg: ModelConfig, **settings: object):
+    return build(cfg, random_weights(cfg, 0, with_mtp=False), max_model_len=256, **settings)
 
 
-def _run(cfg: ModelConfig, prompts: list[list[int]], new: int, **rc: object) -> tuple:
-    runner = _runner(cfg, **rc)
-    outs, logits = greedy_generate(runner, prompts, new)
-    return outs, logits, runner
+def _runner(cfg: ModelConfig, **settings: object) -> ModelRunner:
+    return _engine(cfg, **settings).runner
+
+
+def _run(cfg: ModelConfig, prompts: list[list[int]], new: int, **settings: object) -> tuple:
+    eng = _engine(cfg, **settings)
+    outs, logits = greedy(eng, prompts, new)
+    return outs, logits, eng.runner
 
 
 def _dlogit(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from deepinfer_bench.cli import app
 from deepinfer_bench.regions import RegionsSpec, tabulate
+from engine.config import EngineConfig
 
 TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
 
@@ -31,11 +32,12 @@ def test_regions_command_writes_results(tmp_path: Path) -> None:
 
 
 def test_tabulate_shares() -> None:
-    spec = RegionsSpec(model_dir="x", graph_mode="regions", steps=2)
+    spec = RegionsSpec(steps=2)
+    config = EngineConfig.from_model_dir(TINY, graph_mode="regions", host_compiler="none")
     timing = [{"region": "attn", "stage": "attn.qkv", "layer": 0, "calls": 2, "total_ms": 2.0, "p50_ms": 1.0,
                "p90_ms": 1.0},
               {"region": "attn", "stage": "attn.qkv", "layer": 1, "calls": 2, "total_ms": 4.0, "p50_ms": 2.0,
                "p90_ms": 2.0}]
-    r = tabulate(spec, [5.0, 5.0], timing, {"graph_launches_per_step": 8})
+    r = tabulate(config, spec, [5.0, 5.0], timing, {"graph_launches_per_step": 8})
     assert r.summed.iloc[0]["ms_per_step"] == 3.0 and r.summed.iloc[0]["layers"] == 2
     assert r.summary.iloc[0]["stage_sum_over_step"] == pytest.approx(0.6)

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.config import CacheConfig
 from engine.kv_cache import BlockManager
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from engine.scheduler import RequestRejected, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 FAST = settings(max_examples=80, deadline=None)
@@ -58,7 +59,7 @@ def test_block_manager_arithmetic():
 
 # ---- Scheduler ----------------------------------------------------------------------------------------------------
 configs = st.builds(
-    lambda bs, nb, ns, extra, mml: SchedulerConfig(max_num_seqs=ns, max_num_batched_tokens=ns + extra,
+    lambda bs, nb, ns, extra, mml: CacheConfig(max_num_seqs=ns, max_num_batched_tokens=ns + extra,
                                                    num_kv_blocks=nb, block_size=bs, max_model_len=mml),
     st.sampled_from([1, 2, 4, 16]), st.integers(1, 24), st.integers(1, 6), st.integers(0, 60), st.integers(4, 200))
 requests = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 60), st.integers(1, 25),
@@ -89,7 +90,7 @@ def _check_invariants(sched: Scheduler, batch, all_seqs) -> None:
     assert not batch.is_empty or not sched.has_unfinished()
 
 
-def simulate(cfg: SchedulerConfig, reqs, max_steps: int = 20_000):
+def simulate(cfg: CacheConfig, reqs, max_steps: int = 20_000):
     """Drive the scheduler like the engine does. Returns (sequences, admission step per order, steps)."""
     sched = Scheduler(cfg)
     seqs: list[Sequence] = []
@@ -149,7 +150,7 @@ def test_scheduler_invariants_and_every_request_finishes(cfg, reqs):
 
 
 def test_request_waits_while_pool_is_full_then_runs():
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=4, block_size=16, max_model_len=64)
+    cfg = CacheConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=4, block_size=16, max_model_len=64)
     sched = Scheduler(cfg)
     a, b, c = _seq(0, n=48, max_tokens=8), _seq(1, n=40, max_tokens=8), _seq(2, n=4, max_tokens=4)
     for s in (a, b, c):
@@ -174,11 +175,11 @@ def test_request_waits_while_pool_is_full_then_runs():
 
 
 def test_rejections_say_why():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=2, block_size=4,
+    sched = Scheduler(CacheConfig(max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=2, block_size=4,
                                       max_model_len=64))
     with pytest.raises(RequestRejected, match="exceeds the maximum context length max_model_len=64"):
         sched.check_request(60, 10)
     with pytest.raises(RequestRejected, match="num_kv_blocks=2"):
         sched.check_request(8, 1)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+        CacheConfig(max_num_seqs=8, max_num_batched_tokens=4)

@@ -1,7 +1,7 @@
-"""Host backend: region graphs through `torch.compile(dynamic=False)` on CPU torch.
+"""Host backend: CPU torch; region graphs through `torch.compile(dynamic=False)`; gloo ranks.
 
-`compiler` picks the torch.compile backend: `inductor` (C++ codegen with gcc; the fastest graphs, minutes of
-compile on a 2-core box for the tiny model's 8 regions x buckets), `aot_eager` (the same capture and
+`config.graph.host_compiler` picks the torch.compile backend: `inductor` (C++ codegen with gcc; the fastest graphs,
+minutes of compile on a 2-core box for the tiny model's 8 regions x buckets), `aot_eager` (the same capture and
 functionalisation, no codegen), `eager` (dynamo capture only) or `none` (no torch.compile: the region functions run
 as plain Python with the same static shapes; the fast tests use it to check the static-shape path).
 """
@@ -9,11 +9,15 @@ as plain Python with the same static shapes; the fast tests use it to check the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-COMPILERS = ("inductor", "aot_eager", "eager", "none")
+from engine.config import HostCompiler
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
 # Every (layer, region, batch bucket, block bucket) is one cache entry of the same few code objects.
 _RECOMPILE_LIMIT = 1024
 
@@ -28,23 +32,37 @@ def _raise_recompile_limit() -> None:
             setattr(cfg, name, max(getattr(cfg, name), 8 * _RECOMPILE_LIMIT))
 
 
+def setup_host_process(threads: int | None = None) -> None:
+    """The one place the engine sets up a host process's math: intra-op threads (None or 0: torch's default)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
 class HostBackend:
     name = "host"
+    dist_backend = "gloo"
 
-    def __init__(self, compiler: str = "inductor") -> None:
-        if compiler not in COMPILERS:
-            raise ValueError(f"host compiler {compiler!r}: expected one of {', '.join(COMPILERS)}")
-        self.compiler = compiler
-        if compiler != "none":
+    def __init__(self, config: EngineConfig | None = None, compiler: HostCompiler | str | None = None) -> None:
+        chosen = compiler if compiler is not None else (config.graph.host_compiler if config is not None
+                                                        else HostCompiler.INDUCTOR)
+        self.compiler = HostCompiler.parse(chosen, "host compiler")
+        if self.compiler is not HostCompiler.NONE:
             _raise_recompile_limit()
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if self.compiler == "none":
+        if self.compiler is HostCompiler.NONE:
             return fn
-        return torch.compile(fn, backend=self.compiler, dynamic=False)
+        return torch.compile(fn, backend=self.compiler.value, dynamic=False)
 
     def synchronize(self) -> None:
         """CPU kernels run synchronously; nothing to wait for."""
 
     def boundary(self, fn: Callable[[str], None]) -> Callable[[str], None]:
         return torch.compiler.disable(fn)  # a graph break: the stages before and after become separate graphs
+
+    def setup_process(self, threads: int | None = None, rank: int = 0) -> None:
+        setup_host_process(threads)

@@ -1,5 +1,5 @@
 """Neuron backend (trn2): region graphs through torch-neuronx's `torch.compile(backend="neuronx", dynamic=False)`
-(shared/spec/nki.md §3.1: dynamic shapes are unsupported, hence the static buckets). torch-neuronx / torch-xla are
+(dynamic shapes are unsupported, hence the static buckets). torch-neuronx / torch-xla are
 imported here only, when the backend is built. Not exercised on the host; the host backend runs the same regions.
 """
 
@@ -11,11 +11,23 @@ from typing import Any
 
 class NeuronBackend:
     name = "neuron"
+    dist_backend = "xla"
 
-    def __init__(self, compiler: str = "neuronx") -> None:
+    def __init__(self, config: Any = None, compiler: str = "neuronx") -> None:
         import torch_neuronx  # noqa: F401 - registers the "neuronx" torch.compile backend
 
         self.compiler = compiler
+
+    @property
+    def device(self) -> Any:
+        import torch_xla
+
+        return torch_xla.device()
+
+    def setup_process(self, threads: int | None = None, rank: int = 0) -> None:
+        from engine.envs import apply_env, neuron_worker_env
+
+        apply_env(neuron_worker_env(rank))
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         import torch

@@ -9,7 +9,8 @@ import torch
 from engine.config import ModelConfig
 from engine.model.cache import SeqStep
 from engine.model.dummy import random_weights
-from engine.runner import ModelRunner, RunnerConfig, greedy_generate
+from engine.runner import ModelRunner
+from tests.engines import build, greedy
 
 TINY = ModelConfig(vocab_size=512, dim=64, n_layers=4, n_mtp_layers=1, compress_ratios=(0, 4, 16, 4, 0),
                    n_hash_layers=2, n_heads=4, head_dim=32, rope_head_dim=16, q_lora_rank=32, o_groups=2,
@@ -24,7 +25,11 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def _runner(weights, **kw) -> ModelRunner:
-    return ModelRunner.from_state_dict(TINY, weights, RunnerConfig(max_num_seqs=4, num_kv_blocks=64, **kw))
+    return build(TINY, weights, **kw).runner
+
+
+def _engine(weights, **kw):
+    return build(TINY, weights, **kw)
 
 
 def _logits_by_chunks(runner: ModelRunner, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -52,18 +57,18 @@ def test_incremental_equals_full_forward(weights, length: int) -> None:
 def test_batch_has_no_cross_contamination(weights) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in (2, 19, 64, 101)]
-    batched, blog = greedy_generate(_runner(weights), prompts, 12)
+    batched, blog = greedy(_engine(weights), prompts, 12)
     for i, p in enumerate(prompts):
-        alone, alog = greedy_generate(_runner(weights), [p], 12)
+        alone, alog = greedy(_engine(weights), [p], 12)
         assert alone[0] == batched[i]
         assert (alog[0] - blog[i]).abs().max() < TOL
 
 
 def test_slot_reuse_resets_state(weights) -> None:
-    runner = _runner(weights)
-    first, _ = greedy_generate(runner, [[5, 6, 7, 8, 9, 10, 11]], 6)  # fills slot 0's compressor state
-    again, _ = greedy_generate(runner, [[5, 6]], 6)  # shorter than a CSA block: stale rows would leak
-    fresh, _ = greedy_generate(_runner(weights), [[5, 6]], 6)
+    eng = _engine(weights)
+    first, _ = greedy(eng, [[5, 6, 7, 8, 9, 10, 11]], 6)  # fills slot 0's compressor state
+    again, _ = greedy(eng, [[5, 6]], 6)  # slot 0 again; shorter than a CSA block: stale rows would leak
+    fresh, _ = greedy(_engine(weights), [[5, 6]], 6)
     assert again == fresh
     assert first  # ran
 

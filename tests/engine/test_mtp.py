@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import torch
 
+import engine
 from deepinfer_bench.golden import GOLDEN_DIR
+from engine.config import EngineConfig
 from engine.model.cache import SeqStep, StepPlan
-from engine.runner import ModelRunner, RunnerConfig
+from engine.runner import ModelRunner
+
+
+def _runner(with_mtp: bool) -> ModelRunner:
+    config = EngineConfig.from_model_dir(GOLDEN_DIR / "tiny", max_num_seqs=1, num_kv_blocks=8, with_mtp=with_mtp)
+    return engine.build(config).runner
 
 
 def _mtp_logits(runner: ModelRunner, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -22,13 +29,12 @@ def _mtp_logits(runner: ModelRunner, ids: torch.Tensor, chunks: list[int]) -> to
 
 
 def test_mtp_loads_and_incremental_equals_full() -> None:
-    rc = RunnerConfig(max_num_seqs=1, num_kv_blocks=8, with_mtp=True)
     ids = torch.randint(2, 1000, (41,), generator=torch.Generator().manual_seed(0))
-    full = _mtp_logits(ModelRunner.from_model_dir(GOLDEN_DIR / "tiny", rc), ids, [40])
-    step = _mtp_logits(ModelRunner.from_model_dir(GOLDEN_DIR / "tiny", rc), ids, [17] + [1] * 23)
+    full = _mtp_logits(_runner(True), ids, [40])
+    step = _mtp_logits(_runner(True), ids, [17] + [1] * 23)
     assert full.shape == (40, 1024) and torch.isfinite(full).all()
     assert (full - step).abs().max() < 1e-4
     # MTP predicts token t+2 from position t: its logits differ from the main head's
-    main = ModelRunner.from_model_dir(GOLDEN_DIR / "tiny", RunnerConfig(max_num_seqs=1, num_kv_blocks=8))
+    main = _runner(False)
     head = main.forward([SeqStep(0, 0, 40, 0, torch.arange(8))], ids[:40], logit_index=torch.arange(40))
     assert (head - full).abs().max() > 1e-2

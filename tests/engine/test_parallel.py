@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from engine import run_job
 from engine.config import ModelConfig
-from engine.model.dummy import random_weights
 from engine.parallel import LayoutError, Parallel, RankFailed, check_layout, launch
-from engine.runner import ModelRunner, RunnerConfig, greedy_generate
+from tests.engines import config, greedy
 
 TINY = ModelConfig(vocab_size=512, dim=64, n_layers=3, n_mtp_layers=0, compress_ratios=(0, 4, 8), n_hash_layers=1,
                    n_heads=2, head_dim=32, rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
@@ -22,11 +22,14 @@ PROMPTS = [[3, 4], [7] * 5 + list(range(10, 40)), list(range(50, 110))]
 NEW = 6
 
 
-def _job(par: Parallel, prompts: list[list[int]], chunk: int | None) -> tuple:
-    runner = ModelRunner.from_state_dict(TINY, random_weights(TINY, seed=7),
-                                         RunnerConfig(max_num_seqs=3, num_kv_blocks=32), par)
-    outs, logits = greedy_generate(runner, prompts, NEW, prefill_chunk=chunk)
-    return outs, logits, par.report(), runner.num_steps
+def _config(cp: int = 1, budget: int | None = None):
+    return config(TINY, max_num_seqs=3, num_kv_blocks=32, load_format="dummy", seed=7, cp=cp,
+                  max_num_batched_tokens=budget)
+
+
+def _job(engine, prompts: list[list[int]]) -> tuple:
+    outs, logits = greedy(engine, prompts, NEW)
+    return outs, logits, engine.runner.par.report(), engine.stats().num_steps
 
 
 def _raise_on_rank1(par: Parallel) -> None:
@@ -37,12 +40,12 @@ def _raise_on_rank1(par: Parallel) -> None:
 
 @pytest.fixture(scope="module")
 def baseline() -> tuple:
-    return _job(Parallel(), PROMPTS, None)
+    return run_job(_config(), _job, (PROMPTS,))
 
 
-@pytest.mark.parametrize("cp,chunk", [(2, None), (4, 13)])
-def test_cp_equals_cp1(baseline, cp: int, chunk: int | None) -> None:
-    outs, logits, coll, steps = launch(_job, cp, (PROMPTS, chunk))
+@pytest.mark.parametrize("cp,budget", [(2, None), (4, 13)])  # budget: tokens per step (chunked prefill)
+def test_cp_equals_cp1(baseline, cp: int, budget: int | None) -> None:
+    outs, logits, coll, steps = run_job(_config(cp, budget), _job, (PROMPTS,))
     assert outs == baseline[0]
     for a, b in zip(logits, baseline[1], strict=True):
         assert (a - b).abs().max() < 1e-4
@@ -80,6 +83,6 @@ def test_rank_that_raises_fails_the_job() -> None:
 def test_rank_killed_mid_run_fails_the_job_bounded() -> None:
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 died \(killed by signal SIGKILL\)"):
-        launch(_job, 2, (PROMPTS, None), timeout_s=120, kill_at=(1, 10))  # dies at its 10th collective
+        run_job(_config(2), _job, (PROMPTS,), timeout_s=120, kill_at=(1, 10))  # dies at its 10th collective
     assert time.monotonic() - t0 < 120
     _assert_no_children()

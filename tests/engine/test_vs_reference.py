@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine.config import ModelConfig
 from engine.model.dummy import random_weights
-from engine.runner import ModelRunner, RunnerConfig, greedy_generate
+from tests.engines import build, greedy
 
 pytest.importorskip("transformers", minversion="5.24", reason="the HF reference needs the `reference` extra")
 pytestmark = pytest.mark.reference
@@ -45,14 +45,14 @@ def tiny_configs(draw: st.DrawFn) -> ModelConfig:
 # derandomize: the same 6 draws on every run, so CI never meets a fresh exact top-k tie (HF's torch.topk and our
 # stable order may break a tie differently; spec §5 #9) - new draws are explored by raising max_examples locally.
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=tiny_configs(), seed=st.integers(0, 2**16), chunk=st.sampled_from([None, 7, 16]))
+@given(cfg=tiny_configs(), seed=st.integers(0, 2**16), chunk=st.sampled_from([None, 7, 16]))  # chunk: token budget
 def test_engine_matches_hf(cfg: ModelConfig, seed: int, chunk: int | None) -> None:
     weights = random_weights(cfg, seed=seed, with_mtp=False)
     hf = build_hf_model(cfg, weights, dtype=torch.float32)
-    runner = ModelRunner.from_state_dict(cfg, weights, RunnerConfig(max_num_seqs=3, num_kv_blocks=64, dtype="float32"))
+    eng = build(cfg, weights, max_num_seqs=3, dtype="float32", max_num_batched_tokens=chunk)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 29, 70)]
-    outs, logits = greedy_generate(runner, prompts, 10, prefill_chunk=chunk)
+    outs, logits = greedy(eng, prompts, 10)
     for p, out, lg in zip(prompts, outs, logits, strict=True):
         ref_out, ref_lg = hf_greedy(hf, p, 10)
         diverge = next((i for i, (a, b) in enumerate(zip(out, ref_out, strict=True)) if a != b), None)

@@ -38,8 +38,9 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
                             "--api-key", "k", "--served-model-name", "m", "--backend", "host"])
     assert r.exit_code == 0, r.output
     cfg = seen["config"]
-    assert cfg.num_kv_blocks == 32 and cfg.max_model_len == 1024 and cfg.cp == 1 and cfg.backend == "host"
-    assert Path(cfg.model_dir).name == "tiny" and seen["name"] == "m" and seen["key"] == "k"
+    assert cfg.cache.num_kv_blocks == 32 and cfg.cache.max_model_len == 1024 and cfg.cp == 1
+    assert cfg.backend == "host" and cfg.cache.max_num_seqs == 32  # serve's default batch
+    assert Path(cfg.model.model_dir).name == "tiny" and seen["name"] == "m" and seen["key"] == "k"
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000 and seen["process"] is True
     r = runner.invoke(app, ["serve", "--dtype", "float16", "--backend", "host"])
     assert r.exit_code != 0 and "dtype" in r.output
@@ -49,27 +50,28 @@ def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch)
     assert r.exit_code != 0 and "--cp" in r.output
 
 
-def test_neuron_backend_sets_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.envs
-    import engine.llm
+def test_serving_engine_sets_up_its_process_through_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_serving_engine -> engine.build: the config's backend sets the process up (threads, runtime env) before
+    the weights load; the fixed pool comes from the config."""
+    import engine.backends
+    import engine.launch
+    from engine.config import EngineConfig
 
-    applied: list[dict] = []
+    calls: list = []
 
-    class Engine:
-        def __init__(self, config):
-            self.config = config
-            self.runner = object()
+    class Backend:
+        name, dist_backend, device = "host", "gloo", "cpu"
 
-    monkeypatch.setattr(engine.envs, "apply_env", applied.append)
-    monkeypatch.setattr(engine.llm, "LLMEngine", Engine)
-    cfg = engine.llm.EngineConfig(model_dir="golden/tiny", backend="neuron", num_kv_blocks=24)
+        def setup_process(self, threads=None, rank=0):
+            calls.append(("setup", threads, rank))
+
+    monkeypatch.setattr(engine.backends, "get_backend", lambda config: Backend())
+    monkeypatch.setattr(engine.launch, "build_runner", lambda config, par=None, weights=None: calls.append("runner")
+                        or type("R", (), {"max_num_seqs": 32, "num_kv_blocks": 24, "block_size": 16,
+                                          "max_model_len": 4096})())
+    cfg = EngineConfig.from_model_dir(TINY, num_kv_blocks=24)
     eng = cmd_serve.build_serving_engine(cfg)
-    assert eng.config.num_kv_blocks == 24  # the fixed pool comes from --num-kv-blocks
-    assert applied == [engine.envs.neuron_worker_env(rank=0)]
-    assert applied[0]["NEURON_RT_NUM_CORES"] == "1" and applied[0]["NEURON_RT_VISIBLE_CORES"] == "0"
-    applied.clear()
-    cmd_serve.build_serving_engine(engine.llm.EngineConfig(model_dir="golden/tiny", backend="host"))
-    assert applied == []
+    assert eng.config.cache.num_kv_blocks == 24 and calls[0][0] == "setup" and calls[1] == "runner"
 
 
 def test_tokenizer_root(tmp_path: Path) -> None:
@@ -124,4 +126,4 @@ def test_bench_serve_without_a_server_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_serve_with_a_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     r = runner.invoke(app, ["serve", "--model-dir", str(tmp_path), "--engine-thread", "--backend", "host"])
-    assert r.exit_code == 1 and "cannot start the engine" in r.output
+    assert r.exit_code == 2 and "no config.json" in r.output

@@ -119,15 +119,16 @@ def test_process_loop_rejection_outputs_and_death() -> None:
 
 @pytest.mark.slow
 def test_process_loop_on_two_ranks_matches_one() -> None:
-    """ProcessEngineLoop(job_runner=run_engine_job) serves from rank 0 of cp=2 (what `deepinfer serve --cp 2` does)
+    """ProcessEngineLoop(job_runner=run_job) serves from rank 0 of cp=2 (what `deepinfer serve --cp 2` does)
     and gives cp=1's tokens."""
     from deepinfer_bench.engine_process import ProcessEngineLoop
-    from engine.launch import run_engine_job
-    from engine.llm import LLM, EngineConfig
+    from engine.config import EngineConfig
+    from engine.launch import run_job
+    from engine.llm import LLM
     from tests.server.test_real_engine import TINY
 
-    kw = {"model_dir": str(TINY), "max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}
-    loop = ProcessEngineLoop(None, (EngineConfig(cp=2, **kw),), job_runner=run_engine_job)
+    kw = {"max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}
+    loop = ProcessEngineLoop(None, (EngineConfig.from_model_dir(TINY, cp=2, **kw),), job_runner=run_job)
     assert loop.launch(timeout_s=120)["vocab_size"] == 1024
 
     async def body() -> list[int]:
@@ -144,5 +145,5 @@ def test_process_loop_on_two_ranks_matches_one() -> None:
         finally:
             await asyncio.to_thread(loop.stop)
 
-    want = LLM(EngineConfig(**kw)).generate([[0, 5, 6, 7]], params(6))[0].output_token_ids
+    want = LLM(EngineConfig.from_model_dir(TINY, **kw)).generate([[0, 5, 6, 7]], params(6))[0].output_token_ids
     assert asyncio.run(body()) == list(want)

@@ -39,10 +39,11 @@ def prompts() -> list[list[int]]:
 
 
 def offline(prompt_ids: list[list[int]]) -> list[list[int]]:
-    from engine.llm import LLM, EngineConfig, SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm import LLM, SamplingParams
 
-    cfg = EngineConfig(model_dir=str(TINY), max_num_seqs=64, num_kv_blocks=128, block_size=16, max_model_len=256,
-                       max_num_batched_tokens=1024, backend="host")
+    cfg = EngineConfig.from_model_dir(TINY, max_num_seqs=64, num_kv_blocks=128, block_size=16, max_model_len=256,
+                                      max_num_batched_tokens=1024, backend="host")
     outs = LLM(cfg).generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [list(o.output_token_ids) for o in outs]
 

@@ -1,0 +1,137 @@
+"""The engine options every engine command shares, declared once (Typer `Annotated`), vLLM's spellings.
+
+`@engine_options` appends them to a command's signature and hands the command one `EngineArgs` (the values given
+on the command line; None = not given). `EngineArgs.config(**suggested)` builds the `EngineConfig`: the command's
+own suggestions for its workload (e.g. golden: one slot per prompt), then what the user gave, which wins; the
+DEEPINFER_* flags and the model fill the rest (engine/config.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from deepinfer_bench.report import DEFAULT_MODEL_DIR
+from engine.config import Backend, DType, GraphMode, HostCompiler, Kernels
+
+PANEL = "Engine options"
+
+
+def _opt(*names: str, help: str, **kw: Any) -> Any:
+    return typer.Option(*names, help=help, rich_help_panel=PANEL, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    model_dir: Path = DEFAULT_MODEL_DIR
+    dtype: DType | None = None
+    cp: int | None = None
+    graph_mode: GraphMode | None = None
+    backend: Backend | None = None
+    kernels: Kernels | None = None
+    host_compiler: HostCompiler | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """What the user set, under EngineConfig's flat names."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "model_dir" and getattr(self, f.name) is not None}
+
+    def model_config(self) -> Any:
+        """The model's ModelConfig (config.json parsed; pass it back to `config()` to parse it once)."""
+        from engine.config import ModelConfig
+
+        return ModelConfig.from_json(self.model_dir)
+
+    def config(self, model_config: Any = None, **suggested: Any) -> Any:
+        """The EngineConfig of this command: `suggested` settings, overridden by what the user gave. Under
+        torchrun, cp is torchrun's world size."""
+        from engine.config import EngineConfig
+        from engine.launch import effective_cp
+
+        given = self.overrides()
+        given["cp"] = effective_cp(given.get("cp", suggested.get("cp", 1)))
+        cfg = model_config if model_config is not None else self.model_config()
+        return EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), **{**suggested, **given})
+
+
+_OPTIONS: dict[str, Any] = {
+    "model_dir": Annotated[Path, _opt("--model-dir", help="DeepSeek-V4 directory: config.json (HF or official "
+                                      "spelling) + safetensors (official or HF names). Default: the tiny model.")],
+    "dtype": Annotated[DType | None, _opt("--dtype", help="Compute dtype (float32: exact checks; bfloat16).")],
+    "cp": Annotated[int | None, _opt("--cp", min=1, help="Context/expert-parallel ranks (processes here).")],
+    "graph_mode": Annotated[GraphMode | None, _opt("--graph-mode", help="Decode as eager ops, region graphs (two "
+                                                   "per layer) or layer graphs "
+                                                   "(default: DEEPINFER_NEURON_GRAPH_MODE)")],
+    "backend": Annotated[Backend | None, _opt("--backend", help="host (CPU torch), xla (torch-xla device), neuron, "
+                                              "or auto (default: DEEPINFER_BACKEND)")],
+    "kernels": Annotated[Kernels | None, _opt("--kernels", help="Op implementation inside the model: torch "
+                                              "reference, NKI kernels on the NumPy stand-in, or NKI on Neuron.")],
+    "host_compiler": Annotated[HostCompiler | None, _opt("--host-compiler", help="torch.compile backend of region "
+                                                         "graphs on the host (default: DEEPINFER_HOST_COMPILER)")],
+    "max_num_seqs": Annotated[int | None, _opt("--max-num-seqs", min=1, help="Largest running batch (KV slots).")],
+    "max_num_batched_tokens": Annotated[int | None, _opt("--max-num-batched-tokens", min=1,
+                                                         help="Token budget per engine step (chunked prefill).")],
+    "num_kv_blocks": Annotated[int | None, _opt("--num-kv-blocks", min=1, help="KV pool size in blocks.")],
+    "block_size": Annotated[int | None, _opt("--block-size", min=1, help="Token positions per KV block (a multiple "
+                                             "of every compress ratio x cp).")],
+    "max_model_len": Annotated[int | None, _opt("--max-model-len", min=1, help="Longest prompt + output.")],
+}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, TypeError)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """User-facing errors (a malformed config, a bad checkpoint, an invalid layout, a failed rank, bad golden
+    data...) print one clear line and exit 2; DEEPINFER_TRACEBACK=1 shows the traceback instead."""
+    from deepinfer_bench.golden import GoldenError
+    from engine.envs import get_envs
+    from engine.parallel import RankFailed
+
+    try:
+        yield
+    except (*USER_ERRORS, GoldenError, RankFailed) as e:
+        if get_envs().DEEPINFER_TRACEBACK:
+            raise
+        from rich.markup import escape
+
+        from deepinfer_bench.report import err_console
+
+        err_console.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give command `fn(..., engine: EngineArgs)` the shared engine options (after its own)."""
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "engine"]
+    taken = {p.name for p in own} & set(_OPTIONS)
+    if taken:
+        raise TypeError(f"{fn.__name__}: parameters {sorted(taken)} clash with the shared engine options")
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=_DEFAULTS[name])
+              for name, ann in _OPTIONS.items()]
+
+    @functools.wraps(fn)
+    def command(**kwargs: Any) -> Any:
+        args = EngineArgs(**{name: kwargs.pop(name) for name in _OPTIONS})
+        with user_errors():
+            return fn(engine=args, **kwargs)
+
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
+    command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
