@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from deepinfer_bench.app import app
 
@@ -42,9 +40,7 @@ def kernels_cmd(
     err_console.print(f"executor: {ex} -- {proves(ex)}")
     df = run_kernels(kernel, ex, simulator=simulator, include_slow=slow)
     cols = [c for c in df.columns if c != "note" or df["note"].astype(bool).any()]
-    # piped output (CI logs, `| tee`) defaults to 80 columns, which truncates case names and shapes
-    console = None if sys.stdout.isatty() else Console(width=220)
-    render_df(df, f"NKI kernels on {ex}: {proves(ex)}", columns=cols, console=console)
+    render_df(df, f"NKI kernels on {ex}: {proves(ex)}", columns=cols)
     n_fail = int((~df["pass"].astype(bool)).sum())
     if out is not None:
         path = save_results(df, out, "kernels", {"executor": ex, "proves": proves(ex), "kernel": kernel,

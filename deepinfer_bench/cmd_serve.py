@@ -165,7 +165,7 @@ def bench_serve_cmd(
 
     try:
         m = load_serve_matrix(matrix)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e)) from None
 
     def progress(k: int, n: int, row: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ A matrix is a TOML file in `matrices/` (axes, warmup, repeats, optional engine s
 cell; per cell: `warmup` runs (decode capped at `warmup_output_len`), then `repeats` timed runs of a batch of
 `batch_size` random token-id prompts of `input_len` tokens, greedy, `ignore_eos`, `max_tokens = output_len`.
 
-Metrics follow sglang `bench_one_batch` / vLLM (shared/spec/serving.md §4):
+Metrics follow sglang `bench_one_batch` / vLLM:
 - TTFT: from queueing the batch until EVERY request of it has its first token (prefill + first sample; with a
   token budget below batch x input the prefill spans several steps, all counted);
 - TPOT: the duration of each later engine step (one token for every request), pooled over repeats;
@@ -22,22 +22,20 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
+from deepinfer_bench import axes
+from deepinfer_bench.axes import MATRICES_DIR
 from engine.config import EngineConfig
 from engine.llm import LLMEngine, RequestRejected, SamplingParams
+from engine.profiling import quantiles
 
-MATRICES_DIR = Path(__file__).resolve().parents[1] / "matrices"
+__all__ = ["COLUMNS", "MATRICES_DIR", "MatrixSpec", "Row", "engine_settings", "pivot", "resolve_matrix", "run_cell",
+           "run_matrix", "save_plot", "skip_reason"]
 
 COLUMNS = [
     "batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90",
@@ -67,14 +65,7 @@ class MatrixSpec:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        for axis in ("batch_size", "input_len", "output_len"):
-            vals = getattr(self, axis)
-            if isinstance(vals, int):
-                vals = (vals,)
-            vals = tuple(vals)
-            object.__setattr__(self, axis, vals)  # normalise lists from TOML inside the constructor
-            if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in vals):
-                raise ValueError(f"matrix {self.name!r}: {axis} must be a non-empty list of positive ints, got {vals}")
+        axes.check_axes(self, ("batch_size", "input_len", "output_len"))
         if self.warmup < 0 or self.repeats < 1 or self.warmup_output_len < 1:
             raise ValueError(f"matrix {self.name!r}: need warmup >= 0, repeats >= 1, warmup_output_len >= 1 "
                              f"(got {self.warmup}, {self.repeats}, {self.warmup_output_len})")
@@ -86,35 +77,16 @@ class MatrixSpec:
     @property
     def cells(self) -> list[tuple[int, int, int]]:
         """(batch_size, input_len, output_len), output slowest, then input, then batch."""
-        return [(b, i, o) for o in self.output_len for i in self.input_len for b in self.batch_size]
+        return axes.cells(self.batch_size, self.input_len, self.output_len)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> MatrixSpec:
-        path = Path(path)
-        raw = tomllib.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        raw.setdefault("name", path.stem)
-        missing = [k for k in ("batch_size", "input_len", "output_len") if k not in raw]
-        if missing:
-            raise ValueError(f"{path}: missing {', '.join(missing)}")
-        return cls(**raw)
+        return axes.load(cls, Path(path), required=("batch_size", "input_len", "output_len"))
 
 
 def resolve_matrix(name_or_path: str | Path) -> Path:
     """A TOML path, or the name of a file in `matrices/` (`quick` -> matrices/quick.toml)."""
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
-        if not p.exists():
-            raise FileNotFoundError(f"no matrix file {p}")
-        return p
-    cand = MATRICES_DIR / f"{name_or_path}.toml"
-    if not cand.exists():
-        names = sorted(f.stem for f in MATRICES_DIR.glob("*.toml"))
-        raise FileNotFoundError(f"no matrix named {name_or_path!r} in {MATRICES_DIR} (have: {', '.join(names)})")
-    return cand
+    return axes.resolve(name_or_path)
 
 
 def engine_settings(spec: MatrixSpec, cfg: Any, cp: int = 1) -> dict[str, Any]:
@@ -194,10 +166,6 @@ def _run_once(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> _
     return _Run(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, decode_steps_s=decode_steps)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
-
-
 def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: int, output_len: int) -> Row:
     row = Row(batch_size, input_len, output_len)
     reason = skip_reason(engine.config, batch_size, input_len, output_len)
@@ -229,9 +197,9 @@ def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: in
     ttft = [r.ttft_s * 1e3 for r in runs]
     e2e = [r.e2e_s * 1e3 for r in runs]
     tpot = [s * 1e3 for r in runs for s in r.decode_steps_s]
-    row.ttft_ms_p50, row.ttft_ms_p90 = _pct(ttft, 50), _pct(ttft, 90)
-    row.tpot_ms_p50, row.tpot_ms_p90 = _pct(tpot, 50), _pct(tpot, 90)
-    row.e2e_ms_p50, row.e2e_ms_p90 = _pct(e2e, 50), _pct(e2e, 90)
+    row.ttft_ms_p50, row.ttft_ms_p90 = quantiles(ttft, 50, 90)
+    row.tpot_ms_p50, row.tpot_ms_p90 = quantiles(tpot, 50, 90)
+    row.e2e_ms_p50, row.e2e_ms_p90 = quantiles(e2e, 50, 90)
     row.prefill_tok_s = batch_size * input_len / (row.ttft_ms_p50 / 1e3)
     row.decode_tok_s = batch_size / (row.tpot_ms_p50 / 1e3) if tpot else math.nan
     stats = engine.stats()

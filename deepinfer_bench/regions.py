@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from engine.profiling import TIMING_COLUMNS, percentile
+from engine.profiling import TIMING_COLUMNS, quantiles
 
 STAGE_COLUMNS = ["graph_mode", "region", "stage", "layer", "calls", "calls_per_step", "total_ms", "p50_ms", "p90_ms",
                  "ms_per_step", "share_of_step"]
@@ -154,7 +154,7 @@ def tabulate(config: Any, spec: RegionsSpec, step_ms: list[float], timing: list[
         "graph_launches_per_step": graph.get("graph_launches_per_step", 0),
         "compiled_shapes": graph.get("compiled_shapes", 0),
         "compiles_during_timing": graph.get("compiles_during_timing", 0),
-        "step_ms_p50": percentile(step_ms, 50), "step_ms_p90": percentile(step_ms, 90), "step_ms_mean": step_mean,
+        "step_ms_p50": quantiles(step_ms, 50)[0], "step_ms_p90": quantiles(step_ms, 90)[0], "step_ms_mean": step_mean,
         "stage_sum_ms_per_step": stage_sum, "stage_sum_over_step": stage_sum / step_mean,
         "timed_regions": int(t["region"].nunique()) if len(t) else 0}], columns=SUMMARY_COLUMNS)
     meta = {"spec": asdict(spec), "engine_config": config.to_dict(), "graph": graph, "step_ms": step_ms,
@@ -211,10 +211,10 @@ def _overhead_job(engine: Any, spec: RegionsSpec, rounds: int) -> pd.DataFrame:
         raise RuntimeError("a new block bucket was compiled during the measured rounds; use a shorter run")
     base = samples["no_timer"]
     rows = [{"variant": k, "rounds": rounds, "steps_per_round": steps_per_round,
-             "step_ms_median": statistics.median(v), "step_ms_p10": percentile(v, 10),
-             "step_ms_p90": percentile(v, 90),
-             "vs_no_timer": statistics.median([a / b for a, b in zip(v, base, strict=True)]) - 1.0,
-             "p10_vs_no_timer": percentile(v, 10) / percentile(base, 10) - 1.0}
+             "step_ms_median": quantiles(v, 50)[0], "step_ms_p10": quantiles(v, 10)[0],
+             "step_ms_p90": quantiles(v, 90)[0],
+             "vs_no_timer": quantiles([a / b for a, b in zip(v, base, strict=True)], 50)[0] - 1.0,
+             "p10_vs_no_timer": quantiles(v, 10)[0] / quantiles(base, 10)[0] - 1.0}
             for k, v in samples.items()]
     n = 200_000
     t0 = time.perf_counter()
@@ -225,7 +225,7 @@ def _overhead_job(engine: Any, spec: RegionsSpec, rounds: int) -> pd.DataFrame:
     per_step = us * runner.regions.launches_last_step
     rows.append({"variant": "disabled_region_us", "rounds": 0, "steps_per_round": n, "step_ms_median": us / 1e3,
                  "step_ms_p10": float("nan"), "step_ms_p90": float("nan"),
-                 "vs_no_timer": per_step / 1e3 / statistics.median(base), "p10_vs_no_timer": float("nan")})
+                 "vs_no_timer": per_step / 1e3 / quantiles(base, 50)[0], "p10_vs_no_timer": float("nan")})
     return pd.DataFrame(rows, columns=OVERHEAD_COLUMNS)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,10 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "golden" / "tiny"
 DEFAULT_OUT_DIR = Path("results")
 
 out_console = Console()  # tables
-err_console = Console(stderr=True)  # progress, logs, verdicts
+# progress, logs, verdicts; piped (CI logs, `2> file`) a line stays one line instead of wrapping at 80 columns
+err_console = Console(stderr=True)
+if not err_console.is_terminal:
+    err_console.soft_wrap = True
 
 
 def _fmt(value: Any) -> str:
@@ -57,7 +61,18 @@ def render_df(df: pd.DataFrame, title: str, *, console: Console | None = None, s
                 text = f"[green]{text}[/green]"
             cells.append(text)
         table.add_row(*cells)
-    (console or out_console).print(table)
+    print_table(table, console or out_console)
+
+
+def print_table(table: Table, console: Console) -> None:
+    """On a terminal, as wide as the terminal. Piped to a file (not a TTY, where rich assumes 80 columns and would
+    squeeze every header to a few letters), at the table's natural width instead."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    probe = Console(file=console.file, width=100_000, color_system=None)
+    width = Measurement.get(probe, probe.options, table).maximum
+    Console(file=console.file, width=max(20, width), color_system=None, highlight=False).print(table)
 
 
 def git_sha() -> str:

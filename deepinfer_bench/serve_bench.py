@@ -1,7 +1,8 @@
 """Online serving sweep: concurrency x input length x output length against any OpenAI-compatible server.
 
-The request function parses the stream exactly as `vllm bench serve --backend openai` does (shared/spec/serving.md
-§1.3) and the metrics are vLLM's (§2): TTFT = first token chunk - send; ITL = gaps between token chunks (pooled);
+The request function parses the stream exactly as `vllm bench serve --backend openai` does
+(`vllm/benchmarks/lib/endpoint_request_func.py`) and the metrics are vLLM's (`calculate_metrics`): TTFT = first
+token chunk - send; ITL = gaps between token chunks (pooled);
 TPOT = (E2EL - TTFT) / (output_tokens - 1) per request with > 1 output token; E2EL = last token chunk - send.
 `output_tokens` is `usage.completion_tokens` from the final usage chunk (the server's count).
 
@@ -24,12 +25,8 @@ import httpx
 import numpy as np
 import pandas as pd
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-MATRICES_DIR = Path(__file__).resolve().parents[1] / "matrices"
+from deepinfer_bench import axes
+from engine.profiling import quantiles
 
 COLUMNS = [
     "concurrency", "input_len", "output_len", "num_prompts", "completed", "failed", "duration_s",
@@ -122,11 +119,7 @@ class ServeMatrix:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for axis in ("concurrency", "input_len", "output_len"):
-            vals = getattr(self, axis)
-            if not vals or any(not isinstance(v, int) or v < 1 for v in vals):
-                raise ValueError(f"matrix {self.name!r}: {axis} must be a non-empty list of positive ints, "
-                                 f"got {vals!r}")
+        axes.check_axes(self, ("concurrency", "input_len", "output_len"))
         if self.prompts_per_concurrency < 1 or self.min_prompts < 1 or self.warmup < 0:
             raise ValueError(f"matrix {self.name!r}: prompts_per_concurrency/min_prompts must be >= 1, warmup >= 0")
 
@@ -135,25 +128,15 @@ class ServeMatrix:
 
     @property
     def cells(self) -> list[tuple[int, int, int]]:
-        return [(c, i, o) for o in self.output_len for i in self.input_len for c in self.concurrency]
+        """(concurrency, input_len, output_len), output slowest (the offline matrix's order)."""
+        return axes.cells(self.concurrency, self.input_len, self.output_len)
 
 
 def load_serve_matrix(name_or_path: str) -> ServeMatrix:
-    """`matrices/<name>.toml` or a path. Keys: concurrency, input_len, output_len, plus ServeMatrix's optional ones."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = MATRICES_DIR / f"{name_or_path}.toml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in MATRICES_DIR.glob("serve*.toml")))
-        raise ValueError(f"serve matrix {name_or_path!r} not found ({path}); known: {known}")
-    raw = tomllib.loads(path.read_text())
-    raw = raw.get("serve", raw)
-    allowed = set(ServeMatrix.__dataclass_fields__) - {"name"}
-    unknown = sorted(set(raw) - allowed - {"description"})
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown} (allowed: {sorted(allowed)})")
-    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items() if k in allowed}
-    return ServeMatrix(name=path.stem, **kw)
+    """`matrices/<name>.toml` or a path. Keys: concurrency, input_len, output_len, plus ServeMatrix's optional ones
+    (a `[serve]` table is accepted too)."""
+    path = axes.resolve(name_or_path, kind="serve matrix", prefix="serve")
+    return axes.load(ServeMatrix, path, section="serve", required=("concurrency", "input_len", "output_len"))
 
 
 @dataclass(frozen=True)
@@ -182,7 +165,8 @@ async def discover(client: httpx.AsyncClient, base_url: str, headers: dict[str, 
 
 
 def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+    """Percentile of seconds, in ms (NaN when empty)."""
+    return quantiles(xs, q)[0] * 1e3
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]:

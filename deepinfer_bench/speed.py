@@ -7,22 +7,18 @@ Measurements are interleaved (engine, HF, engine, HF, ...) so a busy machine hur
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import pandas as pd
 import torch
 
+from engine.profiling import quantiles
+
 COLUMNS = ["system", "batch_size", "prompt_len", "decode_steps", "ms_per_step_p50", "ms_per_step_p90",
            "ms_per_token_p50", "decode_tok_s"]
 TARGET_B1_RATIO = 0.5  # engine batch-1 ms/token <= 0.5 x HF's
 TARGET_BATCH_SPEEDUP = 10.0  # engine batch-32 decode tok/s >= 10 x its own batch-1
-
-
-def _quantiles(times: list[float]) -> tuple[float, float]:
-    times = sorted(times)
-    return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))]
 
 
 @torch.inference_mode()
@@ -108,7 +104,7 @@ def run_speed(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int 
                 _engine_decode_times(runner, batch, prompt_len, steps, r))
     rows = []
     for (system, b), times in samples.items():
-        p50, p90 = _quantiles(times)
+        p50, p90 = quantiles(times, 50, 90)
         rows.append({"system": system, "batch_size": b, "prompt_len": prompt_len, "decode_steps": len(times),
                      "ms_per_step_p50": p50 * 1e3, "ms_per_step_p90": p90 * 1e3, "ms_per_token_p50": p50 * 1e3 / b,
                      "decode_tok_s": b / p50})

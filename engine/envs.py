@@ -128,7 +128,7 @@ def environ() -> MutableMapping[str, str]:
 
 
 def neuron_worker_env(rank: int, *, logical_nc_config: int = 2, cores_per_rank: int = 1) -> dict[str, str]:
-    """Runtime variables for one Neuron worker rank: basic mode, one NeuronCore per rank (nki.md §3.2)."""
+    """Runtime variables for one Neuron worker rank: basic mode, one NeuronCore per rank."""
     first = rank * cores_per_rank
     cores = str(first) if cores_per_rank == 1 else f"{first}-{first + cores_per_rank - 1}"
     return {

@@ -2,7 +2,7 @@
 
 Everything the engine sees uses the **official** tensor names of DeepSeek's `inference/model.py`
 (`layers.L.attn.wq_a.weight`, `layers.L.ffn.experts.E.w1.weight`, `mtp.0.e_proj.weight`, ...), see
-shared/spec/deepseek_v4.md §4.4. Three on-disk spellings are recognised:
+the tensor listing of the released checkpoints. Three on-disk spellings are recognised:
 
 * ``official``: the released checkpoint and `golden/tiny` (FP8 e4m3 + UE8M0 ``.scale``, FP4 ``I8`` + ``.scale``).
 * ``hf``: HF module names (`model.layers.L.self_attn.q_a_proj.weight`, stacked
@@ -21,16 +21,18 @@ loaded from a checkpoint larger than RAM: only the requested tensors (and their 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from engine.config import ConfigError, ModelConfig
+from engine.model.layers import stored_fp32
 from nki_kernels.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
 
 SINGLE_FILE = "model.safetensors"
@@ -204,78 +206,36 @@ def hf_to_official(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 
 
 # ---- what a checkpoint must contain --------------------------------------------------------------------------
-def _block_tensors(cfg: ModelConfig, layer_id: int, mtp: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
-    D, H, hd, E, inter = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.n_routed_experts, cfg.moe_inter_dim
-    G, n = cfg.o_groups, cfg.hc_mult
-    ratio = cfg.compress_ratios[layer_id]
-    yield "attn.attn_sink", (H,)
-    yield "attn.wq_a.weight", (cfg.q_lora_rank, D)
-    yield "attn.q_norm.weight", (cfg.q_lora_rank,)
-    yield "attn.wq_b.weight", (H * hd, cfg.q_lora_rank)
-    yield "attn.wkv.weight", (hd, D)
-    yield "attn.kv_norm.weight", (hd,)
-    yield "attn.wo_a.weight", (G * cfg.o_lora_rank, H * hd // G)
-    yield "attn.wo_b.weight", (D, G * cfg.o_lora_rank)
-    if ratio:
-        coff = 2 if ratio == 4 else 1  # CSA (ratio 4) compresses overlapping windows: two halves
-        yield "attn.compressor.ape", (ratio, coff * hd)
-        yield "attn.compressor.wkv.weight", (coff * hd, D)
-        yield "attn.compressor.wgate.weight", (coff * hd, D)
-        yield "attn.compressor.norm.weight", (hd,)
-        if ratio == 4:
-            ihd = cfg.index_head_dim
-            yield "attn.indexer.wq_b.weight", (cfg.index_n_heads * ihd, cfg.q_lora_rank)
-            yield "attn.indexer.weights_proj.weight", (cfg.index_n_heads, D)
-            yield "attn.indexer.compressor.ape", (ratio, 2 * ihd)
-            yield "attn.indexer.compressor.wkv.weight", (2 * ihd, D)
-            yield "attn.indexer.compressor.wgate.weight", (2 * ihd, D)
-            yield "attn.indexer.compressor.norm.weight", (ihd,)
-    yield "attn_norm.weight", (D,)
-    yield "ffn_norm.weight", (D,)
-    for site in ("attn", "ffn"):
-        yield f"hc_{site}_fn", (cfg.mix_hc, n * D)
-        yield f"hc_{site}_base", (cfg.mix_hc,)
-        yield f"hc_{site}_scale", (3,)
-    yield "ffn.gate.weight", (E, D)
-    if not mtp and cfg.is_hash_layer(layer_id):
-        yield "ffn.gate.tid2eid", (cfg.vocab_size, cfg.n_activated_experts)
-    else:
-        yield "ffn.gate.bias", (E,)
-    for e in range(E):
-        yield f"ffn.experts.{e}.w1.weight", (inter, D)
-        yield f"ffn.experts.{e}.w2.weight", (D, inter)
-        yield f"ffn.experts.{e}.w3.weight", (inter, D)
-    yield "ffn.shared_experts.w1.weight", (inter, D)
-    yield "ffn.shared_experts.w2.weight", (D, inter)
-    yield "ffn.shared_experts.w3.weight", (inter, D)
-    if mtp:
-        yield "e_proj.weight", (D, D)
-        yield "h_proj.weight", (D, D)
-        yield "enorm.weight", (D,)
-        yield "hnorm.weight", (D,)
-        yield "norm.weight", (D,)
-        yield "hc_head_fn", (n, n * D)
-        yield "hc_head_base", (n,)
-        yield "hc_head_scale", (1,)
+# The names and shapes come from the model itself (built on the meta device, no memory): the loader never restates
+# them. Only the order is the checkpoint's (the released files list a layer's attention, its norms, its mHC
+# parameters, then its FFN; make_tiny_model.py draws its random weights in this order).
+_GLOBAL_ORDER = ("embed.", "layers.", "norm.", "head.", "hc_head_", "mtp.")
+_LAYER_ORDER = ("attn.", "attn_norm.", "ffn_norm.", "hc_attn_", "hc_ffn_", "ffn.", "e_proj.", "h_proj.", "enorm.",
+                "hnorm.", "norm.", "hc_head_")
+
+
+def _rank(name: str, order: tuple[str, ...]) -> int:
+    return next(i for i, prefix in enumerate(order) if name.startswith(prefix))
+
+
+def _checkpoint_order(name: str) -> tuple[int, int, int]:
+    block, idx, suffix = split_name(name)
+    if block in ("layers", "mtp"):
+        return _rank(name, _GLOBAL_ORDER), int(idx), _rank(suffix, _LAYER_ORDER)
+    return _rank(name, _GLOBAL_ORDER), 0, 0
 
 
 def expected_tensors(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every official tensor name of the model -> its logical (dequantised) shape, in checkpoint order."""
-    D, n = cfg.dim, cfg.hc_mult
-    out: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, D)}
-    for layer in range(cfg.n_layers):
-        for suffix, shape in _block_tensors(cfg, layer, mtp=False):
-            out[f"layers.{layer}.{suffix}"] = shape
-    out["norm.weight"] = (D,)
-    out["head.weight"] = (cfg.vocab_size, D)
-    out["hc_head_fn"] = (n, n * D)
-    out["hc_head_base"] = (n,)
-    out["hc_head_scale"] = (1,)
-    if include_mtp:
-        for i in range(cfg.n_mtp_layers):
-            for suffix, shape in _block_tensors(cfg, cfg.n_layers + i, mtp=True):
-                out[f"mtp.{i}.{suffix}"] = shape
-    return out
+    return dict(_expected(cfg, include_mtp))
+
+
+@functools.lru_cache(maxsize=8)
+def _expected(cfg: ModelConfig, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    from engine.model.model import Transformer
+
+    shapes = {k: tuple(v.shape) for k, v in Transformer(cfg, with_mtp=include_mtp).state_dict(keep_vars=True).items()}
+    return tuple(sorted(shapes.items(), key=lambda kv: _checkpoint_order(kv[0])))  # stable within a group
 
 
 _FP8_SUFFIXES = frozenset({
@@ -283,11 +243,10 @@ _FP8_SUFFIXES = frozenset({
     "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
     "ffn.shared_experts.w3.weight", "e_proj.weight", "h_proj.weight",
 })
-_FP32_SUFFIXES = frozenset({"attn.attn_sink", "attn.compressor.ape", "attn.indexer.compressor.ape", "ffn.gate.bias"})
 
 
 def official_format(name: str, cfg: ModelConfig) -> str:
-    """How the released checkpoint stores an official tensor (spec §4.1): "fp8" (e4m3 + 128x128 UE8M0 `.scale`),
+    """How the released checkpoint stores an official tensor: "fp8" (e4m3 + 128x128 UE8M0 `.scale`),
     "fp4" (I8 packed e2m1 + 1x32 UE8M0 `.scale`), "bf16", "fp32" or "i64"."""
     fixed = _fixed_format(name)
     if fixed is not None:
@@ -302,10 +261,9 @@ def official_format(name: str, cfg: ModelConfig) -> str:
 
 def _fixed_format(name: str) -> str | None:
     """"fp32" / "i64" for the tensors whose dtype never follows the checkpoint format, else None."""
-    _, _, suffix = split_name(name)
-    if suffix.startswith("hc_") or suffix in _FP32_SUFFIXES:
+    if stored_fp32(name):
         return "fp32"
-    if suffix == "ffn.gate.tid2eid":
+    if name.endswith("ffn.gate.tid2eid"):
         return "i64"
     return None
 

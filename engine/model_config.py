@@ -200,7 +200,7 @@ class ModelConfig:
         one HCA rate per model."""
         csa, hca_t, sliding = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
         ratios = self.compress_ratios[: self.n_layers]
-        hca = sorted({r for r in ratios if r not in (0, 4)})
+        hca = sorted({r for r in ratios if r and not self.ratio_is_csa(r)})
         if len(hca) > 1:
             raise ConfigError(f"HF DeepseekV4Config supports one HCA compress rate, config has {hca}")
         rotary = self.rope_head_dim / self.head_dim
@@ -218,7 +218,7 @@ class ModelConfig:
             "n_shared_experts": self.n_shared_experts, "scoring_func": self.score_func, "norm_topk_prob": True,
             "routed_scaling_factor": self.route_scale, "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta, "compress_rope_theta": self.compress_rope_theta,
-            "layer_types": [sliding if r == 0 else csa if r == 4 else hca_t for r in ratios],
+            "layer_types": [sliding if r == 0 else csa if self.ratio_is_csa(r) else hca_t for r in ratios],
             "compress_rates": {csa: 4, hca_t: hca[0] if hca else 128},
             "mlp_layer_types": ["hash_moe" if self.is_hash_layer(i) else "moe" for i in range(self.n_layers)],
             "rope_parameters": {"main": {"rope_type": "default", "rope_theta": self.rope_theta,

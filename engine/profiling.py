@@ -1,4 +1,4 @@
-"""Per-region timing (house style §11.5): `RegionTimer.region(name, layer)` around a region, `split(stage)` at each
+"""Per-region timing: `RegionTimer.region(name, layer)` around a region, `split(stage)` at each
 stage boundary inside it. Every boundary calls the backend's `synchronize()` before reading the clock, since device
 work is asynchronous. Disabled, `region()` returns one shared nullcontext and region code gets `no_split`, which a
 compiled graph traces away: no extra cost in the hot path.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,19 @@ def no_split(stage: str) -> None:
     """Stage boundary when timing is off: does nothing (and leaves no trace in a compiled graph)."""
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method) of a non-empty list, q in [0, 100]."""
+def quantiles(values: Sequence[float], *qs: float) -> tuple[float, ...]:
+    """Linear-interpolated percentiles (numpy's default method) of `values`, one per q in [0, 100]; NaN for each q
+    when `values` is empty. The one percentile helper of the project (timers, matrices, serving sweeps, /metrics)."""
     v = sorted(values)
-    pos = (len(v) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    if not v:
+        return tuple(float("nan") for _ in qs)
+    out = []
+    for q in qs:
+        pos = (len(v) - 1) * q / 100.0
+        lo = int(pos)
+        hi = min(lo + 1, len(v) - 1)
+        out.append(v[lo] + (v[hi] - v[lo]) * (pos - lo))
+    return tuple(out)
 
 
 @dataclass
@@ -90,5 +96,5 @@ class RegionTimer:
         out = []
         for (region, stage, layer), v in self.samples.items():
             ms = [s * 1e3 for s in v]
-            out.append(TimingRow(region, stage, layer, len(ms), sum(ms), percentile(ms, 50), percentile(ms, 90)))
+            out.append(TimingRow(region, stage, layer, len(ms), sum(ms), *quantiles(ms, 50, 90)))
         return out

@@ -2,7 +2,7 @@
 
     python golden/make_tiny_model.py            # writes golden/tiny/{config.json,model.safetensors,tokenizer*.json}
 
-The config exercises every V4 feature at toy size (shared/spec/deepseek_v4.md §6): layers sliding / CSA (ratio 4) /
+The config exercises every V4 feature at toy size: layers sliding / CSA (ratio 4) /
 HCA (ratio 16) / CSA plus a sliding MTP layer, two hash-routed layers, YaRN on the compressed layers, 16 indexer
 heads with top-4, a small `swiglu_limit` so the clamps really trigger. Every parameter is random, including those HF
 zero-initialises (sinks, compressor `ape`, gate bias, mHC `base`, `tid2eid`). The weights are stored exactly as the

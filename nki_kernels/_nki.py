@@ -43,7 +43,7 @@ def stand_in() -> tuple[Any, Any, Any]:
 
 
 def has_neuron_device() -> bool:
-    """A Neuron device node exists (the vllm-neuron probe, nki.md §3.3)."""
+    """A Neuron device node exists (the probe vllm-neuron uses)."""
     return bool(glob.glob("/dev/neuron*"))
 
 

@@ -1,6 +1,6 @@
 """Block-quantised GEMMs of DeepSeek-V4 on trn2: FP8 block-scaled linear, FP4 routed-expert linear, grouped `wo_a`.
 
-Three kernels, one family (deepseek_v4.md §4.1, nki.md §4 and §6.1):
+Three kernels, one family:
 
 `fp8_gemm_kernel(x, w8T, sT)`: y = x @ W^T with W = w8 * scale per 128x128 block.
     x    [T, K]        HBM bf16 (or fp32): tokens on partitions; moved to K-on-partitions by PE transposes

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-TOL = {"float32": (1e-3, 1e-4), "bfloat16": (2e-2, 1e-3)}  # (rtol, atol), AWS style (nki.md §6.5)
+TOL = {"float32": (1e-3, 1e-4), "bfloat16": (2e-2, 1e-3)}  # (rtol, atol), AWS style
 
 
 @dataclass(frozen=True)

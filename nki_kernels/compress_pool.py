@@ -1,4 +1,4 @@
-"""Compressor pooling: per-channel softmax over the tokens of a block (deepseek_v4.md §2.4).
+"""Compressor pooling: per-channel softmax over the tokens of a block.
 
 HCA (`overlap=False`, m = 128): entry_w[c] = sum_j softmax_j(score[w, j, c]) * kv[w, j, c] over the m tokens.
 CSA (`overlap=True`, m = 4, C = 2d): entry_w pools 2m slots: first-half channels of block w-1 (or of `prev`, or

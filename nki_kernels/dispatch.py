@@ -1,4 +1,4 @@
-"""Executor choice and dispatch counting for the kernel wrappers (nki.md §6.2).
+"""Executor choice and dispatch counting for the kernel wrappers.
 
 Order for `executor="auto"`: a real Neuron device with the real `nki` -> the kernel on the device; the real `nki`
 with the simulator requested -> `nki.simulate`; otherwise -> the NumPy stand-in. The torch reference runs only when

@@ -1,4 +1,4 @@
-"""Exact FP8 / FP4 weight formats of the DeepSeek-V4 checkpoints (shared/spec/deepseek_v4.md §4.1).
+"""Exact FP8 / FP4 weight formats of the DeepSeek-V4 checkpoints.
 
 Leaf module (torch + numpy only): the loader (`engine.loader`) and the NKI kernels share these formulas.
 

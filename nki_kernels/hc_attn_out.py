@@ -1,4 +1,4 @@
-"""Attention tail fused with the mHC expand: `hc_expand(o @ wo_b^T, residual, post, comb)` (deepseek_v4.md §2.3).
+"""Attention tail fused with the mHC expand: `hc_expand(o @ wo_b^T, residual, post, comb)`.
 
 The grouped `wo_a` (see `blockquant.grouped_out_proj`) produces o [T, G*R]; this kernel runs `wo_b` and mixes the
 result straight into the n residual streams, so y [T, D] never goes back to HBM.

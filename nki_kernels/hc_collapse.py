@@ -1,4 +1,4 @@
-"""mHC collapse: `x_in[t] = sum_j pre[t, j] * X[t, j]` (deepseek_v4.md §2.2), the input of each sublayer.
+"""mHC collapse: `x_in[t] = sum_j pre[t, j] * X[t, j]`, the input of each sublayer.
 
 IO layout
     x    [T, n, D] HBM, fp32 or bf16 (the n residual streams; tokens on partitions, D chunks on the free axis)

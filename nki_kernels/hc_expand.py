@@ -1,4 +1,4 @@
-"""mHC expand + mix: `X'[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * X[t, j]` (deepseek_v4.md §2.2).
+"""mHC expand + mix: `X'[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * X[t, j]`.
 
 Note the transposed use of comb (sum over its first index, the source stream).
 

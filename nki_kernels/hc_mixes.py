@@ -1,4 +1,4 @@
-"""mHC mixing weights of one site: projection + RMS scale + gates + Sinkhorn (deepseek_v4.md §2.2).
+"""mHC mixing weights of one site: projection + RMS scale + gates + Sinkhorn.
 
     mix  = (fn @ v) * rsqrt(mean(v^2) + norm_eps),  v = flatten(X) in fp32            [T, (2+n)*n]
     pre  = sigmoid(scale0 * mix[:n] + base[:n]) + hc_eps;  post = 2 * sigmoid(scale1 * mix[n:2n] + base[n:2n])

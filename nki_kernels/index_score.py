@@ -1,4 +1,4 @@
-"""Lightning-indexer scores and their causal top-k (deepseek_v4.md §2.5).
+"""Lightning-indexer scores and their causal top-k.
 
     I(t, w) = sum_h weights[t, h] * relu(q[t, h] . keys[w]);   keep the top k' = min(k, N) entries among the
     visible ones (w < num_visible[t]); picks beyond the visible entries are returned but marked invalid.
@@ -12,7 +12,7 @@ IO layout
     outs   scores [T, N] fp32 (unmasked), idx [T, k'] uint32 (top-k order: higher score first, ties by lower index)
 Precision
     q.k products on the PE array with fp32 PSUM; relu * weight and the head sum in fp32 on the Vector Engine.
-    The official code scores in bf16, the reference (and this kernel) in fp32 (deepseek_v4.md §5 row 3).
+    The official code scores in bf16, the reference (and this kernel) in fp32.
 Top-k
     `k'/8` rounds of `max8` + `nc_match_replace8` (which also returns the indices) on a masked copy of the
     scores: invisible entries are pushed to -1e30, picked entries to -3e38. trn2 has no `nisa.topk` before

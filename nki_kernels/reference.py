@@ -2,9 +2,9 @@
 
 The engine's host path calls these functions, and each NKI kernel in this package is checked against them, so
 "the kernel matches the reference" and "the engine matches the golden" are statements about the same code.
-Formulas: shared/spec/deepseek_v4.md §2 (section numbers below). Math runs in fp32; results are cast back to the
-input dtype where the official code does so. Shapes use B batch, T tokens, H heads, D dims, N keys, n hc streams.
-Only torch APIs that torch 2.9 has.
+Formulas: DeepSeek's `inference/model.py` (checked against HF transformers 5.24). Math runs in fp32; results are
+cast back to the input dtype where the official code does so. Shapes use B batch, T tokens, H heads, D dims, N keys,
+n hc streams. Only torch APIs that torch 2.9 has.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (§2.6). `limit <= 0` disables the clamps."""
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32. `limit <= 0` disables the clamps."""
     g, u = gate.float(), up.float()
     if limit > 0:
         u = u.clamp(-limit, limit)
@@ -52,7 +52,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped low-rank output projection (§2.3): o [T, H*D] split into `groups` contiguous head groups;
+    """Grouped low-rank output projection: o [T, H*D] split into `groups` contiguous head groups;
     wo_a [G*R, H*D/G] viewed [G, R, H*D/G]; returns [T, G*R] = concat_g(wo_a[g] @ o_g)."""
     t = o.shape[0]
     og = o.view(t, groups, -1)  # [T, G, H*D/G]
@@ -61,7 +61,7 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# RoPE: interleaved pairs (2i, 2i+1) on the trailing rope dims (§2.3); YaRN only for compressed layers (§1.2)
+# RoPE: interleaved pairs (2i, 2i+1) on the trailing rope dims; YaRN only for compressed layers
 
 
 def rope_inv_freq(rope_dim: int, base: float, yarn: tuple[float, int, float, float] | None = None) -> torch.Tensor:
@@ -101,7 +101,7 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# mHC (§2.2)
+# mHC
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
@@ -160,7 +160,7 @@ def hc_attn_out(o: torch.Tensor, wo_b: torch.Tensor, residual: torch.Tensor, pos
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
-    """Final stream collapse (§2.2 hc_head): x [T, n, D] -> [T, D] in x.dtype."""
+    """Final stream collapse: x [T, n, D] -> [T, D] in x.dtype."""
     v = x.flatten(-2).float()
     mix = F.linear(v, fn.float()) * torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)  # [T, n]
     pre = torch.sigmoid(mix * scale + base) + hc_eps
@@ -168,7 +168,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Compressor pooling (§2.4) and the lightning indexer (§2.5)
+# Compressor pooling and the lightning indexer
 
 
 def compress_pool(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
@@ -223,7 +223,7 @@ def index_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> tuple
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sparse attention with a per-head sink (§2.3): K = V (one shared head), keys given per query by a validity mask
+# Sparse attention with a per-head sink: K = V (one shared head), keys given per query by a validity mask
 
 
 def sparse_attn_partial(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
@@ -268,7 +268,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: to
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MoE routing (§2.6)
+# MoE routing
 
 
 def gate_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:

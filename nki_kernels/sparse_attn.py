@@ -1,4 +1,4 @@
-"""Sparse attention with a per-head sink over a shared K = V head (deepseek_v4.md §2.3).
+"""Sparse attention with a per-head sink over a shared K = V head.
 
     o_h = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink_h)),  l_j = scale * q_h . kv_j  over the keys valid
     for the query (window keys + the selected / visible compressed entries, gathered by the caller into kv).

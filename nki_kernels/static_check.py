@@ -1,7 +1,7 @@
 """Static check of the kernel sources against the NKI meta-language subset and the NKI 0.6 signatures.
 
 The NKI compiler parses each `@nki.jit` function (and the sub-kernels it calls) and accepts only a subset of
-Python (nki.md §1.2, §6.4). The stand-in runs any Python, so this AST check catches the commonest "passes on the
+Python. The stand-in runs any Python, so this AST check catches the commonest "passes on the
 CPU, fails to compile" class before a Neuron machine is involved:
 
 * no `is`/`is not`, no keyword-only `*`/`*args`/`**kwargs`, no lambda / nested def / class / global / nonlocal /
@@ -61,7 +61,7 @@ NL_ATTRS = frozenset({
     "reciprocal", "sigmoid", "silu", "relu", "tanh", "square", "copy", "abs", "negative",
 })
 NISA_ATTRS = frozenset({"reduce_cmd", "engine", "dge_mode", "oob_mode", "matmul_perf_mode"})
-# gen4 (trn3) only: never in a trn2 kernel (nki.md §6.1)
+# gen4 (trn3) only: never in a trn2 kernel
 GEN4_ONLY = frozenset({"nc_matmul_mx", "quantize_mx", "exponential", "activate2", "float8_e4m3fn",
                        "float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4"})
 BUILTINS = frozenset({"range", "min", "max", "len"})

@@ -1,4 +1,4 @@
-"""SwiGLU with the V4 clamps: `silu(min(gate, limit)) * clamp(up, -limit, limit)` (deepseek_v4.md §2.6).
+"""SwiGLU with the V4 clamps: `silu(min(gate, limit)) * clamp(up, -limit, limit)`.
 
 IO layout
     gate, up [T, F] HBM, fp32 or bf16 (tokens on partitions, 128 per tile; F on the free axis in chunks)

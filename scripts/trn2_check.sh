@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/trn2-check-$(date +%Y%m%d-%H%M%S)}
 shift || true
-export NEURON_PLATFORM_TARGET_OVERRIDE=trn2   # the simulator defaults to trn3 without a chip (nki.md §2.1)
+export NEURON_PLATFORM_TARGET_OVERRIDE=trn2   # the simulator defaults to trn3 without a chip
 export NEURON_LOGICAL_NC_CONFIG=${NEURON_LOGICAL_NC_CONFIG:-2}
 export NKI_PRECISE_FP=${NKI_PRECISE_FP:-1}    # ml_dtypes low precision in the simulator, like the stand-in
 python3 -c "import nki; assert hasattr(nki, 'jit'), 'PyPI placeholder nki installed, not the Neuron SDK'"

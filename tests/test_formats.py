@@ -1,4 +1,4 @@
-"""FP8 / FP4 / UE8M0 checkpoint formats (nki_kernels/formats.py) against their definitions (spec §4.1)."""
+"""FP8 / FP4 / UE8M0 checkpoint formats (nki_kernels/formats.py) against their definitions."""
 
 from __future__ import annotations
 

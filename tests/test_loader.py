@@ -74,10 +74,10 @@ def test_expected_tensors_flash_matches_released_checkpoint():
     assert not any(n.startswith("mtp.0.attn.compressor") for n in names)
     assert names["hc_head_fn"] == (4, 16384) and names["layers.0.hc_attn_fn"] == (24, 16384)
     fmt = {n: official_format(n, cfg) for n in ("layers.0.attn.wq_a.weight", "layers.0.ffn.experts.3.w1.weight",
-                                                "layers.2.attn.indexer.weights_proj.weight", "layers.0.attn_sink",
+                                                "layers.2.attn.indexer.weights_proj.weight", "layers.0.attn.attn_sink",
                                                 "layers.0.ffn.gate.tid2eid", "mtp.0.h_proj.weight", "embed.weight",
                                                 "layers.3.attn.compressor.ape", "layers.3.ffn.gate.bias")}
-    assert list(fmt.values()) == ["fp8", "fp4", "bf16", "bf16", "i64", "fp8", "bf16", "fp32", "fp32"]
+    assert list(fmt.values()) == ["fp8", "fp4", "bf16", "fp32", "i64", "fp8", "bf16", "fp32", "fp32"]
 
 
 def test_tiny_checkpoint_is_in_official_format(cfg, official_tensors):

@@ -18,7 +18,7 @@ from engine.config import ModelConfig
 from engine.model.cache import SeqStep
 from engine.model.dummy import random_weights
 from engine.model.moe import MoE
-from engine.profiling import REST, RegionTimer, no_split, percentile
+from engine.profiling import REST, RegionTimer, no_split, quantiles
 from engine.regions import batch_bucket, block_bucket
 from engine.runner import ModelRunner
 from tests.engines import build, greedy
@@ -199,5 +199,10 @@ def test_timed_regions_report_stages() -> None:
         assert want in stages
 
 
-def test_percentile() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 90) == 5.0
+def test_quantiles_match_numpy() -> None:
+    import numpy as np
+
+    assert quantiles([1.0, 2.0, 3.0, 4.0], 50) == (2.5,) and quantiles([5.0], 90) == (5.0,)
+    xs = [0.3, 9.0, 1.5, 2.25, 7.0, 4.0, 4.0]
+    assert np.allclose(quantiles(xs, 10, 50, 90, 99), np.percentile(xs, [10, 50, 90, 99]), rtol=0, atol=1e-12)
+    assert all(q != q for q in quantiles([], 50, 90))  # NaN when there is nothing to summarise

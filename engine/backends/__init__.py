@@ -1,4 +1,4 @@
-"""Engine backends behind a tiny protocol, with a registry and lazy imports (house style §11.1).
+"""Engine backends behind a tiny protocol, with a registry and lazy imports.
 
 A backend owns what differs between the host and a device: the torch device tensors live on, the process-group
 backend of its ranks, how region graphs are captured (`compile`, once per static input shape), how queued device

@@ -1,6 +1,6 @@
 """DeepSeek-V4 attention: q low-rank + per-head RMS, one shared K=V head, interleaved partial RoPE, sliding window,
 the compressor (CSA overlapping m=4 / HCA non-overlapping), the lightning indexer, sinks, inverse RoPE on the output
-and the grouped low-rank output projection (shared/spec/deepseek_v4.md §2.3-2.5, state §3).
+and the grouped low-rank output projection.
 
 Two paths over the same state, side by side (DeepSeek's naive/optimised `attn_impl` habit):
 * `_chunk`: one sequence, any number of new tokens starting at any position (prefill, chunked prefill);
@@ -45,7 +45,7 @@ class Compressor(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, par: Parallel | None = None) -> None:
         super().__init__()
-        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ModelConfig.ratio_is_csa(ratio)
         self.rank, self.cp = (par.rank, par.cp) if par is not None else (0, 1)
         coff = 2 if self.overlap else 1
         self.wkv = Linear(cfg.dim, coff * head_dim)
@@ -235,7 +235,7 @@ class Attention(nn.Module):
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim)
         self.attn_sink = _empty(cfg.n_heads)
         self.compressor = Compressor(cfg, self.ratio, cfg.head_dim, par) if self.ratio else None
-        self.indexer = Indexer(cfg, par) if self.ratio == 4 else None
+        self.indexer = Indexer(cfg, par) if cfg.is_csa(layer_id) else None
         self.rope = Rope(cfg, compressed=bool(self.ratio))
 
     def _rope_tail(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

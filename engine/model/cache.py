@@ -1,4 +1,4 @@
-"""Decode-time state (shared/spec/deepseek_v4.md §3) as fixed tensors, and the per-step plan.
+"""Decode-time state as fixed tensors, and the per-step plan.
 
 Two kinds of storage per layer:
 * fixed **slots** (one per running sequence): the sliding-window KV ring [S, win, D] (position p at row p % win)
@@ -49,10 +49,11 @@ def _layer_spec(cfg: ModelConfig, m: int, num_slots: int, num_blocks: int, block
     d, di, win = cfg.head_dim, cfg.index_head_dim, cfg.window_size
     spec = {"win_kv": ((num_slots, win // cp, d), dtype)}
     if m:
-        coff = 2 if m == 4 else 1
+        csa = ModelConfig.ratio_is_csa(m)
+        coff = 2 if csa else 1
         spec["cmp_kv"] = spec["cmp_score"] = ((num_slots, coff * m, coff * d), torch.float32)
         spec["cmp_pool"] = ((num_blocks, block_size // (m * cp), d), dtype)
-        if m == 4:
+        if csa:
             spec["idx_kv"] = spec["idx_score"] = ((num_slots, 2 * m, 2 * di), torch.float32)
             spec["idx_pool"] = ((num_blocks, block_size // (m * cp), di), dtype)
     return spec

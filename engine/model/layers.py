@@ -11,6 +11,24 @@ from torch import nn
 from engine.config import ModelConfig
 from nki_kernels.reference import rope_cos_sin, rope_inv_freq
 
+# The one list of fp32 tensors. Stored as F32 in the released checkpoint (so always loaded as fp32): the mHC
+# parameters (`hc_*`), attention sinks, compressor / indexer-compressor position biases (`ape`), the router bias.
+_STORED_FP32 = ("attn_sink", ".ape", "gate.bias")
+# Kept in fp32 by the model whatever the compute dtype: those, plus the router weight, the compressor projections,
+# the head and every norm weight (official: router, compressor, logits and norm internals run in fp32).
+_COMPUTE_FP32 = _STORED_FP32 + ("gate.weight", "compressor.wkv.weight", "compressor.wgate.weight", "head.weight",
+                                "norm.weight")
+
+
+def stored_fp32(name: str) -> bool:
+    """Official tensor `name` is F32 in the released checkpoint."""
+    return name.rsplit(".", 1)[-1].startswith("hc_") or name.endswith(_STORED_FP32)
+
+
+def keeps_fp32(name: str) -> bool:
+    """Official tensor `name` stays fp32 in the model whatever the compute dtype."""
+    return stored_fp32(name) or name.endswith(_COMPUTE_FP32)
+
 
 def _empty(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
@@ -38,7 +56,7 @@ class Embedding(nn.Module):
 
 class Rope:
     """Per-layer RoPE tables: plain base `rope_theta` for sliding-only layers, YaRN-blended `compress_rope_theta` for
-    layers with a compressor (used for q, window kv, compressed entries and indexer q/k alike; §2.3)."""
+    layers with a compressor (used for q, window kv, compressed entries and indexer q/k alike)."""
 
     def __init__(self, cfg: ModelConfig, compressed: bool, device: torch.device | str = "cpu") -> None:
         if compressed:

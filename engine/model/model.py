@@ -1,5 +1,5 @@
 """The DeepSeek-V4 model: embedding and stream expansion, decoder blocks with two mHC sites each, `hc_head`, the
-final norm and head, and the MTP block (§2). Module and parameter names are DeepSeek's official ones, so
+final norm and head, and the MTP block. Module and parameter names are DeepSeek's official ones, so
 `load_state_dict` takes the loader's output as it is."""
 
 from __future__ import annotations
@@ -12,20 +12,11 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.attention import Attention
 from engine.model.cache import KVCache, StepPlan
-from engine.model.layers import Embedding, Linear, RMSNorm, _empty
+from engine.model.layers import Embedding, Linear, RMSNorm, _empty, keeps_fp32
 from engine.model.moe import MoE
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer, no_split
 from nki_kernels.reference import hc_collapse, hc_expand, hc_head, hc_mixes, linear, rms_norm
-
-# Tensors that stay fp32 whatever the compute dtype (official: mHC, sinks, ape, router, compressor, head, norms).
-_FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "gate.weight", "compressor.wkv.weight", "compressor.wgate.weight",
-                  "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
-
-
-def keeps_fp32(name: str) -> bool:
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf.startswith("hc_") or name.endswith(_FP32_SUFFIXES)
 
 
 class Block(nn.Module):
@@ -72,7 +63,7 @@ class Block(nn.Module):
 
 class MTPBlock(Block):
     """Multi-token prediction block (`mtp.0.*`): a sliding-only decoder layer fed with the main model's last streams
-    and the embedding of the next token, with its own hc_head and norm; shares the embedding and head (§2.7)."""
+    and the embedding of the next token, with its own hc_head and norm; shares the embedding and head."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__(cfg, layer_id, par)

@@ -1,4 +1,4 @@
-"""MoE FFN (shared/spec/deepseek_v4.md §2.6): sqrt-softplus gate, bias for selection only, hash-routed layers via
+"""MoE FFN: sqrt-softplus gate, bias for selection only, hash-routed layers via
 `tid2eid`, routed scaling, one shared expert, SwiGLU with clamps. Routed experts may be a subset (expert
 parallelism): `local_experts` says which ones this process holds; the exchange is `engine/parallel.py`'s job."""
 

@@ -1,4 +1,4 @@
-"""A strict NumPy stand-in of the `nki` subset this project's kernels use (nki.md §6.3).
+"""A strict NumPy stand-in of the `nki` subset this project's kernels use.
 
 Used only when the real `nki` (from the AWS Neuron pip repository) is absent, or when a caller asks for it by
 name (the trn2 check diffs stand-in vs simulator vs device). It proves kernel *logic* and the documented tile

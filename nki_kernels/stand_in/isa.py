@@ -1,6 +1,6 @@
 """Stand-in for `nki.isa`: the instructions the project's kernels use, `dst` first, with the trn2 rules enforced.
 
-Written from the public API description (nki.md §1.7, §1.10), not from any SDK code. Each instruction computes in
+Written from the public API description, not from any SDK code. Each instruction computes in
 fp32 (integer ops in int64 for bitwise work) and writes through `Tensor.write`, which rounds to the destination
 dtype. Rules that raise `NkiRuleError`: partition dim <= 128; matmul operands in SBUF, contraction on the
 partition dim, stationary free <= 128, moving free <= 512, dst fp32 in PSUM, no gen4 e4m3fn; no DMA touching

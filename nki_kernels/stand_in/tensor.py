@@ -1,7 +1,7 @@
 """Tensors of the NumPy stand-in of `nki`: storage + strided view, memory space, and the write rules.
 
 A `Tensor` is a NumPy view into a storage array (the "base"); slicing, `reshape` and `view(dtype)` return new
-`Tensor`s over the same storage, so writes through any view land in the base (nki.md §1.10 rule 6). Every write
+`Tensor`s over the same storage, so writes through any view land in the base. Every write
 goes through `write()`, which casts fp32 engine results to the destination dtype with `ml_dtypes` rounding (RNE;
 ints saturate) and keeps the PSUM matmul-accumulation flags right.
 """
@@ -13,18 +13,19 @@ import numpy as np
 PMAX = 128  # partitions
 PSUM_PARTITION_BYTES = 16 * 1024  # 2 MiB / 128 partitions (8 banks x 2 KiB)
 PSUM_BANK_FP32 = 512  # one bank per partition holds 512 fp32
-SBUF_PARTITION_BYTES = 192 * 1024  # per-tile guard; trn2 has 224 KiB physical, less usable (nki.md §1.4)
+SBUF_PARTITION_BYTES = 192 * 1024  # per-tile guard; trn2 has 224 KiB physical, less usable
 
 HBM_BUFFERS = ("hbm", "private_hbm", "shared_hbm", "input_hbm")
 ONCHIP_BUFFERS = ("sbuf", "psum")
 
 
 class NkiRuleError(ValueError):
-    """An operation the real NKI compiler/simulator/hardware rejects (a rule of nki.md §1.10 / §6.3)."""
+    """An operation the real NKI compiler/simulator/hardware rejects
+    (each rule has a raising test in tests/kernels/test_stand_in_rules.py)."""
 
 
 def _fresh_fill(dtype: np.dtype):
-    # The official simulator fills fresh float memory with NaN and ints with 4 (nki.md §1.10 rule 5).
+    # The official simulator fills fresh float memory with NaN and ints with 4.
     return np.nan if np.dtype(dtype).kind == "f" or _is_low_float(dtype) else 4
 
 

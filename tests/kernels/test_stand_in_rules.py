@@ -1,4 +1,4 @@
-"""Every rule the NumPy stand-in enforces (nki.md §1.10 / §6.3) has a test that shows it raising."""
+"""Every rule the NumPy stand-in enforces has a test that shows it raising."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def test_tokenizer_root(tmp_path: Path) -> None:
 def test_serve_quick_matrix_parses() -> None:
     m = load_serve_matrix("serve_quick")
     assert m.concurrency and m.input_len and m.output_len and len(m.cells) >= 4
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="no serve matrix named 'no_such_matrix'"):
         load_serve_matrix("no_such_matrix")
 
 

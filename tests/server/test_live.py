@@ -69,7 +69,7 @@ def test_openai_client(any_server: str) -> None:
 
 
 def test_vllm_style_parser(live_server: str) -> None:
-    """The request function mirrors vllm/benchmarks/lib/endpoint_request_func.py (serving.md §1.3)."""
+    """The request function mirrors vllm/benchmarks/lib/endpoint_request_func.py."""
 
     async def go():
         async with httpx.AsyncClient(timeout=20) as c:
