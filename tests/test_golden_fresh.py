@@ -1,0 +1,43 @@
+"""The main job gives the same verdict in every fresh process: `deepinfer golden` (fp32, the README's first command)
+run in N new processes must print 12/12 every time. A BLAS code path chosen per process once made 1 run in 15 fail
+(see engine/backends/host.py `setup_host_process`); a fresh process is the only way to draw that choice again.
+
+The default run starts 3 processes (~10 s); `python -m pytest -m slow tests/test_golden_fresh.py` starts 20."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fresh_runs(n: int, tmp_path: Path) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "MKL_", "OMP_"))}
+    verdicts = []
+    for i in range(n):
+        res = subprocess.run([sys.executable, "-m", "deepinfer_bench.cli", "golden", "--out", str(tmp_path / str(i))],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        m = re.search(r"(\d+)/(\d+) prompts match.*?max \|dlogit\| ([0-9.e+-]+)", res.stderr.replace("\n", " "))
+        assert m, f"run {i}: no verdict line (exit {res.returncode}):\n{res.stderr[-2000:]}"
+        verdicts.append(f"{m.group(1)}/{m.group(2)} (max |dlogit| {m.group(3)}, exit {res.returncode})")
+    return verdicts
+
+
+def _check(verdicts: list[str]) -> None:
+    bad = [v for v in verdicts if not re.match(r"(\d+)/\1 .*exit 0\)$", v)]
+    assert not bad, f"{len(bad)} of {len(verdicts)} fresh processes did not match every prompt: {verdicts}"
+
+
+def test_golden_in_3_fresh_processes(tmp_path: Path) -> None:
+    _check(_fresh_runs(3, tmp_path))
+
+
+@pytest.mark.slow
+def test_golden_in_20_fresh_processes(tmp_path: Path) -> None:
+    _check(_fresh_runs(20, tmp_path))
