@@ -38,6 +38,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` when it is one token of the vocabulary (added tokens included), else None."""
+        return self._tok.token_to_id(token)
+
 
 def load_tokenizer(model_dir: str | Path | None) -> Tokenizer | None:
     """The model directory's tokenizer, or None when it has no `tokenizer.json`."""

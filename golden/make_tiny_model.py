@@ -1,6 +1,7 @@
 """Write the tiny random DeepSeek-V4 model `golden/tiny/` (fixed seed, official checkpoint format).
 
-    python golden/make_tiny_model.py            # writes golden/tiny/{config.json,model.safetensors,tokenizer*.json}
+    python golden/make_tiny_model.py                   # golden/tiny/{config.json,model.safetensors,tokenizer*.json}
+    python golden/make_tiny_model.py --tokenizer-only  # golden/tiny/tokenizer*.json only (weights untouched)
 
 The config exercises every V4 feature at toy size: layers sliding / CSA (ratio 4) /
 HCA (ratio 16) / CSA plus a sliding MTP layer, two hash-routed layers, YaRN on the compressed layers, 16 indexer
@@ -24,14 +25,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from engine.chat_encoding import BOS as BOS_TOKEN  # noqa: E402
+from engine.chat_encoding import EOS as EOS_TOKEN  # noqa: E402
+from engine.chat_encoding import SPECIAL_TOKENS as CHAT_TOKENS  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import expected_tensors, save_safetensors, split_name, to_official_format  # noqa: E402
 
 SEED = 20268  # weights (picked for clear greedy margins: min top1-top2 logit gap 4.8e-3 in the golden)
 TOKENIZER_SEED = 20260  # tokenizer training text (independent of the weights' seed)
 OUT_DIR = Path(__file__).resolve().parent / "tiny"
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
+# Chat tokens (engine/chat_encoding.py) that stay in decoded text: `decode(skip_special_tokens=True)` (the engine's
+# default, used for returned text) keeps them, so a completion still shows where reasoning ends and the DSML tool
+# calls are, and `parse_completion` works on it. This is how released reasoning models mark their `<think>` tokens.
+# The others (BOS, EOS, role and quick-instruction tokens) are special: they frame turns and are skipped.
+VISIBLE_CHAT_TOKENS = ("<think>", "</think>", "｜DSML｜")
 
 TINY_CONFIG = ModelConfig(
     vocab_size=1024, dim=128, n_layers=4, n_mtp_layers=1, compress_ratios=(0, 4, 16, 4, 0), n_hash_layers=2,
@@ -121,20 +128,27 @@ def tokenizer_corpus(seed: int = TOKENIZER_SEED) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, seed: int = TOKENIZER_SEED):
-    """Byte-level BPE with exactly `vocab_size` tokens: id 0 = BOS, id 1 = EOS; encode() prepends BOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Byte-level BPE with exactly `vocab_size` tokens: id 0 = BOS, id 1 = EOS, then the other chat special tokens,
+    the BPE vocabulary, and last the `VISIBLE_CHAT_TOKENS` (added non-special); encode() prepends BOS. Every token
+    of `engine.chat_encoding.SPECIAL_TOKENS` is one id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    special = [BOS_TOKEN, EOS_TOKEN, *(t for t in CHAT_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, *VISIBLE_CHAT_TOKENS))]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS_TOKEN, EOS_TOKEN], min_frequency=1,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(VISIBLE_CHAT_TOKENS), special_tokens=special,
+                                  min_frequency=1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tok.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in VISIBLE_CHAT_TOKENS])
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B",
                                                        special_tokens=[(BOS_TOKEN, 0)])
-    if tok.get_vocab_size() != vocab_size or tok.token_to_id(BOS_TOKEN) != 0 or tok.token_to_id(EOS_TOKEN) != 1:
+    missing = [t for t in CHAT_TOKENS if tok.token_to_id(t) is None]
+    if (tok.get_vocab_size() != vocab_size or tok.token_to_id(BOS_TOKEN) != 0 or tok.token_to_id(EOS_TOKEN) != 1
+            or missing):
         raise RuntimeError(f"tokenizer came out with {tok.get_vocab_size()} tokens (want {vocab_size}), "
-                           f"bos={tok.token_to_id(BOS_TOKEN)}, eos={tok.token_to_id(EOS_TOKEN)}")
+                           f"bos={tok.token_to_id(BOS_TOKEN)}, eos={tok.token_to_id(EOS_TOKEN)}, missing {missing}")
     return tok
 
 
@@ -150,21 +164,29 @@ TOKENIZER_CONFIG = {
 }
 
 
+def write_tokenizer(out_dir: Path = OUT_DIR, cfg: ModelConfig = TINY_CONFIG) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(cfg.vocab_size).save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2, ensure_ascii=False) + "\n")
+
+
 def write_tiny_model(out_dir: Path = OUT_DIR, cfg: ModelConfig = TINY_CONFIG, seed: int = SEED) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg.to_official_json(), indent=2) + "\n")
     save_safetensors(to_official_format(tiny_weights(cfg, seed), cfg), out_dir)
-    tok = build_tokenizer(cfg.vocab_size)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2, ensure_ascii=False) + "\n")
+    write_tokenizer(out_dir, cfg)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT_DIR)
     p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--tokenizer-only", action="store_true", help="rewrite tokenizer*.json only, not the weights")
     args = p.parse_args()
-    write_tiny_model(args.out, TINY_CONFIG, args.seed)
+    if args.tokenizer_only:
+        write_tokenizer(args.out, TINY_CONFIG)
+    else:
+        write_tiny_model(args.out, TINY_CONFIG, args.seed)
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"wrote {args.out} ({size / 2**20:.2f} MiB), config_hash {TINY_CONFIG.config_hash()}")
 
