@@ -133,15 +133,16 @@ def test_continuous_usage_stats(client: TestClient) -> None:
 
 
 def test_engine_rejection_in_a_batch_aborts_the_others() -> None:
-    with TestClient(make_fake_app(reject_token=4)) as c:
-        r = c.post("/v1/completions", json={"prompt": [[BOS, 50, 51], [BOS, 4]], "max_tokens": 50})
-        assert_error(r, 400, contains="not allowed", param="prompt")
-        eng = c.app.state.fake_engine
+    # The engine's own rejection: the second prompt + max_tokens needs 13 blocks of a pool of 8 (it fits max_model_len).
+    with TestClient(make_fake_app(num_kv_blocks=8)) as c:
+        r = c.post("/v1/completions", json={"prompt": [[BOS, 50, 51], [BOS] + [4] * 150], "max_tokens": 50})
+        assert_error(r, 400, contains="more than the whole pool", param="prompt")
+        eng = c.app.state.engine_loop.engine
         for _ in range(100):
             if not eng.has_unfinished():
                 break
             time.sleep(0.01)
-        assert not eng.has_unfinished() and eng.used_blocks() == 0
+        assert not eng.has_unfinished() and eng.stats().num_used_blocks == 0
 
 
 def test_stop_strings_and_stop_token_ids(client: TestClient) -> None:
@@ -192,7 +193,7 @@ def test_legacy_and_unknown_fields_accepted(client: TestClient) -> None:
 
 
 def test_sampling_seed_reproducible(client: TestClient) -> None:
-    # The fake model ignores sampling, but the params must be valid and reach the engine.
+    # The byte model puts all probability on one token, but the params must be valid and go through the sampler.
     a = completion(client, prompt="x", max_tokens=5, temperature=1.0, top_k=5, top_p=0.5, seed=7).json()
     assert a["usage"]["completion_tokens"] >= 1
 
