@@ -218,6 +218,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         st = loop_runner.stats
+        es = st.engine
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
@@ -226,12 +227,12 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
         model = config.served_model_name.replace("\\", "\\\\").replace('"', '\\"')
         label = f'{{model_name="{model}"}}'
-        metric("num_requests_running", "gauge", "Requests in the running batch.", [(label, st.num_running)])
+        metric("num_requests_running", "gauge", "Requests in the running batch.", [(label, es.num_running)])
         metric("num_requests_waiting", "gauge", "Requests waiting for KV blocks or a batch slot.",
-               [(label, st.num_waiting)])
-        metric("kv_cache_usage_perc", "gauge", "Fraction of the KV block pool in use (0-1).", [(label, st.kv_usage)])
-        metric("kv_blocks_used", "gauge", "KV blocks in use.", [(label, st.num_kv_blocks_used)])
-        metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, st.num_kv_blocks_total)])
+               [(label, es.num_waiting)])
+        metric("kv_cache_usage_perc", "gauge", "Fraction of the KV block pool in use (0-1).", [(label, es.kv_usage)])
+        metric("kv_blocks_used", "gauge", "KV blocks in use.", [(label, es.num_used_blocks)])
+        metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, es.num_kv_blocks)])
         metric("engine_alive", "gauge", "1 while the engine loop runs.", [(label, float(loop_runner.alive))])
         metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
         recent = sorted(st.recent_step_s)
@@ -245,10 +246,9 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                [(label, counters.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated and sent to clients.",
                [(label, counters.generation_tokens)])
-        if st.num_generated_tokens >= 0:
-            metric("engine_generated_tokens_total", "counter", "Tokens the engine generated (aborted ones too).",
-                   [(label, st.num_generated_tokens)])
-        metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks.", [(label, st.num_preemptions)])
+        metric("engine_generated_tokens_total", "counter", "Tokens the engine generated (aborted ones too).",
+               [(label, es.num_generated_tokens)])
+        metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks.", [(label, es.num_preemptions)])
         reasons = [(f'{{model_name="{model}",finished_reason="{r}"}}', n)
                    for r, n in sorted(counters.requests.items())]
         metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)

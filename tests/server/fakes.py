@@ -53,8 +53,8 @@ def make_slow_process_app():
     from deepinfer_bench.engine_process import ProcessEngineLoop
 
     loop = ProcessEngineLoop(functools.partial(make_engine, step_delay_s=0.005, num_kv_blocks=64))
-    info = loop.launch(timeout_s=60)
-    return create_app(None, ByteTokenizer(), server_config(info["max_model_len"]), make_sampling_params=SamplingParams,
+    ready = loop.launch(timeout_s=60)
+    return create_app(None, ByteTokenizer(), server_config(ready.max_model_len), make_sampling_params=SamplingParams,
                       engine_loop=loop)
 
 

@@ -61,8 +61,8 @@ def test_rejection_abort_and_stats() -> None:
 
     n1, n2, stats = run_loop(eng, body)
     assert n1 == n2 < 50  # nothing delivered after the abort
-    assert not eng.has_unfinished() and stats.num_running == 0 and stats.num_kv_blocks_used == 0
-    assert stats.num_kv_blocks_total == eng.config.cache.num_kv_blocks and stats.num_steps >= 3
+    assert not eng.has_unfinished() and stats.engine.num_running == 0 and stats.engine.num_used_blocks == 0
+    assert stats.engine.num_kv_blocks == eng.config.cache.num_kv_blocks and stats.num_steps >= 3
 
 
 def test_death_reaches_every_request_and_refuses_new_ones() -> None:
@@ -85,7 +85,7 @@ def test_process_loop_rejection_outputs_and_death() -> None:
     from deepinfer_bench.engine_process import ProcessEngineLoop
 
     loop = ProcessEngineLoop(functools.partial(make_engine, fail_at_step=4, max_model_len=64))
-    assert loop.launch(timeout_s=60)["max_model_len"] == 64
+    assert loop.launch(timeout_s=60).max_model_len == 64
 
     async def body():
         loop.start(asyncio.get_running_loop())
@@ -118,7 +118,7 @@ def test_process_loop_on_two_ranks_matches_one() -> None:
 
     kw = {"max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}
     loop = ProcessEngineLoop(None, (EngineConfig.from_model_dir(TINY, cp=2, **kw),), job_runner=run_job)
-    assert loop.launch(timeout_s=120)["vocab_size"] == 1024
+    assert loop.launch(timeout_s=120).vocab_size == 1024
 
     async def body() -> list[int]:
         loop.start(asyncio.get_running_loop())
