@@ -165,6 +165,50 @@ def test_stop_strings_and_stop_token_ids(client: TestClient) -> None:
     assert c["usage"]["completion_tokens"] == ids.index(ids[5]) + 1
 
 
+def stream_and_plain(client: TestClient, **body: object) -> tuple[list[dict], dict]:
+    """The token chunks of a streamed completion and the choice + usage of the same request not streamed."""
+    r = completion(client, stream=True, stream_options={"include_usage": True}, **body)
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert chunks[-1]["choices"] == []
+    plain = completion(client, **body).json()
+    assert plain["usage"] == chunks[-1]["usage"]
+    return [c for c in chunks if c["choices"]], plain
+
+
+def test_stop_reason_and_text_are_the_engines_in_both_modes(client: TestClient) -> None:
+    """vLLM's `stop_reason`: the stop string or stop token id that finished the choice, else null; the stop
+    token is not text; streamed and non-streamed text agree; one chunk per generated token."""
+    ids = TOK.encode("Hello")
+    out = offline_greedy(ids, 30, ignore_eos=True)
+    full = TOK.decode(out)
+    stop = full[10:12]
+    cases = [({"stop": stop}, "stop", stop, full[:full.find(stop)]),
+             ({"stop_token_ids": [out[5]]}, "stop", out[5], TOK.decode(out[:out.index(out[5])])),
+             ({}, "length", None, full)]
+    for extra, reason, stop_reason, text in cases:
+        chunks, plain = stream_and_plain(client, prompt="Hello", max_tokens=30, ignore_eos=True, **extra)
+        choice = plain["choices"][0]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (text, reason, stop_reason)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop_reason]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+        assert len(chunks) == plain["usage"]["completion_tokens"]
+
+
+def test_min_tokens_defers_stops(client: TestClient) -> None:
+    ids = TOK.encode("Hello")
+    full = TOK.decode(offline_greedy(ids, 30, ignore_eos=True))
+    assert len(full) == 30  # one character per token in this output
+    c = next(ch for ch in full if full.count(ch) >= 2 and full.index(ch) > 0)
+    first, later = full.index(c), full.index(c, full.index(c) + 1)
+    chunks, plain = stream_and_plain(client, prompt="Hello", max_tokens=30, ignore_eos=True, stop=[c],
+                                     min_tokens=first + 2)
+    assert plain["choices"][0]["text"] == full[:later] == "".join(ch["choices"][0]["text"] for ch in chunks)
+    assert plain["usage"]["completion_tokens"] == later + 1 == len(chunks)
+    assert_error(completion(client, prompt="Hello", max_tokens=3, min_tokens=4), 400, param="min_tokens")
+    assert_error(completion(client, prompt="Hello", max_tokens=3, min_tokens=-1), 400, param="min_tokens")
+
+
 def test_eos_stops_unless_ignored(client: TestClient) -> None:
     for k in range(300):
         ids = TOK.encode(f"q{k}")
