@@ -102,9 +102,9 @@ def build_app(config: Any, *, served_model_name: str | None, api_key: str | None
             loop = ProcessEngineLoop(None, (config,), job_runner=functools.partial(run_job, timeout_s=math.inf))
         else:
             loop = ProcessEngineLoop(build_serving_engine, (config,))
-        info = loop.launch()
+        ready = loop.launch()
         tokenizer = load_tokenizer(model_dir)
-        vocab_size, max_model_len = info["vocab_size"], info["max_model_len"] or config.cache.max_model_len
+        vocab_size, max_model_len = ready.vocab_size, ready.max_model_len
     else:
         engine = build_serving_engine(config)
         tokenizer, vocab_size = engine.tokenizer, engine.vocab_size

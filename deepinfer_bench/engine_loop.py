@@ -1,10 +1,14 @@
 """One thread that owns the engine: it adds and aborts requests and runs `step()` for every in-flight request.
 
-The event loop never touches the engine. It sends commands (add, abort, stop) through a thread-safe queue; the
-engine thread applies them between steps, so requests join and leave the running batch between steps (continuous
-batching), and hands each step's outputs to per-request sinks with ONE `loop.call_soon_threadsafe` per step (the
-sinks run on the event loop). If `step()` raises, the loop is dead: every in-flight request gets the error and later
-requests are refused (HTTP 503).
+The event loop never touches the engine. It submits commands (`AddRequest`, `AbortRequest`, `Shutdown`) through a
+thread-safe queue; the engine thread applies them between steps, so requests join and leave the running batch
+between steps (continuous batching), and hands each step's `StepOutput`s to per-request sinks with ONE
+`loop.call_soon_threadsafe` per step (the sinks run on the event loop). If `step()` raises, the loop is dead:
+every in-flight request gets an `EngineDeadError` and later requests are refused (HTTP 503).
+
+Public API: `start(loop)` (a thread) or `run()` (the current thread), `add` (async) / `submit_add` (any thread),
+`abort`, `request_stop` / `stop`, and `alive`, `error`, `stats`. The engine process (engine_process.py) runs the
+same loop with `deliver=`: each step's outputs go to that callback as one `StepOutputs` instead of to sinks.
 """
 
 from __future__ import annotations
@@ -16,168 +20,141 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Union
 
-Sink = Callable[[Any], None]  # run on the event loop with a RequestOutput or an EngineDeadError
+from deepinfer_bench.engine_messages import (
+    AbortRequest,
+    AddRequest,
+    LoopSnapshot,
+    Shutdown,
+    StepOutput,
+    StepOutputs,
+    empty_engine_stats,
+)
+from engine.llm import EngineStats
+
+if TYPE_CHECKING:
+    from engine.llm import LLMEngine
+    from engine.sampler import SamplingParams
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a step raised, or the server is shutting down)."""
 
 
+Sink = Callable[[Union[StepOutput, EngineDeadError]], None]  # runs on the event loop
+Deliver = Callable[[StepOutputs], None]  # runs on the engine thread
+
+
 @dataclasses.dataclass
 class LoopStats:
-    """A snapshot the engine thread refreshes after every step; read by /metrics without touching the engine."""
+    """The loop's view for /metrics: the engine's `EngineStats` as of the last step and the loop's step timing.
+    Refreshed by the engine thread after every step (or from each `StepOutputs` in the server process)."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_total: int = 0
+    engine: EngineStats = dataclasses.field(default_factory=empty_engine_stats)
     num_steps: int = 0
     last_step_s: float = 0.0
     step_s_total: float = 0.0  # time inside engine.step()
-    recent_step_s: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=512))
     gap_s_total: float = 0.0  # time between two steps while work was pending (commands, dispatch, GIL waits)
-    num_generated_tokens: int = 0  # engine's own count (-1 if it does not report one)
-    num_preemptions: int = 0
+    recent_step_s: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=512))
+
+    def snapshot(self) -> LoopSnapshot:
+        return LoopSnapshot(self.engine, self.num_steps, self.last_step_s, self.step_s_total, self.gap_s_total)
+
+    def apply(self, snap: LoopSnapshot) -> None:
+        """Take over a snapshot sent after each step (so `recent_step_s` gets every step's time)."""
+        if snap.num_steps > self.num_steps:
+            self.recent_step_s.append(snap.last_step_s)
+        self.engine, self.num_steps, self.last_step_s = snap.engine, snap.num_steps, snap.last_step_s
+        self.step_s_total, self.gap_s_total = snap.step_s_total, snap.gap_s_total
 
 
-def read_engine_stats(engine: Any) -> dict[str, float]:
-    """Engine counters as a flat dict, whatever shape `engine.stats()` returns (dataclass, dict or attributes)."""
-    fn = getattr(engine, "stats", None) or getattr(engine, "get_stats", None)
-    raw = fn() if callable(fn) else fn
-    if raw is None:
-        return {}
-    if dataclasses.is_dataclass(raw):
-        raw = dataclasses.asdict(raw)
-    elif not isinstance(raw, dict):
-        raw = {k: getattr(raw, k) for k in dir(raw) if not k.startswith("_")}
-    return {k: float(v) for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    """An `AddRequest` with where its outputs go and where its answer goes (the request id, or the error)."""
+
+    request: AddRequest
+    sink: Sink | None
+    future: concurrent.futures.Future[str]
 
 
-def _pick(stats: dict[str, float], *names: str, default: float = 0.0) -> float:
-    for n in names:
-        if n in stats:
-            return stats[n]
-    return default
+_Command = Union[_Add, AbortRequest, Shutdown]
 
 
 class EngineLoop:
-    """Runs `engine.step()` on a dedicated thread while the engine has unfinished requests."""
+    """Runs `engine.step()` on one thread while the engine has unfinished requests."""
 
-    def __init__(self, engine: Any, *, idle_poll_s: float = 0.5, coalesce_s: float = 0.002,
-                 deliver: Callable[[list[tuple[Any, Any]]], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, *, idle_poll_s: float = 0.5, coalesce_s: float = 0.002,
+                 deliver: Deliver | None = None) -> None:
+        """`deliver`: called on the engine thread with every step's `StepOutputs` (and after an abort emptied the
+        engine, to carry fresh stats); None: each output goes to its request's sink on the asyncio loop."""
         self.engine = engine
-        self._deliver_fn = deliver  # None: run the sinks on the asyncio loop given to start()
+        self._deliver_fn = deliver
         self.idle_poll_s = idle_poll_s
         # When idle, the first request waits until no other command arrived for `coalesce_s` (at most 4x that) so a
         # burst of arrivals is prefilled in one step instead of trickling in over several.
         self.coalesce_s = coalesce_s
         self.stats = LoopStats()
         self.error: BaseException | None = None
-        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink | None] = {}  # live requests (engine thread only)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
         self._stopping = False
         self._closed = False  # set by the engine thread on exit, under _lock, so no add can be left unanswered
         self._lock = threading.Lock()
 
-    # -- event-loop side ------------------------------------------------------------------------------------------
+    # -- any thread -------------------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stopping
+        return self._started and not self._closed and self.error is None and not self._stopping
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; sinks will run on `loop`."""
+        """Run the loop on a new thread; sinks will run on `loop`."""
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._started = True
+        self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current step (non-blocking); in-flight requests get EngineDeadError."""
         self._stopping = True
-        self._cmds.put(("stop", None))
+        self._cmds.put(Shutdown())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
-    async def add(self, prompt_token_ids: list[int], params: Any, request_id: str, sink: Sink) -> str:
-        """Add a request on the engine thread; re-raises what `engine.add_request` raised (e.g. RequestRejected)."""
-        if not self.alive:
-            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+    def submit_add(self, request: AddRequest, sink: Sink | None = None) -> concurrent.futures.Future[str]:
+        """Queue a request for the engine thread. The future gets the request id, or what `engine.add_request`
+        raised (e.g. RequestRejected), or EngineDeadError once the loop has exited."""
         fut: concurrent.futures.Future[str] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
-                raise EngineDeadError(f"engine loop is not running: {self.error!r}")
-            self._cmds.put(("add", (prompt_token_ids, params, request_id, sink, fut)))
+                fut.set_exception(self._dead_error())
+            else:
+                self._cmds.put(_Add(request, sink, fut))
+        return fut
+
+    async def add(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                  sink: Sink) -> str:
+        """Add a request on the engine thread; re-raises what `engine.add_request` raised (e.g. RequestRejected)."""
+        if not self.alive:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        fut = self.submit_add(AddRequest(request_id, tuple(prompt_token_ids), params), sink)
         return await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (non-blocking); its sink gets nothing more and the engine frees its KV blocks."""
-        self._cmds.put(("abort", request_id))
+        self._cmds.put(AbortRequest(request_id))
 
-    # -- engine thread ----------------------------------------------------------------------------------------------
-    def _apply(self, cmd: str, arg: Any) -> bool:
-        if cmd == "stop":
-            return False
-        if cmd == "abort":
-            if self._sinks.pop(arg, None) is not None:
-                self.engine.abort(arg)
-        elif cmd == "add":
-            ids, params, rid, sink, fut = arg
-            if not fut.set_running_or_notify_cancel():
-                return True
-            try:
-                rid = self.engine.add_request(ids, params, request_id=rid)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-            else:
-                self._sinks[rid] = sink
-                fut.set_result(rid)
-        return True
-
-    def _drain(self, block: bool) -> bool:
-        try:
-            cmd, arg = self._cmds.get(timeout=self.idle_poll_s) if block else self._cmds.get_nowait()
-        except queue.Empty:
-            return True
-        if not self._apply(cmd, arg):
-            return False
-        deadline = time.perf_counter() + 4 * self.coalesce_s if block else 0.0
-        while True:
-            wait = min(self.coalesce_s, deadline - time.perf_counter())
-            try:
-                cmd, arg = self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait()
-            except queue.Empty:
-                return True
-            if not self._apply(cmd, arg):
-                return False
-
-    def _snapshot(self) -> None:
-        s = read_engine_stats(self.engine)
-        st = self.stats
-        st.num_running = int(_pick(s, "num_running", "running", "num_running_reqs"))
-        st.num_waiting = int(_pick(s, "num_waiting", "waiting", "num_waiting_reqs"))
-        st.num_kv_blocks_used = int(_pick(s, "num_used_blocks", "kv_blocks_used", "used_blocks", "num_kv_blocks_used"))
-        st.num_kv_blocks_total = int(_pick(s, "num_total_blocks", "kv_blocks_total", "num_blocks", "num_kv_blocks"))
-        default_usage = st.num_kv_blocks_used / st.num_kv_blocks_total if st.num_kv_blocks_total else 0.0
-        st.kv_usage = _pick(s, "kv_usage", "kv_cache_usage", "kv_pool_usage", default=default_usage)
-        st.num_generated_tokens = int(_pick(s, "num_generated_tokens", "generated_tokens", default=-1))
-        st.num_preemptions = int(_pick(s, "num_preemptions", "preemptions"))
-
-    def _deliver(self, batch: list[tuple[Sink, Any]]) -> None:
-        if self._deliver_fn is not None:
-            self._deliver_fn(batch)
-            return
-        if not batch or self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(_run_sinks, batch)
-        except RuntimeError:  # event loop closed (shutdown)
-            pass
-
-    def _run(self) -> None:
+    # -- the engine thread --------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Run the loop on the current thread until `request_stop()` or a failed step (then `error` is set)."""
+        self._started = True
         st = self.stats
         last_end: float | None = None
         try:
@@ -191,7 +168,7 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     self._snapshot()  # an abort may have emptied the engine
                     if self._deliver_fn is not None:
-                        self._deliver_fn([])  # carries the fresh stats across a process boundary
+                        self._deliver_fn(StepOutputs((), st.snapshot()))  # the fresh stats, across a process
                     continue
                 t0 = time.perf_counter()
                 if last_end is not None:
@@ -202,32 +179,88 @@ class EngineLoop:
                 st.step_s_total += st.last_step_s
                 st.recent_step_s.append(st.last_step_s)
                 st.num_steps += 1
-                batch = []
+                batch: list[tuple[Sink | None, StepOutput]] = []
                 for out in outputs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is None:
+                    if out.request_id not in self._sinks:
                         continue  # aborted by the server meanwhile
-                    if out.finished:
-                        del self._sinks[out.request_id]
-                    batch.append((sink, out))
+                    sink = self._sinks.pop(out.request_id) if out.finished else self._sinks[out.request_id]
+                    batch.append((sink, StepOutput.of(out)))
                 self._snapshot()
                 self._deliver(batch)
         except BaseException as e:  # noqa: BLE001 - the loop is dead; tell everyone waiting
             self.error = e
-        dead = EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "server shutting down")
+        dead = self._dead_error()
         with self._lock:
             self._closed = True
-        self._deliver([(sink, dead) for sink in self._sinks.values()])
+        if self._deliver_fn is None:
+            self._dispatch([(sink, dead) for sink in self._sinks.values() if sink is not None])
         self._sinks.clear()
         while True:  # refuse adds that raced with the shutdown
             try:
-                cmd, arg = self._cmds.get_nowait()
+                cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd == "add" and arg[4].set_running_or_notify_cancel():
-                arg[4].set_exception(dead)
+            if isinstance(cmd, _Add) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(dead)
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "server shutting down")
+
+    def _apply(self, cmd: _Command) -> bool:
+        """Apply one command; False for Shutdown."""
+        if isinstance(cmd, Shutdown):
+            return False
+        if isinstance(cmd, AbortRequest):
+            if cmd.request_id in self._sinks:
+                del self._sinks[cmd.request_id]
+                self.engine.abort(cmd.request_id)
+        elif cmd.future.set_running_or_notify_cancel():  # _Add (not cancelled by a client that went away)
+            req = cmd.request
+            try:
+                rid = self.engine.add_request(list(req.prompt_token_ids), req.params, request_id=req.request_id)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                cmd.future.set_exception(e)
+            else:
+                self._sinks[rid] = cmd.sink
+                cmd.future.set_result(rid)
+        return True
+
+    def _drain(self, block: bool) -> bool:
+        try:
+            cmd = self._cmds.get(timeout=self.idle_poll_s) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return True
+        if not self._apply(cmd):
+            return False
+        deadline = time.perf_counter() + 4 * self.coalesce_s if block else 0.0
+        while True:
+            wait = min(self.coalesce_s, deadline - time.perf_counter())
+            try:
+                cmd = self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._apply(cmd):
+                return False
+
+    def _snapshot(self) -> None:
+        self.stats.engine = self.engine.stats()
+
+    def _deliver(self, batch: list[tuple[Sink | None, StepOutput]]) -> None:
+        if self._deliver_fn is not None:
+            self._deliver_fn(StepOutputs(tuple(out for _, out in batch), self.stats.snapshot()))
+        else:
+            self._dispatch([(sink, out) for sink, out in batch if sink is not None])
+
+    def _dispatch(self, batch: list[tuple[Sink, StepOutput | EngineDeadError]]) -> None:
+        if not batch or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(run_sinks, batch)
+        except RuntimeError:  # event loop closed (shutdown)
+            pass
 
 
-def _run_sinks(batch: list[tuple[Sink, Any]]) -> None:
+def run_sinks(batch: list[tuple[Sink, StepOutput | EngineDeadError]]) -> None:
+    """Run each sink with its item (on the event loop: one call per step for the whole batch)."""
     for sink, item in batch:
         sink(item)

@@ -52,6 +52,7 @@ class CompletionRequest(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt | None = None  # stop token ids / EOS / stop strings count only after this many tokens
     ignore_eos: StrictBool = False
     n: StrictInt | None = 1
     stream: StrictBool | None = False
@@ -64,7 +65,6 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     min_p: float | None = None
-    min_tokens: StrictInt | None = None
     logit_bias: dict[str, float] | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True
@@ -82,7 +82,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0.0), "only presence_penalty=0 is supported"),
     "frequency_penalty": ((None, 0.0), "only frequency_penalty=0 is supported"),
     "min_p": ((None, 0.0), "only min_p=0 is supported"),
-    "min_tokens": ((None, 0), "min_tokens is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
 }
 

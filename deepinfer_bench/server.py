@@ -1,8 +1,11 @@
 """OpenAI-compatible HTTP server over the engine: what `vllm bench serve --backend openai` drives.
 
-`create_app(engine, tokenizer, config)` returns a FastAPI app. One `EngineLoop` thread batches every in-flight
-request (continuous batching); each HTTP request gets an asyncio queue fed from that thread. Wire format, error
-shapes and limits follow shared/spec/serving.md (§1.3 streaming, §3 request/response/errors).
+`create_app(engine, tokenizer, config)` returns a FastAPI app. One `EngineLoop` thread (or a `ProcessEngineLoop`)
+batches every in-flight request (continuous batching); each HTTP request gets an asyncio queue fed with the engine's
+`StepOutput`s. The engine owns the output text: it detokenizes, applies stop strings and stop tokens, and each
+output carries the text it released (`text_delta`); the server sends one SSE chunk per generated token with that
+text, and a non-streamed reply is the concatenation of the same deltas. Wire format, error shapes and limits follow
+shared/spec/serving.md (§1.3 streaming, §3 request/response/errors).
 
 Endpoints: POST /v1/completions, GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics.
 """
@@ -17,16 +20,20 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepinfer_bench.completion_text import IncrementalDetokenizer, SeqState
-from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop
+from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop, Sink
+from deepinfer_bench.engine_messages import StepOutput
 from deepinfer_bench.openai_protocol import APIError, normalize_prompts, parse_completion_request
+
+if TYPE_CHECKING:
+    from deepinfer_bench.engine_process import ProcessEngineLoop
+    from engine.llm import LLMEngine
 
 
 class TextCodec(Protocol):
@@ -66,6 +73,29 @@ class Counters:
     ttft_count: int = 0
 
 
+@dataclass
+class _Choice:
+    """One prompt of a completion request: its engine request and what the engine sent for it so far."""
+
+    index: int
+    request_id: str
+    prompt_len: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def feed(self, out: StepOutput) -> None:
+        self.text += out.text_delta
+        self.token_ids += out.new_token_ids
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
+
+
 def _context_error(max_len: int, prompt_len: int) -> APIError:
     return APIError(400, f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
                          f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. "
@@ -74,7 +104,8 @@ def _context_error(max_len: int, prompt_len: int) -> APIError:
 
 
 def _param_from_message(msg: str) -> str | None:
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop", "ignore_eos"):
+    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "max_tokens", "stop_token_ids", "stop",
+                 "ignore_eos"):
         if name in msg:
             return name
     return None
@@ -118,8 +149,9 @@ def _sse(obj: Any) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
-def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
-               *, make_sampling_params: Callable[..., Any], engine_loop: Any = None) -> FastAPI:
+def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: ServerConfig, *,
+               make_sampling_params: Callable[..., Any],
+               engine_loop: EngineLoop | ProcessEngineLoop | None = None) -> FastAPI:
     """The FastAPI app. `make_sampling_params(**fields)` builds the engine's SamplingParams (raises ValueError).
 
     The engine runs on an `EngineLoop` thread, or pass `engine_loop` (e.g. a `ProcessEngineLoop`) and engine=None.
@@ -218,6 +250,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         st = loop_runner.stats
+        es = st.engine
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
@@ -226,12 +259,12 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
         model = config.served_model_name.replace("\\", "\\\\").replace('"', '\\"')
         label = f'{{model_name="{model}"}}'
-        metric("num_requests_running", "gauge", "Requests in the running batch.", [(label, st.num_running)])
+        metric("num_requests_running", "gauge", "Requests in the running batch.", [(label, es.num_running)])
         metric("num_requests_waiting", "gauge", "Requests waiting for KV blocks or a batch slot.",
-               [(label, st.num_waiting)])
-        metric("kv_cache_usage_perc", "gauge", "Fraction of the KV block pool in use (0-1).", [(label, st.kv_usage)])
-        metric("kv_blocks_used", "gauge", "KV blocks in use.", [(label, st.num_kv_blocks_used)])
-        metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, st.num_kv_blocks_total)])
+               [(label, es.num_waiting)])
+        metric("kv_cache_usage_perc", "gauge", "Fraction of the KV block pool in use (0-1).", [(label, es.kv_usage)])
+        metric("kv_blocks_used", "gauge", "KV blocks in use.", [(label, es.num_used_blocks)])
+        metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, es.num_kv_blocks)])
         metric("engine_alive", "gauge", "1 while the engine loop runs.", [(label, float(loop_runner.alive))])
         metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
         recent = sorted(st.recent_step_s)
@@ -245,10 +278,9 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                [(label, counters.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated and sent to clients.",
                [(label, counters.generation_tokens)])
-        if st.num_generated_tokens >= 0:
-            metric("engine_generated_tokens_total", "counter", "Tokens the engine generated (aborted ones too).",
-                   [(label, st.num_generated_tokens)])
-        metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks.", [(label, st.num_preemptions)])
+        metric("engine_generated_tokens_total", "counter", "Tokens the engine generated (aborted ones too).",
+               [(label, es.num_generated_tokens)])
+        metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks.", [(label, es.num_preemptions)])
         reasons = [(f'{{model_name="{model}",finished_reason="{r}"}}', n)
                    for r, n in sorted(counters.requests.items())]
         metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)
@@ -290,25 +322,33 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s == "" for s in stop):
             raise APIError(400, "Stop strings must not be empty.", param="stop")
+        if stop and tokenizer is None:
+            raise APIError(400, "Stop strings need a tokenizer and this model has none: use stop_token_ids.",
+                           param="stop")
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        seqs: list[SeqState] = []
+        queue: asyncio.Queue[tuple[int, StepOutput | EngineDeadError]] = asyncio.Queue()
+        choices: list[_Choice] = []
 
-        def make_sink(i: int) -> Callable[[Any], None]:
+        def make_sink(i: int) -> Sink:
             return lambda item: queue.put_nowait((i, item))  # runs on the event loop
 
         def abort_unfinished() -> None:
-            for s in seqs:
-                if s.finish_reason is None:
-                    s.finish_reason = "abort"
+            for ch in choices:
+                if ch.finish_reason is None:
+                    ch.finish_reason = "abort"
                     counters.requests["abort"] = counters.requests.get("abort", 0) + 1
-                    loop_runner.abort(s.request_id)
+                    loop_runner.abort(ch.request_id)
 
-        pending: list[tuple[SeqState, list[int], Any]] = []
+        pending: list[tuple[_Choice, list[int], Any]] = []
         for i, ids in enumerate(ids_list):
             wanted = req.max_tokens if req.max_tokens is not None else config.default_max_tokens
-            fields: dict[str, Any] = {"max_tokens": min(wanted, config.max_model_len - len(ids)),
-                                      "ignore_eos": req.ignore_eos}
+            max_tokens = min(wanted, config.max_model_len - len(ids))
+            fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "stop": tuple(stop)}
+            if req.min_tokens:
+                if req.min_tokens > wanted:
+                    raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({wanted}).",
+                                   param="min_tokens")
+                fields["min_tokens"] = min(req.min_tokens, max_tokens)  # max_tokens may be clamped to the context
             for name in ("temperature", "top_p", "seed", "stop_token_ids"):
                 if getattr(req, name) is not None:
                     fields[name] = getattr(req, name)
@@ -318,21 +358,20 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                 params = make_sampling_params(**fields)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param=_param_from_message(str(e))) from None
-            detok = IncrementalDetokenizer(tokenizer.decode, ids) if tokenizer is not None else None
-            pending.append((SeqState(i, f"{base_id}-{i}", len(ids), detok, stop), ids, params))
+            pending.append((_Choice(i, f"{base_id}-{i}", len(ids)), ids, params))
         # All prompts go to the engine thread at once (one step boundary, not one per prompt).
         try:
-            added = await asyncio.gather(*(loop_runner.add(ids, params, seq.request_id, make_sink(seq.index))
-                                           for seq, ids, params in pending), return_exceptions=True)
+            added = await asyncio.gather(*(loop_runner.add(ids, params, ch.request_id, make_sink(ch.index))
+                                           for ch, ids, params in pending), return_exceptions=True)
         except BaseException:  # cancelled: whatever was added must not run on
-            for seq, _, _ in pending:
-                loop_runner.abort(seq.request_id)
+            for ch, _, _ in pending:
+                loop_runner.abort(ch.request_id)
             raise
         errors = [r for r in added if isinstance(r, BaseException)]
         if errors:
-            for (seq, _, _), res in zip(pending, added, strict=True):
+            for (ch, _, _), res in zip(pending, added, strict=True):
                 if not isinstance(res, BaseException):
-                    loop_runner.abort(seq.request_id)
+                    loop_runner.abort(ch.request_id)
             e = errors[0]
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_dead")
@@ -340,43 +379,42 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
                 code = "context_length_exceeded" if "maximum context length" in str(e) else None
                 raise APIError(400, str(e), param="prompt", code=code)
             raise e
-        seqs.extend(seq for seq, _, _ in pending)
+        choices.extend(ch for ch, _, _ in pending)
         counters.prompt_tokens += sum(len(ids) for _, ids, _ in pending)
         counters.admitted += len(pending)
 
         created = int(time.time())
         head = {"id": base_id, "object": "text_completion", "created": created, "model": config.served_model_name}
 
-        async def events() -> AsyncIterator[tuple[SeqState, str, str | None, list[int]]]:
-            """(seq, text, finish_reason, [token id]) per generated token, until every prompt has finished."""
-            live = len(seqs)
+        async def events() -> AsyncIterator[tuple[_Choice, StepOutput]]:
+            """(choice, engine output) per generated token, until every prompt has finished. The engine owns the
+            text: each output carries the text it released (`text_delta`) and, at the end, why it stopped."""
+            live = len(choices)
             while live:
                 i, item = await queue.get()
-                seq = seqs[i]
-                if seq.finish_reason is not None:
-                    continue  # finished on a stop string; its engine request was aborted
+                ch = choices[i]
+                if ch.finish_reason is not None:
+                    continue  # aborted meanwhile
                 if isinstance(item, BaseException):
                     raise APIError(503, str(item), code="engine_dead")
-                if seq.num_tokens == 0 and item.new_token_ids:
+                if ch.num_tokens == 0 and item.new_token_ids:
                     counters.ttft_s_sum += time.perf_counter() - t_arrival
                     counters.ttft_count += 1
-                evs = seq.feed(list(item.new_token_ids), bool(item.finished), item.finish_reason)
-                counters.generation_tokens += min(len(evs), len(item.new_token_ids))
-                for k, (text, reason) in enumerate(evs):
-                    yield seq, text, reason, list(item.new_token_ids[k:k + 1])
-                if seq.finish_reason is not None:
+                ch.feed(item)
+                counters.generation_tokens += len(item.new_token_ids)
+                if item.finished:
                     live -= 1
-                    counters.requests[seq.finish_reason] = counters.requests.get(seq.finish_reason, 0) + 1
-                    if not item.finished:
-                        loop_runner.abort(seq.request_id)
+                    counters.requests[ch.finish_reason] = counters.requests.get(ch.finish_reason, 0) + 1
+                if item.new_token_ids or (item.finished and ch.num_tokens):
+                    yield ch, item
 
         def usage() -> dict[str, int]:
-            p = sum(s.prompt_len for s in seqs)
-            c = sum(s.num_tokens for s in seqs)
+            p = sum(ch.prompt_len for ch in choices)
+            c = sum(ch.num_tokens for ch in choices)
             return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
         if not req.stream:
-            return await _collect(request, events(), abort_unfinished, head, seqs, usage, req.return_token_ids)
+            return await _collect(request, events(), abort_unfinished, head, choices, usage, req.return_token_ids)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # vLLM: running totals in every token chunk (guidellm asks for it); vLLM's own client ignores them there.
@@ -387,11 +425,12 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
         async def sse() -> AsyncIterator[str]:
             try:
-                async for seq, text, reason, ids in events():
-                    choice = {"index": seq.index, "text": text, "logprobs": None, "finish_reason": reason,
-                              "stop_reason": None}
+                async for ch, out in events():  # one chunk per generated token
+                    choice = {"index": ch.index, "text": out.text_delta, "logprobs": None,
+                              "finish_reason": out.finish_reason if out.finished else None,
+                              "stop_reason": out.stop_reason if out.finished else None}
                     if req.return_token_ids:
-                        choice["token_ids"] = ids
+                        choice["token_ids"] = list(out.new_token_ids)
                     tail = f',"usage":{_dumps(usage())}' if continuous_usage else ""
                     yield f"{prefix}{_dumps(choice)}]{tail}}}\n\n"
                 if include_usage:
@@ -406,7 +445,7 @@ def create_app(engine: Any, tokenizer: TextCodec | None, config: ServerConfig,
 
 
 async def _collect(request: Request, events: AsyncIterator[Any], abort_unfinished: Callable[[], None],
-                   head: dict[str, Any], seqs: list[SeqState], usage: Callable[[], dict[str, int]],
+                   head: dict[str, Any], choices: list[_Choice], usage: Callable[[], dict[str, int]],
                    return_token_ids: bool) -> JSONResponse:
     """Non-streaming reply; aborts the engine requests if the client disconnects while waiting."""
 
@@ -429,6 +468,7 @@ async def _collect(request: Request, events: AsyncIterator[Any], abort_unfinishe
     if work not in done:
         return JSONResponse({}, status_code=499)
     work.result()  # re-raise APIError from the engine
-    choices = [{"index": s.index, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason,
-                "stop_reason": None, **({"token_ids": s.token_ids} if return_token_ids else {})} for s in seqs]
-    return JSONResponse({**head, "choices": choices, "usage": usage()})
+    body = [{"index": ch.index, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason,
+             "stop_reason": ch.stop_reason, **({"token_ids": ch.token_ids} if return_token_ids else {})}
+            for ch in choices]
+    return JSONResponse({**head, "choices": body, "usage": usage()})

@@ -4,11 +4,16 @@ Each slot carries a rolling hash of every token processed in it, like the real p
 the logits of a token are a function of that hash. So outputs are wrong unless the scheduler feeds every token
 exactly once, in order, into a slot that was reset (`free_slot`) before reuse — and recomputation after
 preemption must reproduce the same tokens.
+
+`ByteRunner` is the same runner over a byte-level "model" for text tests (the server's, the detokenizer's): with
+`ByteTokenizer` (UTF-8 bytes as tokens) its outputs are text, sometimes EOS and a two-byte character split over two
+tokens; its logits put all the probability on the model's token, so sampled requests produce it too.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 
 import torch
 
@@ -65,12 +70,16 @@ class FakeRunner:
                 h = (h * 1_000_003 + t + 1) % _MOD
             self.slot_hash[seq.slot] = h
             self.slot_pos[seq.slot] = start + n
-            out[i] = self.logits_for_hash(h)
+            out[i] = self.logits_for(seq, start + n, h)
         self.num_calls += 1
         self.num_tokens += sum(n for _, n in batch)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return out
+
+    def logits_for(self, seq, end: int, h: int) -> torch.Tensor:
+        """Logits [V] after `seq.all_token_ids[:end]` (rolling hash `h`); subclasses may model something else."""
+        return self.logits_for_hash(h)
 
     def logits_for_hash(self, h: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(h % (1 << 62))
@@ -93,3 +102,77 @@ class FakeRunner:
             if t in stop_ids:
                 break
         return out
+
+
+# ---- a byte-level model ----------------------------------------------------------------------------------------
+BOS, EOS, OFFSET = 1, 2, 3  # byte b is token b + OFFSET
+BYTE_VOCAB = 256 + OFFSET
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens; BOS prepended when add_special_tokens."""
+
+    eos_token_id = EOS
+    vocab_size = BYTE_VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + [b + OFFSET for b in text.encode()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t - OFFSET for t in ids if t >= OFFSET).decode("utf-8", errors="replace")
+
+
+def next_token(history: list[int]) -> int:
+    """The byte model: a hash of the last 4 tokens -> a letter, space, '.', EOS or the first byte of "é"."""
+    if history[-1] == 0xC3 + OFFSET:
+        return 0xA9 + OFFSET  # completes "é"
+    h = zlib.crc32(bytes(t % 256 for t in history[-4:])) % 40
+    if h < 26:
+        return ord("a") + h + OFFSET
+    return {26: ord(" "), 27: 0xC3, 28: ord("."), 29: EOS - OFFSET}.get(h, ord(" ")) + OFFSET
+
+
+def byte_greedy(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """What the byte model generates for one request (no scheduler, no engine): up to EOS (included) or max_tokens."""
+    toks, out = list(prompt_ids), []
+    while len(out) < max_tokens:
+        t = next_token(toks)
+        toks.append(t)
+        out.append(t)
+        if t == EOS and not ignore_eos:
+            break
+    return out
+
+
+class ByteRunner(FakeRunner):
+    """`FakeRunner` (contract checks) whose logits are the byte model's (`next_token`). `step_delay_s`: slow steps;
+    `fail_at_step`: that execute() call and every later one raises; `batch_sizes`: sequences per execute() call."""
+
+    def __init__(self, max_num_seqs: int = 8, num_kv_blocks: int = 64, block_size: int = 16,
+                 max_model_len: int = 256, *, step_delay_s: float = 0.0, fail_at_step: int | None = None) -> None:
+        super().__init__(max_num_seqs, num_kv_blocks, block_size, max_model_len, BYTE_VOCAB,
+                         step_delay_s=step_delay_s)
+        self.fail_at_step = fail_at_step
+        self.batch_sizes: list[int] = []
+
+    def execute(self, batch: list) -> torch.Tensor:
+        if self.fail_at_step is not None and self.num_calls + 1 >= self.fail_at_step:
+            raise RuntimeError("injected engine failure")
+        self.batch_sizes.append(len(batch))
+        return super().execute(batch)
+
+    def logits_for(self, seq, end: int, h: int) -> torch.Tensor:
+        out = torch.full((self.vocab_size,), -1e4)  # [V]
+        out[next_token(seq.all_token_ids[:end])] = 0.0
+        return out
+
+
+def byte_engine(*, max_num_seqs: int = 8, num_kv_blocks: int = 64, block_size: int = 16, max_model_len: int = 256,
+                budget: int = 512, **runner_kw):
+    """The real LLMEngine over a `ByteRunner` with `ByteTokenizer` (module level: picklable as a process factory)."""
+    from engine.llm import LLMEngine
+
+    cfg = fake_config(max_num_seqs, budget, num_kv_blocks, block_size, max_model_len, vocab_size=BYTE_VOCAB,
+                      eos_token_id=EOS)
+    runner = ByteRunner(max_num_seqs, num_kv_blocks, block_size, max_model_len, **runner_kw)
+    return LLMEngine(cfg, runner, tokenizer=ByteTokenizer())

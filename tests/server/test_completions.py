@@ -133,15 +133,16 @@ def test_continuous_usage_stats(client: TestClient) -> None:
 
 
 def test_engine_rejection_in_a_batch_aborts_the_others() -> None:
-    with TestClient(make_fake_app(reject_token=4)) as c:
-        r = c.post("/v1/completions", json={"prompt": [[BOS, 50, 51], [BOS, 4]], "max_tokens": 50})
-        assert_error(r, 400, contains="not allowed", param="prompt")
-        eng = c.app.state.fake_engine
+    # The engine's own rejection: the second prompt + max_tokens needs 13 blocks of a pool of 8 (it fits max_model_len).
+    with TestClient(make_fake_app(num_kv_blocks=8)) as c:
+        r = c.post("/v1/completions", json={"prompt": [[BOS, 50, 51], [BOS] + [4] * 150], "max_tokens": 50})
+        assert_error(r, 400, contains="more than the whole pool", param="prompt")
+        eng = c.app.state.engine_loop.engine
         for _ in range(100):
             if not eng.has_unfinished():
                 break
             time.sleep(0.01)
-        assert not eng.has_unfinished() and eng.used_blocks() == 0
+        assert not eng.has_unfinished() and eng.stats().num_used_blocks == 0
 
 
 def test_stop_strings_and_stop_token_ids(client: TestClient) -> None:
@@ -162,6 +163,50 @@ def test_stop_strings_and_stop_token_ids(client: TestClient) -> None:
     c = r.json()
     assert c["choices"][0]["finish_reason"] == "stop"
     assert c["usage"]["completion_tokens"] == ids.index(ids[5]) + 1
+
+
+def stream_and_plain(client: TestClient, **body: object) -> tuple[list[dict], dict]:
+    """The token chunks of a streamed completion and the choice + usage of the same request not streamed."""
+    r = completion(client, stream=True, stream_options={"include_usage": True}, **body)
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert chunks[-1]["choices"] == []
+    plain = completion(client, **body).json()
+    assert plain["usage"] == chunks[-1]["usage"]
+    return [c for c in chunks if c["choices"]], plain
+
+
+def test_stop_reason_and_text_are_the_engines_in_both_modes(client: TestClient) -> None:
+    """vLLM's `stop_reason`: the stop string or stop token id that finished the choice, else null; the stop
+    token is not text; streamed and non-streamed text agree; one chunk per generated token."""
+    ids = TOK.encode("Hello")
+    out = offline_greedy(ids, 30, ignore_eos=True)
+    full = TOK.decode(out)
+    stop = full[10:12]
+    cases = [({"stop": stop}, "stop", stop, full[:full.find(stop)]),
+             ({"stop_token_ids": [out[5]]}, "stop", out[5], TOK.decode(out[:out.index(out[5])])),
+             ({}, "length", None, full)]
+    for extra, reason, stop_reason, text in cases:
+        chunks, plain = stream_and_plain(client, prompt="Hello", max_tokens=30, ignore_eos=True, **extra)
+        choice = plain["choices"][0]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (text, reason, stop_reason)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop_reason]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+        assert len(chunks) == plain["usage"]["completion_tokens"]
+
+
+def test_min_tokens_defers_stops(client: TestClient) -> None:
+    ids = TOK.encode("Hello")
+    full = TOK.decode(offline_greedy(ids, 30, ignore_eos=True))
+    assert len(full) == 30  # one character per token in this output
+    c = next(ch for ch in full if full.count(ch) >= 2 and full.index(ch) > 0)
+    first, later = full.index(c), full.index(c, full.index(c) + 1)
+    chunks, plain = stream_and_plain(client, prompt="Hello", max_tokens=30, ignore_eos=True, stop=[c],
+                                     min_tokens=first + 2)
+    assert plain["choices"][0]["text"] == full[:later] == "".join(ch["choices"][0]["text"] for ch in chunks)
+    assert plain["usage"]["completion_tokens"] == later + 1 == len(chunks)
+    assert_error(completion(client, prompt="Hello", max_tokens=3, min_tokens=4), 400, param="min_tokens")
+    assert_error(completion(client, prompt="Hello", max_tokens=3, min_tokens=-1), 400, param="min_tokens")
 
 
 def test_eos_stops_unless_ignored(client: TestClient) -> None:
@@ -192,7 +237,7 @@ def test_legacy_and_unknown_fields_accepted(client: TestClient) -> None:
 
 
 def test_sampling_seed_reproducible(client: TestClient) -> None:
-    # The fake model ignores sampling, but the params must be valid and reach the engine.
+    # The byte model puts all probability on one token, but the params must be valid and go through the sampler.
     a = completion(client, prompt="x", max_tokens=5, temperature=1.0, top_k=5, top_p=0.5, seed=7).json()
     assert a["usage"]["completion_tokens"] >= 1
 

@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
 from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop
 from engine.sampler import SamplingParams
 from engine.scheduler import RequestRejected
-from tests.server.fakes import BOS, FakeEngine
-
-
-class RecordingEngine(FakeEngine):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.batch_sizes: list[int] = []
-
-    def step(self):
-        outs = super().step()
-        self.batch_sizes.append(len(outs))
-        return outs
+from tests.server.fakes import BOS, make_engine
 
 
 def params(n: int) -> SamplingParams:
@@ -39,7 +29,7 @@ def run_loop(engine, body):
 
 
 def test_burst_of_arrivals_shares_the_first_step() -> None:
-    eng = RecordingEngine()
+    eng = make_engine()
 
     async def body(loop: EngineLoop):
         q: asyncio.Queue = asyncio.Queue()
@@ -50,11 +40,11 @@ def test_burst_of_arrivals_shares_the_first_step() -> None:
             done += (await asyncio.wait_for(q.get(), 5)).finished
 
     run_loop(eng, body)
-    assert eng.batch_sizes[0] == 5 and sum(eng.batch_sizes) == 15
+    assert eng.runner.batch_sizes[0] == 5 and sum(eng.runner.batch_sizes) == 15
 
 
 def test_rejection_abort_and_stats() -> None:
-    eng = FakeEngine(step_delay_s=0.01, max_model_len=64)
+    eng = make_engine(step_delay_s=0.01, max_model_len=64)
 
     async def body(loop: EngineLoop):
         with pytest.raises(RequestRejected, match="maximum context length"):
@@ -71,12 +61,12 @@ def test_rejection_abort_and_stats() -> None:
 
     n1, n2, stats = run_loop(eng, body)
     assert n1 == n2 < 50  # nothing delivered after the abort
-    assert not eng.has_unfinished() and stats.num_running == 0 and stats.num_kv_blocks_used == 0
-    assert stats.num_kv_blocks_total == eng.num_kv_blocks and stats.num_steps >= 3
+    assert not eng.has_unfinished() and stats.engine.num_running == 0 and stats.engine.num_used_blocks == 0
+    assert stats.engine.num_kv_blocks == eng.config.cache.num_kv_blocks and stats.num_steps >= 3
 
 
 def test_death_reaches_every_request_and_refuses_new_ones() -> None:
-    eng = FakeEngine(fail_at_step=2)
+    eng = make_engine(fail_at_step=2)
 
     async def body(loop: EngineLoop):
         q: asyncio.Queue = asyncio.Queue()
@@ -93,10 +83,9 @@ def test_death_reaches_every_request_and_refuses_new_ones() -> None:
 
 def test_process_loop_rejection_outputs_and_death() -> None:
     from deepinfer_bench.engine_process import ProcessEngineLoop
-    from tests.server.fakes import fake_engine
 
-    loop = ProcessEngineLoop(fake_engine, ({"fail_at_step": 4, "max_model_len": 64},))
-    assert loop.launch(timeout_s=60)["max_model_len"] == 64
+    loop = ProcessEngineLoop(functools.partial(make_engine, fail_at_step=4, max_model_len=64))
+    assert loop.launch(timeout_s=60).max_model_len == 64
 
     async def body():
         loop.start(asyncio.get_running_loop())
@@ -129,7 +118,7 @@ def test_process_loop_on_two_ranks_matches_one() -> None:
 
     kw = {"max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}
     loop = ProcessEngineLoop(None, (EngineConfig.from_model_dir(TINY, cp=2, **kw),), job_runner=run_job)
-    assert loop.launch(timeout_s=120)["vocab_size"] == 1024
+    assert loop.launch(timeout_s=120).vocab_size == 1024
 
     async def body() -> list[int]:
         loop.start(asyncio.get_running_loop())

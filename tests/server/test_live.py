@@ -62,6 +62,15 @@ def test_openai_client(any_server: str) -> None:
     for c in stream:
         by_index[c.choices[0].index] = by_index.get(c.choices[0].index, "") + c.choices[0].text
     assert by_index == {0: want[: len(by_index[0])], 1: want[: len(by_index[1])]} and len(by_index[0]) > 0
+    stop = want[3:5]
+    r = client.completions.create(model=SERVED, prompt="Hi", max_tokens=10, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    cut = want[: want.find(stop)]
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].stop_reason) == (cut, "stop", stop)
+    stream = client.completions.create(model=SERVED, prompt="Hi", max_tokens=10, stop=stop, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].stop_reason == stop
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="Hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
