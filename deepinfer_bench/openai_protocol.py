@@ -1,6 +1,6 @@
 """The OpenAI `/v1/completions` request surface this server accepts, and OpenAI-style errors.
 
-What is accepted follows shared/spec/serving.md §1.2 and §3: unknown or legacy fields (`best_of`, `user`,
+What is accepted follows vLLM's `CompletionRequest`: unknown or legacy fields (`best_of`, `user`,
 `repetition_penalty=1.0`, ...) are accepted and ignored, because benchmark clients send them; values that would
 change the result but are not implemented (`n>1`, `echo`, `logprobs`, penalties, `logit_bias`, ...) are a 400.
 """

@@ -5,7 +5,7 @@ batches every in-flight request (continuous batching); each HTTP request gets an
 `StepOutput`s. The engine owns the output text: it detokenizes, applies stop strings and stop tokens, and each
 output carries the text it released (`text_delta`); the server sends one SSE chunk per generated token with that
 text, and a non-streamed reply is the concatenation of the same deltas. Wire format, error shapes and limits follow
-shared/spec/serving.md (§1.3 streaming, §3 request/response/errors).
+vLLM's OpenAI server (`vllm/entrypoints/openai`) and what `vllm bench serve` parses.
 
 Endpoints: POST /v1/completions, GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics.
 """
@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop, Sink
 from deepinfer_bench.engine_messages import StepOutput
 from deepinfer_bench.openai_protocol import APIError, normalize_prompts, parse_completion_request
+from engine.profiling import quantiles
 
 if TYPE_CHECKING:
     from deepinfer_bench.engine_process import ProcessEngineLoop
@@ -267,11 +268,11 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
         metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [(label, es.num_kv_blocks)])
         metric("engine_alive", "gauge", "1 while the engine loop runs.", [(label, float(loop_runner.alive))])
         metric("engine_steps_total", "counter", "Engine steps run.", [(label, st.num_steps)])
-        recent = sorted(st.recent_step_s)
-        quantiles = [(f'{{model_name="{model}",quantile="{q}"}}', recent[min(len(recent) - 1, int(q * len(recent)))])
-                     for q in (0.5, 0.9)] if recent else []
+        recent = list(st.recent_step_s)
+        qs = [(f'{{model_name="{model}",quantile="{q / 100}"}}', v)
+              for q, v in zip((50, 90), quantiles(recent, 50, 90), strict=True)] if recent else []
         metric("engine_step_seconds", "summary", "Engine step time (quantiles over the last 512 steps).",
-               [*quantiles, (f"_sum{label}", st.step_s_total), (f"_count{label}", st.num_steps)])
+               [*qs, (f"_sum{label}", st.step_s_total), (f"_count{label}", st.num_steps)])
         metric("engine_gap_seconds_total", "counter", "Seconds between consecutive busy steps (server overhead).",
                [(label, st.gap_s_total)])
         metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",

@@ -248,8 +248,9 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new: list[int], delta: str = "",
                 stop_reason: str | int | None = None) -> RequestOutput:
-        if seq.is_finished:
+        if seq.is_finished:  # a finished request is forgotten (a long-running server must not grow with each one)
             self._text.pop(seq.seq_id, None)
+            self._requests.pop(seq.seq_id, None)
         return RequestOutput(request_id=seq.seq_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
                              finished=seq.is_finished, finish_reason=seq.finish_reason,
                              prompt_len=seq.num_prompt_tokens, text=seq.output_text, text_delta=delta,
