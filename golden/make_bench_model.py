@@ -1,6 +1,6 @@
 """Write a reproducible random DeepSeek-V4 checkpoint at realistic widths (official format, streamed to disk).
 
-    python golden/make_bench_model.py --preset mid                   # golden/bench/mid/        (~0.9 GB)
+    python golden/make_bench_model.py --preset mid                   # golden/bench/mid/        (~0.8 GB)
     python golden/make_bench_model.py --preset flash --layers 2      # golden/bench/flash-2l/   (~9 GB)
     python golden/make_bench_model.py --list                         # the presets, their configs and sizes
 
