@@ -180,9 +180,9 @@ def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
     """Grouped low-rank output projection: o [T, H*D] split into `groups` contiguous head groups;
     wo_a [G*R, H*D/G] viewed [G, R, H*D/G]; returns [T, G*R] = concat_g(wo_a[g] @ o_g)."""
     t = o.shape[0]
-    og = o.view(t, groups, -1)  # [T, G, H*D/G]
+    og = o.view(t, groups, o.shape[1] // groups)  # [T, G, H*D/G] (explicit: T = 0 is a valid, empty batch)
     w = wo_a.to(o.dtype).view(groups, -1, og.shape[-1])  # [G, R, H*D/G]
-    return torch.einsum("tgd,grd->tgr", og, w).reshape(t, -1)
+    return torch.einsum("tgd,grd->tgr", og, w).reshape(t, wo_a.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
