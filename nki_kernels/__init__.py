@@ -12,7 +12,10 @@ Layout
                         index_score, sparse_attn, blockquant (FP8 block GEMM, FP4 expert GEMM, grouped wo_a)
     _nki.py             the one place that resolves `nki` (real NKI >= 0.3, else the stand-in) and binds kernels
     _tiles.py           shared sub-kernels (inlined by the NKI compiler)
-    dispatch.py         executor choice (device -> simulator -> stand-in; reference only when asked) and counters
+    dispatch.py         executor choice (device -> simulator -> stand-in; reference only when asked), counters and
+                        the counted explicit fallbacks ("<family>.fallback")
+    kernel_ops.py       the engine's op table: `make_ops(executor)` -> {op: callable with the reference's signature}
+                        running each family's kernel (weight layouts converted once per weight, cached)
     stand_in/           the strict NumPy stand-in of the `nki.language` / `nki.isa` subset used
     static_check.py     AST check of the kernel files against the NKI meta-language and NKI 0.6 signatures
     cases.py registry.py  case records / comparison rule, and the name -> module table

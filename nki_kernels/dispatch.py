@@ -38,6 +38,9 @@ EXECUTORS = tuple(e.value for e in Executor)
 KERNEL_EXECUTORS = tuple(e for e in EXECUTORS if e != "reference")
 
 COUNTS: Counter[tuple[str, str]] = Counter()
+# (name, reason) of every explicit fallback to the reference (see `fallback`); COUNTS has them as
+# ("<name>.fallback", "reference"), so a fallback never shows up under the kernel's own name.
+FALLBACKS: Counter[tuple[str, str]] = Counter()
 # When a list is installed here (see `record`), every kernel dispatch appends (name, kernel, args): the trn2
 # check replays the exact operands on the simulator and the device.
 _RECORDER: list | None = None
@@ -93,6 +96,14 @@ def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
     return ex, kernel.run(ex, *args)
 
 
+def fallback(name: str, reason: str, reference: Callable[[], Any]) -> Any:
+    """Run the torch reference instead of kernel `name` for a case the kernel does not cover; counted as
+    ("<name>.fallback", "reference") in COUNTS and by reason in FALLBACKS, never as kernel coverage."""
+    COUNTS[(f"{name}.fallback", "reference")] += 1
+    FALLBACKS[(name, reason)] += 1
+    return reference()
+
+
 @contextlib.contextmanager
 def record():
     """Collect (name, kernel, args) of every kernel dispatch inside the block."""
@@ -109,5 +120,10 @@ def counts(name: str | None = None) -> dict[tuple[str, str], int]:
     return {k: v for k, v in COUNTS.items() if name is None or k[0] == name}
 
 
+def fallbacks(name: str | None = None) -> dict[tuple[str, str], int]:
+    return {k: v for k, v in FALLBACKS.items() if name is None or k[0] == name}
+
+
 def reset_counts() -> None:
     COUNTS.clear()
+    FALLBACKS.clear()

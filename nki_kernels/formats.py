@@ -73,6 +73,44 @@ def pow2_ceil_exponent(x: torch.Tensor) -> torch.Tensor:
     return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
 
 
+# ---- raw bytes of stored weights (load time, outside graphs) ----------------------------------------------------
+_BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's float8_e4m3fn / float8_e8m0fnu / int8 (or uint8) tensor -> its bytes as uint8, zero-copy
+    (`.view(torch.uint8)`: same storage, no conversion). For load time, outside graphs."""
+    if t.dtype not in _BYTE_DTYPES:
+        raise TypeError(f"as_bytes: expected one of {[str(d) for d in _BYTE_DTYPES]}, got {t.dtype}")
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def stored_fp8(w8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 block weight as stored (float8_e4m3fn [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]) -> (w_u8, scale_u8),
+    the operands of `reference.fp8_linear` (zero-copy views; shapes checked)."""
+    if w8.dtype not in (torch.float8_e4m3fn, torch.uint8) or w8.dim() != 2:
+        raise TypeError(f"stored_fp8: expected a 2-D float8_e4m3fn (or uint8) weight, got {w8.dtype} {tuple(w8.shape)}")
+    want = (math.ceil(w8.shape[0] / FP8_BLOCK), math.ceil(w8.shape[1] / FP8_BLOCK))
+    if tuple(scale.shape) != want or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"stored_fp8: weight {tuple(w8.shape)} needs a UE8M0 scale of shape {want}, "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    return as_bytes(w8), as_bytes(scale)
+
+
+def stored_fp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 expert weight as stored (int8 [N, K/2] + UE8M0 [N, K/32]) -> (packed_u8, scale_u8), the operands of
+    `reference.fp4_linear` (zero-copy views; shapes checked)."""
+    if packed.dtype not in (torch.int8, torch.uint8) or packed.dim() != 2:
+        raise TypeError(f"stored_fp4: expected a 2-D int8 (or uint8) packed weight, got {packed.dtype} "
+                        f"{tuple(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % FP4_BLOCK or tuple(scale.shape) != (n, k // FP4_BLOCK) or scale.dtype not in (torch.float8_e8m0fnu,
+                                                                                          torch.uint8):
+        raise ValueError(f"stored_fp4: packed {tuple(packed.shape)} needs a UE8M0 scale of shape "
+                         f"({n}, {k // FP4_BLOCK}), got {scale.dtype} {tuple(scale.shape)}")
+    return as_bytes(packed), as_bytes(scale)
+
+
 # ---- FP8 e4m3, 128x128 blocks --------------------------------------------------------------------------------
 def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_r: int, block_c: int) -> torch.Tensor:
     return scale.repeat_interleave(block_r, dim=0)[:rows].repeat_interleave(block_c, dim=1)[:, :cols]

@@ -10,13 +10,14 @@ n hc streams. Only torch APIs that torch 2.9 has.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "rms_norm", "swiglu", "linear", "grouped_out_proj",
+    "rms_norm", "swiglu", "linear", "fp8_linear", "fp4_linear", "grouped_out_proj",
     "rope_inv_freq", "rope_cos_sin", "rope_apply",
     "hc_mixes", "hc_collapse", "hc_expand", "hc_head", "hc_attn_out",
     "compress_pool", "index_score", "index_topk",
@@ -51,13 +52,137 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Projections by stored (FP8 block / FP4 expert) weights, written to trace on a torch-xla device
+#
+# Inputs are the checkpoint's raw bytes as uint8 (`formats.stored_fp8` / `formats.stored_fp4` make these views at
+# load time). Inside: e4m3fn / e2m1 codes are decoded by a lookup table (an `index_select` gather into 256 / 16
+# exact fp32 values), UE8M0 scales by exact power-of-two products (`ue8m0_decode`), scales are applied per block,
+# the product accumulates in fp32 and is cast once to x.dtype. No float8 bitcasts of inputs, no host syncs, no
+# data-dependent shapes: every loop runs over chunks fixed by the weight's shape.
+#
+# Memory: the weight is decoded `dequant_rows(K)` rows at a time (a multiple of 128, about DEQUANT_CHUNK_ELEMS = 2 Mi
+# elements per chunk) and scaled in place. Peak temporary per chunk: int32 codes + fp32 values (8 B/element) while
+# the table is gathered, then the fp32 chunk alone (FP4 adds the nibbles and unpacked codes, ~2 B/element), i.e.
+# ~16-20 MiB whatever N is (V4-Flash wq_b [32768, 1024]: 16 chunks of 2048 rows; an expert w1 [2048, 4096]: 4
+# chunks of 512 rows), plus x in fp32 when x is bf16 ([T, K] x 4 B), one fp32 [T, rows] chunk result, the [T, N]
+# output and what the host BLAS packs. Measured peak RSS growth on the host (bf16 x): wq_b 16 MiB at T=1, 21 MiB
+# at T=64; expert w1 20 MiB at T=1. A full fp32 copy of wq_b alone would be 128 MiB.
+
+DEQUANT_CHUNK_ELEMS = 1 << 21
+
+
+def _e4m3fn_value(code: int) -> float:
+    """The exact value of one float8_e4m3fn byte (bias 7, no infinities, S.1111.111 is NaN)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> 3) & 0xF, code & 0x7
+    if e == 0xF and m == 0x7:
+        return float("nan")
+    if e == 0:
+        return sign * m * 2.0**-9
+    return sign * (8 + m) * 2.0 ** (e - 10)
+
+
+_E4M3FN_LUT = torch.tensor([_e4m3fn_value(b) for b in range(256)], dtype=torch.float32)
+_E2M1_LUT = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0),
+                         dtype=torch.float32)
+
+
+def dequant_rows(k: int) -> int:
+    """Rows decoded per chunk for a weight with k input features: a multiple of 128 (the FP8 block), at least 128."""
+    return max(128, DEQUANT_CHUNK_ELEMS // max(k, 1) // 128 * 128)
+
+
+def ue8m0_decode(scale_u8: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (uint8) -> float32 2**(b - 127) (b = 255 -> NaN), exactly and without a bitcast or exp2: the
+    product of the powers 2**(+-2**i) selected by the bits of |b - 127| (every partial product is a power of two
+    between the result and 1, so each multiply is exact; b = 0 gives the fp32 subnormal 2**-127)."""
+    k = scale_u8.to(torch.int32) - 127
+    neg = k < 0
+    mag = k.abs()
+    out = torch.ones(scale_u8.shape, dtype=torch.float32, device=scale_u8.device)
+    for i in range(7):  # |k| <= 127 (128 only for b = 255, which is NaN below)
+        up, down = 2.0 ** (1 << i), 2.0 ** -(1 << i)
+        f = torch.where(neg, down, up)
+        out = out * torch.where(((mag >> i) & 1) == 1, f, torch.ones_like(f))
+    return torch.where(scale_u8 == 255, torch.full_like(out, float("nan")), out)
+
+
+def _lut(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    idx = codes.to(torch.int32).reshape(-1)
+    return torch.index_select(table.to(codes.device), 0, idx).view(codes.shape)
+
+
+def fp8_dequant_rows(w_u8: torch.Tensor, scale_u8: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of an FP8 block weight from its bytes: w_u8 [N, K] (float8_e4m3fn bytes), scale_u8
+    [ceil(N/128), ceil(K/128)] (UE8M0 bytes) -> float32 [r1 - r0, K], equal bit for bit to
+    `formats.dequant_fp8_block`. r0 must be a multiple of 128 (a block boundary)."""
+    if r0 % 128:
+        raise ValueError(f"fp8_dequant_rows: r0={r0} is not a multiple of the 128-row block")
+    k = w_u8.shape[1]
+    vals = _lut(_E4M3FN_LUT, w_u8[r0:r1])  # [R, K]
+    s = ue8m0_decode(scale_u8[r0 // 128: (r1 + 127) // 128])  # [ceil(R/128), nbk]
+    s = s.repeat_interleave(128, dim=0)[: r1 - r0]  # [R, nbk] (small)
+    kf = k // 128 * 128
+    if kf == k:  # scale in place: the decoded chunk is the only full-size temporary
+        return vals.view(r1 - r0, k // 128, 128).mul_(s[:, :, None]).view(r1 - r0, k)
+    full = (vals[:, :kf].reshape(r1 - r0, kf // 128, 128) * s[:, : kf // 128, None]).reshape(r1 - r0, kf)
+    return torch.cat([full, vals[:, kf:] * s[:, kf // 128:]], dim=1)  # the partial last column block
+
+
+def fp4_dequant_rows(packed_u8: torch.Tensor, scale_u8: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of an FP4 expert weight from its bytes: packed_u8 [N, K/2] (two e2m1 codes per byte, low
+    nibble = even element), scale_u8 [N, K/32] (UE8M0 bytes) -> float32 [r1 - r0, K], equal bit for bit to
+    `formats.dequant_fp4`."""
+    b = packed_u8[r0:r1]
+    rows, k = b.shape[0], b.shape[1] * 2
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(rows, k)  # element 2j = low nibble of byte j
+    vals = _lut(_E2M1_LUT, codes)
+    s = ue8m0_decode(scale_u8[r0:r1])  # [R, K/32]
+    return vals.view(rows, k // 32, 32).mul_(s[:, :, None]).view(rows, k)
+
+
+def _stored_linear(x: torch.Tensor, n: int, k: int, rows_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"stored-weight linear: x {tuple(x.shape)} does not end in K={k}")
+    xf = x.float()
+    step = dequant_rows(k)
+    if n <= step:
+        return F.linear(xf, rows_of(0, n)).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        out[..., r0:r1] = F.linear(xf, rows_of(r0, r1)).to(x.dtype)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (fp32 or bf16) @ W^T with W the FP8 block weight stored as bytes: w_u8 [N, K] uint8 (float8_e4m3fn
+    bits), scale_u8 [ceil(N/128), ceil(K/128)] uint8 (UE8M0 bits). fp32 accumulation, result in x.dtype; equals
+    `linear(x, formats.dequant_fp8_block(...))` up to fp32 summation order."""
+    n, k = w_u8.shape
+    if tuple(scale_u8.shape) != (-(-n // 128), -(-k // 128)):
+        raise ValueError(f"fp8_linear: scale {tuple(scale_u8.shape)} does not block w {tuple(w_u8.shape)} by 128")
+    return _stored_linear(x, n, k, lambda r0, r1: fp8_dequant_rows(w_u8, scale_u8, r0, r1))
+
+
+def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (fp32 or bf16) @ W^T with W the FP4 expert weight stored as bytes: packed_u8 [N, K/2] uint8 (low
+    nibble = even element), scale_u8 [N, K/32] uint8 (UE8M0 bits). fp32 accumulation, result in x.dtype; equals
+    `linear(x, formats.dequant_fp4(...))` up to fp32 summation order."""
+    n, k = packed_u8.shape[0], packed_u8.shape[1] * 2
+    if k % 32 or tuple(scale_u8.shape) != (n, k // 32):
+        raise ValueError(f"fp4_linear: K={k} must be a multiple of 32 and scale {tuple(scale_u8.shape)} [N, K/32]")
+    return _stored_linear(x, n, k, lambda r0, r1: fp4_dequant_rows(packed_u8, scale_u8, r0, r1))
+
+
 def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
     """Grouped low-rank output projection: o [T, H*D] split into `groups` contiguous head groups;
     wo_a [G*R, H*D/G] viewed [G, R, H*D/G]; returns [T, G*R] = concat_g(wo_a[g] @ o_g)."""
     t = o.shape[0]
-    og = o.view(t, groups, -1)  # [T, G, H*D/G]
+    og = o.view(t, groups, o.shape[1] // groups)  # [T, G, H*D/G] (explicit: T = 0 is a valid, empty batch)
     w = wo_a.to(o.dtype).view(groups, -1, og.shape[-1])  # [G, R, H*D/G]
-    return torch.einsum("tgd,grd->tgr", og, w).reshape(t, -1)
+    return torch.einsum("tgd,grd->tgr", og, w).reshape(t, wo_a.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------

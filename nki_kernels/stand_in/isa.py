@@ -11,6 +11,7 @@ operands `[P,1]` fp32; transposes keep the dtype; compute engines never touch HB
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 import numpy as np
@@ -117,7 +118,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     dst, src = _t(dst, "dma_copy dst"), _t(src, "dma_copy src")
     if src.buffer == "psum" or dst.buffer == "psum":
         raise NkiRuleError("dma_copy cannot read or write PSUM (since NKI 0.3); use nisa.tensor_copy to SBUF first")
-    if int(np.prod(src.shape)) != int(np.prod(dst.shape)):
+    if math.prod(src.shape) != math.prod(dst.shape):
         raise NkiRuleError(f"dma_copy: element counts differ: {src!r} -> {dst!r}")
     if dge_mode == dge_mode.hwdge and src.dtype != dst.dtype:
         raise NkiRuleError("dma_copy with hwdge needs identical dtypes; reinterpret with .view()")
@@ -341,7 +342,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     r = funcs[op.name](data.read_f32(), axis=axes, keepdims=keepdims)
     if negate:
         r = -r
-    if int(np.prod(r.shape)) != int(np.prod(dst.shape)) or dst.shape[0] != data.shape[0]:
+    if math.prod(r.shape) != math.prod(dst.shape) or dst.shape[0] != data.shape[0]:
         raise NkiRuleError(f"tensor_reduce: dst {dst!r} does not match the reduced shape {r.shape}")
     dst.write(r.reshape(dst.shape))
 

@@ -1,0 +1,433 @@
+"""Kernel-backed ops: the engine's op table for `--kernels stand-in | nki`.
+
+`make_ops(executor)` returns {name: callable} for every op of `KERNEL_OPS`. With executor "reference" the callables
+ARE the functions of `nki_kernels.reference`; otherwise each one has exactly the reference's signature and return
+contract (shapes, dtypes, `weight=None`, leading batch dims, empty inputs) and runs its family's NKI kernel through
+`dispatch` on that executor ("stand-in" on the host, "neuron" on a device, "simulator", or "auto"). The ops the
+engine calls that no kernel family covers are listed in `REFERENCE_ONLY`: the engine keeps calling the reference
+for those in every mode.
+
+Which kernel runs (dispatch key in `dispatch.counts()`):
+    rms_norm            rmsnorm_kernel                      "rmsnorm"   (weight=None: a cached ones vector, exact)
+    swiglu              swiglu_kernel on fp32 operands      "swiglu"    (the reference widens first and returns fp32)
+    linear              grouped_out_proj_kernel, 1 group    "blockquant.dense"
+    fp8_linear          fp8_gemm_kernel                     "blockquant.fp8"
+    fp4_linear          fp4_gemm_kernel                     "blockquant.fp4"
+    grouped_out_proj    grouped_out_proj_kernel             "blockquant.wo_a"
+    hc_mixes / hc_collapse / hc_expand / hc_attn_out        their own names
+    compress_pool       compress_pool_kernel, ONE call for all leading batch rows (below)   "compress_pool"
+    index_score         index_score_kernel per batch row, top-k of 1 discarded              "index_score"
+    sparse_attn         sparse_attn_kernel per batch row                                    "sparse_attn"
+    sparse_attn_partial always the reference (see fallbacks)                                "sparse_attn.fallback"
+
+Layout adapters that keep the reference's exact contract (not fallbacks: the kernel computes every value):
+    * dtypes the kernel does not take are widened to fp32 first where the reference widens too (rms_norm,
+      swiglu, hc_mixes, hc_collapse, hc_expand with y.dtype != residual.dtype, index_score / sparse_attn with
+      q.dtype != keys.dtype), and the fp32 kernel result is cast once to the reference's output dtype (one
+      rounding, as the reference);
+    * compress_pool: HCA rows of all leading batch entries are one block list; CSA with batch B > 1 interleaves
+      [prev_b | blocks_b] (a zero / -1e30 "absent" block where prev is None) so every block's predecessor is
+      the right one, and drops the B extra outputs;
+    * index_score: fewer than 8 keys are zero-padded to 8 (a zero key scores exactly 0) and cut off again.
+
+Explicit fallbacks to the reference (`dispatch.fallback`: counted as "<family>.fallback", reason in
+`dispatch.fallbacks()`; none of these happen in the tiny model's golden run except `empty`, and never silently):
+    every op            "empty"         an empty tensor (T = 0, no keys, ...): the kernels allocate no 0-size tiles
+    rms_norm            "D > 8192"      the SBUF plan of the kernel
+    linear, fp8/fp4_linear, grouped_out_proj, hc_attn_out   "dtype"   x not fp32/bf16 (the reference computes
+                                                            in x.dtype, which has no PE-array type here)
+    hc_mixes            "M > 512" / "n > 8" / "iters < 1"   (one PSUM bank; mixing tiles; the kernel always does
+                                                            the column normalisation, the reference not for 0)
+    hc_collapse         "n > 16";  hc_expand, hc_attn_out: "n > 8"
+    swiglu              "broadcast"     gate.shape != up.shape (the reference broadcasts)
+    index_score         "Di > 128" / "N > 8192"
+    sparse_attn         "H > 128" / "D > 512" / "N > 16384"
+    sparse_attn_partial "partial"       the kernel returns the normalised output only (no max / sum-exp), so the
+                                        context-parallel merge inputs cannot come from it
+
+Weight layout conversions (transposes, `blockquant.to_trn2_fp8`, fp32 scales, NumPy copies) are made once per
+weight tensor and cached (`WeightCache`: keyed on the tensor object, invalidated when its version counter, data
+pointer, shape or dtype changes). Cached arrays are read-only, so a kernel can never write into them.
+
+This module imports torch, NumPy and the kernel modules (so the stand-in / `nki` resolution); `nki_kernels` never
+imports `engine`. Activations still travel as NumPy copies (`_convert.to_np`), which is the host (stand-in /
+simulator) contract of `Kernel.run`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from nki_kernels import _convert, dispatch, reference
+from nki_kernels import blockquant as _bq
+from nki_kernels import compress_pool as _pool
+from nki_kernels import hc_attn_out as _hao
+from nki_kernels import hc_collapse as _hcc
+from nki_kernels import hc_expand as _hce
+from nki_kernels import hc_mixes as _hcm
+from nki_kernels import index_score as _idx
+from nki_kernels import rmsnorm as _rms
+from nki_kernels import sparse_attn as _sa
+from nki_kernels import swiglu as _swi
+
+KERNEL_OPS = ("rms_norm", "swiglu", "linear", "fp8_linear", "fp4_linear", "grouped_out_proj", "hc_mixes",
+              "hc_collapse", "hc_expand", "hc_attn_out", "compress_pool", "index_score", "sparse_attn",
+              "sparse_attn_partial")
+# reference ops the engine calls that no kernel family covers (the engine keeps the reference for these)
+REFERENCE_ONLY = ("rope_inv_freq", "rope_cos_sin", "rope_apply", "hc_head", "index_topk", "sparse_attn_merge",
+                  "gate_scores", "route")
+
+_NATIVE = (torch.float32, torch.bfloat16)  # activation dtypes the kernels take
+SPARSE_ATTN_MAX_N = 16384  # kvT / logits / probabilities rows per SBUF partition (see sparse_attn.py)
+
+
+def make_ops(executor: str = "stand-in") -> dict[str, Callable[..., Any]]:
+    """The op table: the reference functions themselves for "reference", else `KernelOps(executor).table()`."""
+    if str(executor) == "reference":
+        return {name: getattr(reference, name) for name in KERNEL_OPS}
+    return KernelOps(executor).table()
+
+
+# ---- weight cache ------------------------------------------------------------------------------------------------
+def _sig(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    return (id(t), version, t.data_ptr(), tuple(t.shape), t.dtype, str(t.device))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
+
+
+class WeightCache:
+    """Layout conversions of weights, made once per (weight tensor, tag): `get(tag, weight, make, *deps)` returns
+    the cached value while `weight` (and `deps`, e.g. the scale of an FP8 weight) are unchanged, else calls
+    `make()` again. Entries die with their weight tensor. `conversions` counts the `make()` calls per tag."""
+
+    def __init__(self) -> None:
+        self._store: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.conversions: Counter[str] = Counter()
+
+    def get(self, tag: str, weight: torch.Tensor, make: Callable[[], Any], *deps: torch.Tensor) -> Any:
+        sig = tuple(_sig(t) for t in (weight, *deps))
+        slot = self._store.get(weight)
+        if slot is None:
+            slot = {}
+            self._store[weight] = slot
+        hit = slot.get(tag)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        value = make()
+        slot[tag] = (sig, value)
+        self.conversions[tag] += 1
+        return value
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._store.values())
+
+
+# ---- the ops ---------------------------------------------------------------------------------------------------
+def _np(t: torch.Tensor) -> np.ndarray:
+    return _convert.to_np(t)
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    return _convert.from_np(a)
+
+
+def _fp32_np(t: torch.Tensor) -> np.ndarray:
+    return _frozen(_np(t.detach().float()))
+
+
+class KernelOps:
+    """The kernel-backed ops on one executor, with one weight cache. `table()` is the engine's op table."""
+
+    def __init__(self, executor: str = "stand-in") -> None:
+        executor = str(executor)
+        if executor == "reference":
+            raise ValueError("KernelOps runs kernels; use make_ops('reference') for the reference table")
+        dispatch.resolve_executor(executor)  # fail early when the executor is unavailable here
+        self.executor = executor
+        self.cache = WeightCache()
+        self._ones: dict[int, np.ndarray] = {}
+
+    def table(self) -> dict[str, Callable[..., Any]]:
+        return {name: getattr(self, name) for name in KERNEL_OPS}
+
+    def _run(self, name: str, kernel, args: tuple):
+        return dispatch.dispatch(name, kernel, args, self.executor)[1]
+
+    # -- norms, activations --------------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        d = x.shape[-1]
+        if weight is not None and tuple(weight.shape) != (d,):
+            raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be [{d}]")
+        if x.numel() == 0:
+            return dispatch.fallback(_rms.NAME, "empty", lambda: reference.rms_norm(x, weight, eps))
+        if d > _rms.MAX_D:
+            return dispatch.fallback(_rms.NAME, "D > 8192", lambda: reference.rms_norm(x, weight, eps))
+        if weight is None:
+            if d not in self._ones:
+                self._ones[d] = _frozen(np.ones(d, np.float32))
+            w = self._ones[d]
+        else:
+            w = self.cache.get("fp32", weight, lambda: _fp32_np(weight))
+        xk = x if x.dtype in _NATIVE else x.float()  # the reference widens too; one rounding back below
+        out = self._run(_rms.NAME, _rms.rmsnorm_kernel, (_np(xk.reshape(-1, d)), w, float(eps)))
+        return _torch(out).reshape(x.shape).to(x.dtype)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        if gate.shape != up.shape:
+            return dispatch.fallback(_swi.NAME, "broadcast", lambda: reference.swiglu(gate, up, limit))
+        if gate.numel() == 0:
+            return dispatch.fallback(_swi.NAME, "empty", lambda: reference.swiglu(gate, up, limit))
+        f = gate.shape[-1]
+        # the reference widens both to fp32 and returns fp32: the kernel then runs in fp32 end to end
+        g2, u2 = gate.float().reshape(-1, f), up.float().reshape(-1, f)
+        out = self._run(_swi.NAME, _swi.swiglu_kernel, (_np(g2), _np(u2), float(limit)))
+        return _torch(out).reshape(gate.shape)
+
+    # -- projections ---------------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} [N, K] disagree")
+        if x.numel() == 0 or weight.numel() == 0:
+            return dispatch.fallback("blockquant.dense", "empty", lambda: reference.linear(x, weight))
+        if x.dtype not in _NATIVE:
+            return dispatch.fallback("blockquant.dense", "dtype", lambda: reference.linear(x, weight))
+        dt = x.dtype
+        wT = self.cache.get(f"T.{dt}", weight, lambda: _frozen(_np(weight.detach().to(dt).t().contiguous())))
+        k, n = weight.shape[1], weight.shape[0]
+        out = self._run("blockquant.dense", _bq.grouped_out_proj_kernel, (_np(x.reshape(-1, k)), wT, 1))
+        return _torch(out).reshape(*x.shape[:-1], n)
+
+    def fp8_linear(self, x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+        n, k = w_u8.shape
+        if tuple(scale_u8.shape) != (math.ceil(n / 128), math.ceil(k / 128)) or x.shape[-1] != k:
+            raise ValueError(f"fp8_linear: x {tuple(x.shape)}, w {tuple(w_u8.shape)}, scale "
+                             f"{tuple(scale_u8.shape)} disagree")
+        ref = lambda: reference.fp8_linear(x, w_u8, scale_u8)  # noqa: E731
+        if x.numel() == 0:
+            return dispatch.fallback("blockquant.fp8", "empty", ref)
+        if x.dtype not in _NATIVE:
+            return dispatch.fallback("blockquant.fp8", "dtype", ref)
+
+        def convert():
+            codes, sT = _bq.to_trn2_fp8(w_u8.detach().cpu().view(torch.float8_e4m3fn), scale_u8.detach().cpu())
+            return _frozen(codes), _frozen(sT)
+
+        codes, sT = self.cache.get("trn2_fp8", w_u8, convert, scale_u8)
+        out = self._run("blockquant.fp8", _bq.fp8_gemm_kernel, (_np(x.reshape(-1, k)), codes, sT))
+        return _torch(out).reshape(*x.shape[:-1], n)
+
+    def fp4_linear(self, x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+        n, k = packed_u8.shape[0], packed_u8.shape[1] * 2
+        if k % 32 or tuple(scale_u8.shape) != (n, k // 32) or x.shape[-1] != k:
+            raise ValueError(f"fp4_linear: x {tuple(x.shape)}, packed {tuple(packed_u8.shape)}, scale "
+                             f"{tuple(scale_u8.shape)} disagree")
+        ref = lambda: reference.fp4_linear(x, packed_u8, scale_u8)  # noqa: E731
+        if x.numel() == 0:
+            return dispatch.fallback("blockquant.fp4", "empty", ref)
+        if x.dtype not in _NATIVE:
+            return dispatch.fallback("blockquant.fp4", "dtype", ref)
+
+        def convert():
+            from nki_kernels import formats
+
+            packed = _frozen(packed_u8.detach().cpu().contiguous().numpy())
+            return packed, _frozen(formats.ue8m0_to_float(scale_u8.detach().cpu()).contiguous().numpy())
+
+        packed, s32 = self.cache.get("fp4", packed_u8, convert, scale_u8)
+        out = self._run("blockquant.fp4", _bq.fp4_gemm_kernel, (_np(x.reshape(-1, k)), packed, s32))
+        return _torch(out).reshape(*x.shape[:-1], n)
+
+    def grouped_out_proj(self, o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
+        t, hd = o.shape
+        if hd % groups or wo_a.shape[1] != hd // groups or wo_a.shape[0] % groups:
+            raise ValueError(f"grouped_out_proj: o {tuple(o.shape)}, wo_a {tuple(wo_a.shape)}, groups {groups} "
+                             "disagree")
+        ref = lambda: reference.grouped_out_proj(o, wo_a, groups)  # noqa: E731
+        if o.numel() == 0:
+            return dispatch.fallback("blockquant.wo_a", "empty", ref)
+        if o.dtype not in _NATIVE:
+            return dispatch.fallback("blockquant.wo_a", "dtype", ref)
+        dt, kg, r = o.dtype, hd // groups, wo_a.shape[0] // groups
+
+        def convert():
+            w = wo_a.detach().to(dt).view(groups, r, kg).transpose(1, 2).reshape(groups * kg, r)
+            return _frozen(_np(w.contiguous()))
+
+        woaT = self.cache.get(f"woaT.{dt}.{groups}", wo_a, convert)
+        out = self._run("blockquant.wo_a", _bq.grouped_out_proj_kernel, (_np(o), woaT, int(groups)))
+        return _torch(out)
+
+    # -- mHC -----------------------------------------------------------------------------------------------------
+    def hc_mixes(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+                 iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = hc_mult
+        m = (2 + n) * n
+        if x.dim() != 3 or x.shape[1] != n or tuple(fn.shape) != (m, n * x.shape[2]):
+            raise ValueError(f"hc_mixes: x {tuple(x.shape)} [T, {n}, D] and fn {tuple(fn.shape)} [{m}, nD] disagree")
+        ref = lambda: reference.hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)  # noqa: E731
+        for bad, why in ((x.numel() == 0, "empty"), (m > 512, "M > 512"), (n > 8, "n > 8"),
+                         (iters < 1, "iters < 1")):
+            if bad:
+                return dispatch.fallback(_hcm.NAME, why, ref)
+        fnT = self.cache.get("fnT", fn, lambda: _frozen(_np(fn.detach().float().t().contiguous())))
+        sc = self.cache.get("fp32", scale, lambda: _fp32_np(scale))
+        bs = self.cache.get("fp32", base, lambda: _fp32_np(base))
+        xk = x if x.dtype in _NATIVE else x.float()
+        args = (_np(xk.reshape(x.shape[0], -1)), fnT, sc, bs, int(n), int(iters), float(hc_eps), float(norm_eps))
+        return tuple(_torch(a) for a in self._run(_hcm.NAME, _hcm.hc_mixes_kernel, args))
+
+    def hc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"hc_collapse: x {tuple(x.shape)} must be [T, n, D] and pre {tuple(pre.shape)} [T, n]")
+        ref = lambda: reference.hc_collapse(x, pre)  # noqa: E731
+        if x.numel() == 0:
+            return dispatch.fallback(_hcc.NAME, "empty", ref)
+        if x.shape[1] > 16:
+            return dispatch.fallback(_hcc.NAME, "n > 16", ref)
+        xk = x if x.dtype in _NATIVE else x.float()
+        out = self._run(_hcc.NAME, _hcc.hc_collapse_kernel, (_np(xk), _np(pre.float())))
+        return _torch(out).to(x.dtype)
+
+    def hc_expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+        if residual.dim() != 3:
+            raise ValueError(f"hc_expand: residual {tuple(residual.shape)} must be [T, n, D]")
+        t, n, d = residual.shape
+        if tuple(y.shape) != (t, d) or tuple(post.shape) != (t, n) or tuple(comb.shape) != (t, n, n):
+            raise ValueError(f"hc_expand: y {tuple(y.shape)} [T,D], residual {tuple(residual.shape)} [T,n,D], "
+                             f"post {tuple(post.shape)} [T,n], comb {tuple(comb.shape)} [T,n,n] disagree")
+        ref = lambda: reference.hc_expand(y, residual, post, comb)  # noqa: E731
+        if residual.numel() == 0:
+            return dispatch.fallback(_hce.NAME, "empty", ref)
+        if n > 8:
+            return dispatch.fallback(_hce.NAME, "n > 8", ref)
+        if y.dtype == residual.dtype and y.dtype in _NATIVE:
+            yk, rk = y, residual
+        else:  # the reference widens both; the kernel then rounds once to fp32 and the cast below once more
+            yk, rk = y.float(), residual.float()
+        args = (_np(yk), _np(rk), _np(post.float()), _np(comb.float()))
+        return _torch(self._run(_hce.NAME, _hce.hc_expand_kernel, args)).to(y.dtype)
+
+    def hc_attn_out(self, o: torch.Tensor, wo_b: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                    comb: torch.Tensor) -> torch.Tensor:
+        t, n, d = residual.shape
+        if o.dim() != 2 or tuple(wo_b.shape) != (d, o.shape[1]) or o.shape[0] != t or \
+                tuple(post.shape) != (t, n) or tuple(comb.shape) != (t, n, n):
+            raise ValueError(f"hc_attn_out: o {tuple(o.shape)} [T,K], wo_b {tuple(wo_b.shape)} [D,K], residual "
+                             f"{tuple(residual.shape)} [T,n,D], post {tuple(post.shape)}, comb {tuple(comb.shape)}")
+        ref = lambda: reference.hc_attn_out(o, wo_b, residual, post, comb)  # noqa: E731
+        for bad, why in ((residual.numel() == 0 or o.numel() == 0, "empty"), (o.dtype not in _NATIVE, "dtype"),
+                         (n > 8, "n > 8")):
+            if bad:
+                return dispatch.fallback(_hao.NAME, why, ref)
+        dt = o.dtype
+        wT = self.cache.get(f"T.{dt}", wo_b, lambda: _frozen(_np(wo_b.detach().to(dt).t().contiguous())))
+        rk = residual if residual.dtype in _NATIVE else residual.float()  # loaded into fp32 tiles either way
+        args = (_np(o), wT, _np(rk), _np(post.float()), _np(comb.float()))
+        return _torch(self._run(_hao.NAME, _hao.hc_attn_out_kernel, args))
+
+    # -- compressor, indexer, attention --------------------------------------------------------------------------
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
+                      prev_score: torch.Tensor | None = None) -> torch.Tensor:
+        if kv.shape != score.shape or kv.dim() < 3:
+            raise ValueError(f"compress_pool: kv {tuple(kv.shape)} and score {tuple(score.shape)} must be "
+                             "[..., W, m, C]")
+        if overlap and kv.shape[-1] % 2:
+            raise ValueError("compress_pool: CSA needs an even channel count C = 2d")
+        if (prev_kv is None) != (prev_score is None):
+            raise ValueError("compress_pool: prev_kv and prev_score go together")
+        if kv.numel() == 0:
+            return dispatch.fallback(_pool.NAME, "empty", lambda: reference.compress_pool(
+                kv, score, overlap, prev_kv, prev_score))
+        *lead, w, m, c = kv.shape
+        b = math.prod(lead)
+        kv4, sc4 = kv.float().reshape(b, w, m, c), score.float().reshape(b, w, m, c)
+        absent_kv, absent_sc = torch.zeros(m, c), torch.full((m, c), _pool.NEG)
+        use_prev = overlap and prev_kv is not None
+        if not overlap or b == 1:
+            blocks_kv, blocks_sc = kv4.reshape(b * w, m, c), sc4.reshape(b * w, m, c)
+            pk = prev_kv.float().reshape(b, m, c)[0] if use_prev else absent_kv
+            ps = prev_score.float().reshape(b, m, c)[0] if use_prev else absent_sc
+            keep = None
+        else:  # [prev_b | blocks_b] per batch row: block j of row b pools the first half of its own predecessor
+            pk = prev_kv.float().reshape(b, 1, m, c) if use_prev else absent_kv.expand(b, 1, m, c)
+            ps = prev_score.float().reshape(b, 1, m, c) if use_prev else absent_sc.expand(b, 1, m, c)
+            blocks_kv = torch.cat([pk, kv4], 1).reshape(b * (w + 1), m, c)
+            blocks_sc = torch.cat([ps, sc4], 1).reshape(b * (w + 1), m, c)
+            pk, ps, keep = absent_kv, absent_sc, w + 1
+        nb = blocks_kv.shape[0]
+        args = (_np(blocks_kv.reshape(nb * m, c).t().contiguous()), _np(blocks_sc.reshape(nb * m, c).t().contiguous()),
+                _np(pk.t().contiguous()), _np(ps.t().contiguous()), int(m), bool(overlap))
+        out = _torch(self._run(_pool.NAME, _pool.compress_pool_kernel, args)).t()  # [nb, d]
+        if keep is not None:
+            out = out.reshape(b, keep, -1)[:, 1:]
+        return out.reshape(*lead, w, -1).contiguous()
+
+    def index_score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        b, t, hi, di = q.shape
+        n = keys.shape[1]
+        if tuple(keys.shape) != (b, n, di) or tuple(weights.shape) != (b, t, hi):
+            raise ValueError(f"index_score: q {tuple(q.shape)}, keys {tuple(keys.shape)}, weights "
+                             f"{tuple(weights.shape)} disagree")
+        ref = lambda: reference.index_score(q, keys, weights)  # noqa: E731
+        for bad, why in ((q.numel() == 0 or n == 0, "empty"), (di > 128, "Di > 128"), (n > 8192, "N > 8192")):
+            if bad:
+                return dispatch.fallback(_idx.NAME, why, ref)
+        if q.dtype == keys.dtype and q.dtype in _NATIVE:
+            qk, kk = q, keys
+        else:  # the reference scores in fp32
+            qk, kk = q.float(), keys.float()
+        npad = max(n, 8)  # max8 needs >= 8 entries: zero keys score exactly 0 and are cut off below
+        if npad != n:
+            kk = torch.cat([kk, kk.new_zeros(b, npad - n, di)], 1)
+        nvis = np.full((t, 1), float(npad), np.float32)
+        out = []
+        for bi in range(b):
+            args = (_np(qk[bi].reshape(t, hi * di)), _np(kk[bi].t().contiguous()), _np(weights[bi].float()), nvis,
+                    int(hi), 1)
+            s, _ = self._run(_idx.NAME, _idx.index_score_kernel, args)
+            out.append(_torch(s)[:, :n])
+        return torch.stack(out)
+
+    def sparse_attn(self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+        b, t, h, d = q.shape
+        n = kv.shape[1]
+        if tuple(kv.shape) != (b, n, d) or tuple(valid.shape) != (b, t, n) or tuple(sink.shape) != (h,):
+            raise ValueError(f"sparse_attn: q {tuple(q.shape)}, kv {tuple(kv.shape)}, valid {tuple(valid.shape)}, "
+                             f"sink {tuple(sink.shape)} disagree")
+        ref = lambda: reference.sparse_attn(q, kv, valid, sink, scale)  # noqa: E731
+        for bad, why in ((q.numel() == 0 or n == 0, "empty"), (h > 128, "H > 128"), (d > 512, "D > 512"),
+                         (n > SPARSE_ATTN_MAX_N, "N > 16384")):
+            if bad:
+                return dispatch.fallback(_sa.NAME, why, ref)
+        if q.dtype == kv.dtype and q.dtype in _NATIVE:
+            qk, kvk = q, kv
+        else:  # the reference computes in fp32 from both
+            qk, kvk = q.float(), kv.float()
+        sink_np = self.cache.get("sink", sink, lambda: _frozen(_np(sink.detach().float().reshape(h, 1))))
+        bias = torch.where(valid, 0.0, _sa.MASKED).float()
+        out = []
+        for bi in range(b):
+            args = (_np(qk[bi]), _np(kvk[bi]), _np(bias[bi]), sink_np, float(scale))
+            out.append(_torch(self._run(_sa.NAME, _sa.sparse_attn_kernel, args)))
+        return torch.stack(out).to(q.dtype)
+
+    def sparse_attn_partial(self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return dispatch.fallback(_sa.NAME, "partial", lambda: reference.sparse_attn_partial(q, kv, valid, scale))
