@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import deepinfer_bench.cmd_compile  # noqa: F401
 import deepinfer_bench.cmd_golden  # noqa: F401
 import deepinfer_bench.cmd_kernels  # noqa: F401
 import deepinfer_bench.cmd_matrix  # noqa: F401

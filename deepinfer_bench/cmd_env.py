@@ -19,4 +19,12 @@ def env_cmd() -> None:
     render_df(pd.DataFrame(rows), "DEEPINFER_* flags")
     if envs.recorded:
         render_df(pd.DataFrame([{"variable": k, "value": v} for k, v in envs.recorded]), "Recorded runtime variables")
+    from engine.stack import probe
+
+    st = probe()
+    rows = [{"item": k, "value": str(v)} for k, v in st["versions"].items()]
+    rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
+    render_df(pd.DataFrame(rows), "Stack (torch / XLA / Neuron)")
+    if st["neuron_ls"]:
+        print(st["neuron_ls"])
     print(f"graph_hash: {envs.graph_hash()}")

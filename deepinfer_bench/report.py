@@ -98,6 +98,7 @@ def tool_versions() -> dict[str, str]:
 
 def base_meta(**extra: Any) -> dict[str, Any]:
     from engine.envs import get_envs
+    from engine.stack import probe
 
     meta = {
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -107,6 +108,7 @@ def base_meta(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "versions": tool_versions(),
         "env": get_envs().snapshot(),
+        "stack": probe(),  # torch / torch-xla / torch-neuronx / neuronx-cc / nki versions, PJRT device, LNC, neuron-ls
     }
     meta.update(extra)
     return meta

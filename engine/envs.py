@@ -67,7 +67,8 @@ class Envs:
                 for f in dataclasses.fields(Envs) if f.name != "recorded"]
 
 
-_RECORDED_PREFIXES = ("NEURON_", "NKI_", "XLA_", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+_RECORDED_PREFIXES = ("NEURON_", "NKI_", "XLA_", "PJRT_", "TPU_", "CPU_NUM_DEVICES", "MASTER_ADDR", "MASTER_PORT",
+                      "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MKL_", "OMP_NUM_THREADS")
 
 
 def _parse(name: str, typ: str, raw: str, choices: tuple[str, ...] | None) -> Any:
@@ -127,16 +128,31 @@ def environ() -> MutableMapping[str, str]:
     return os.environ
 
 
-def neuron_worker_env(rank: int, *, logical_nc_config: int = 2, cores_per_rank: int = 1) -> dict[str, str]:
-    """Runtime variables for one Neuron worker rank: basic mode, one NeuronCore per rank."""
+def neuron_worker_env(rank: int, *, world_size: int = 1, logical_nc_config: int = 2, cores_per_rank: int = 1,
+                      master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict[str, str]:
+    """Runtime variables for Neuron worker rank `rank` of `world_size` on this host, set before its runtime starts:
+    its NeuronCores (`cores_per_rank` logical cores at LNC `logical_nc_config`), the Neuron PJRT process layout, and
+    the variables torchrun would set, so torch-xla's Neuron plugin and its `xla://` rendezvous configure the rank
+    exactly as under `torchrun --nproc-per-node world_size`."""
     first = rank * cores_per_rank
     cores = str(first) if cores_per_rank == 1 else f"{first}-{first + cores_per_rank - 1}"
-    return {
+    env = {
+        "PJRT_DEVICE": "NEURON",
         "NEURON_RT_VISIBLE_CORES": cores,
         "NEURON_RT_NUM_CORES": str(cores_per_rank),
         "NEURON_LOGICAL_NC_CONFIG": str(logical_nc_config),
         "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2",
+        "NEURON_PJRT_PROCESS_INDEX": str(rank),
+        "NEURON_PJRT_WORLD_SIZE": str(world_size),
+        "PJRT_LOCAL_PROCESS_RANK": str(rank),
+        "PJRT_LOCAL_PROCESS_COUNT": str(world_size),
     }
+    if world_size > 1 and master_port is not None:  # our launcher (under torchrun, torchrun's variables stand)
+        env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": "deepinfer",
+                    "NEURON_RT_ROOT_COMM_ID": f"{master_addr}:62182"})
+    return env
 
 
 def apply_env(updates: Mapping[str, str]) -> None:

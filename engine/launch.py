@@ -56,6 +56,8 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
     model = Transformer(config.model.config, par, with_mtp=config.model.with_mtp)
     wanted = model.state_dict(keep_vars=True).keys()
     model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(config.model.dtype))
+    with backend.grad_context():
+        model.to(backend.device)  # weights and RoPE tables on the engine's device (a no-op on the host)
     return ModelRunner(config, model, par, backend)
 
 
@@ -79,11 +81,11 @@ def _threads(threads: int | None) -> int | None:
     return get_envs().DEEPINFER_NUM_THREADS or None
 
 
-def _setup_rank(config: EngineConfig, rank: int, threads: int) -> str:
+def _setup_rank(config: EngineConfig, rank: int, cp: int, port: int, threads: int) -> str:
     from engine.backends import get_backend
 
     backend = get_backend(config)
-    backend.setup_process(threads, rank)
+    backend.setup_process(threads, rank, world=cp, master_port=port)
     return backend.dist_backend
 
 
@@ -109,9 +111,12 @@ def _torchrun(config: EngineConfig, fn: Callable[..., Any], args: tuple, threads
     import torch.distributed as dist
 
     from engine.backends import get_backend
+    from engine.envs import get_envs
 
     backend = get_backend(config)
-    backend.setup_process(_threads(threads))
+    world = int(dict(get_envs().recorded)["WORLD_SIZE"])
+    backend.check_parallel(world)
+    backend.setup_process(_threads(threads), int(dict(get_envs().recorded).get("RANK", "0")), world=world)
     par = init_from_env(backend.dist_backend)
     out = _engine_job(par, config, fn, args)
     if par.rank != 0:
@@ -132,6 +137,9 @@ def run_job(config: EngineConfig, fn: Callable[..., Any], args: tuple = (), *, t
         return _torchrun(config, fn, args, threads)
     if config.parallel.cp <= 1:
         return fn(build(config, threads=threads), *args)
+    from engine.backends import get_backend
+
+    get_backend(config).check_parallel(config.parallel.cp)  # refuse up front what the ranks could not run
     import torch
 
     total = _threads(threads) or torch.get_num_threads()

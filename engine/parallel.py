@@ -97,11 +97,29 @@ class Parallel:
 
 
 def init_process_group(rank: int, cp: int, master_port: int, timeout_s: float, dist_backend: str = "gloo") -> Parallel:
-    if dist_backend == "xla":  # pragma: no cover - needs a Neuron machine
-        import torch_xla.distributed.xla_backend  # noqa: F401
-    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
-                            timeout=_dt.timedelta(seconds=timeout_s))
-    return Parallel(rank=rank, cp=cp, group=dist.group.WORLD, control_group=_control_group())
+    """Join the job's process group: gloo over tcp:// on the host; on an XLA device the "xla" group through
+    torch-xla's `xla://` rendezvous (the rank's PJRT/torchrun variables were set by its backend's setup_process).
+    Step messages from rank 0 always travel on a gloo control group."""
+    timeout = _dt.timedelta(seconds=timeout_s)
+    if dist_backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" process-group backend
+
+        dist.init_process_group("xla", init_method="xla://", timeout=timeout)
+        _check_world(cp)
+    else:
+        dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
+                                timeout=timeout)
+    return Parallel(rank=dist.get_rank(), cp=cp, group=dist.group.WORLD, control_group=_control_group())
+
+
+def _check_world(cp: int) -> None:
+    """torch-xla's rendezvous reports world size 1 (and rank 0 everywhere) when its runtime is not set up for
+    several processes - collectives then silently reduce over one rank. Refuse that."""
+    world = dist.get_world_size()
+    if world != cp:
+        raise RuntimeError(f"the xla process group has world size {world}, the job has cp={cp} ranks: the PJRT "
+                           "runtime is not configured for multiple processes (on PJRT CPU, XLA collectives do not "
+                           "run across processes at all)")
 
 
 def _control_group() -> Any:
@@ -116,10 +134,14 @@ def init_from_env(dist_backend: str = "gloo") -> Parallel:
     world = int(rec.get("WORLD_SIZE", "1"))
     if world == 1:
         return Parallel()
-    if dist_backend == "xla":  # pragma: no cover
-        import torch_xla.distributed.xla_backend  # noqa: F401
     timeout = _dt.timedelta(seconds=get_envs().DEEPINFER_DIST_TIMEOUT_S)
-    dist.init_process_group(dist_backend, init_method="env://", timeout=timeout)
+    if dist_backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401
+
+        dist.init_process_group("xla", init_method="xla://", timeout=timeout)
+        _check_world(world)
+    else:
+        dist.init_process_group(dist_backend, init_method="env://", timeout=timeout)
     return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group())
 
 
@@ -141,10 +163,10 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tuple, results: Any,
                timeout_s: float, kill_at: tuple[int, int] | None, threads: int,
-               setup: Callable[[int, int], str] | None) -> None:
+               setup: Callable[[int, int, int, int], str] | None) -> None:
     try:
         # threads, reproducible math, per-rank runtime variables: set before any runtime starts
-        dist_backend = setup(rank, threads) if setup is not None else _default_setup(rank, threads)
+        dist_backend = setup(rank, cp, port, threads) if setup is not None else _default_setup(rank, cp, port, threads)
         par = init_process_group(rank, cp, port, timeout_s, dist_backend)
         if kill_at is not None and kill_at[0] == rank:
             par.kill_at = kill_at[1]
@@ -162,7 +184,7 @@ def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tup
         os._exit(1)
 
 
-def _default_setup(rank: int, threads: int) -> str:
+def _default_setup(rank: int, cp: int, port: int, threads: int) -> str:
     from engine.backends.host import setup_host_process
 
     setup_host_process(threads)
@@ -170,12 +192,12 @@ def _default_setup(rank: int, threads: int) -> str:
 
 
 def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: float | None = None,
-           kill_at: tuple[int, int] | None = None, setup: Callable[[int, int], str] | None = None,
+           kill_at: tuple[int, int] | None = None, setup: Callable[[int, int, int, int], str] | None = None,
            threads: int | None = None) -> Any:
     """Run `job(par, *args)` on cp ranks (processes) and return rank 0's result.
 
-    `setup(rank, threads) -> dist backend name` runs first in every rank process (the engine passes its backend's
-    `setup_process`); the default sets the host threads and joins over gloo. `threads`: torch threads per rank
+    `setup(rank, cp, port, threads) -> dist backend name` runs first in every rank process (the engine passes its
+    backend's `setup_process`); the default sets the host threads and joins over gloo. `threads`: torch threads per rank
     (default: DEEPINFER_NUM_THREADS or torch's, split between the ranks).
 
     Any rank that raises, dies (e.g. SIGKILL) or outlives `timeout_s` ends the job: the others are terminated

@@ -12,8 +12,15 @@ of blocks (capped by max_model_len), so each region compiles once per (batch buc
 Padded rows point at the cache's scratch slot and scratch block (KVCache(scratch=True)); attention's static variant
 (`Attention.decode_static`) gathers every entry the tables can hold and masks by position, and writes that must not
 happen go to the scratch slot/block, so there is no host sync and no data-dependent shape inside a graph.
-**Lazy cache views.** A region gets the root tensors of its layer's compress ratio (`KVCache.roots[m]`) and slices
-its layer inside the graph (`KVCache.layer_view`), instead of a dozen per-layer tensors.
+**Graphs shared across layers.** A region gets the root tensors of its layer's compress ratio flattened over
+(layer, slot) and (layer, block) (`KVCache.flat_roots`) and its layer index as a device tensor, and offsets its
+slot and block indices by it; its weights are the layer's own tensors. So no layer-specific value is a graph
+constant: layers of the same structure (attention: compress ratio; MoE: hash routing or not) run the same graph,
+and the number of distinct graphs is (region kinds x structures x batch buckets x block buckets), whatever the
+number of layers. A backend that captures graphs by tracing with guards on module identity (torch.compile on the
+host) compiles one template per structure and feeds each layer's tensors in with `torch.func.functional_call`
+(`Backend.compile_region`); a lazy-tensor backend (torch-xla) gets the sharing from its graph cache, with a
+`region_end()` (`torch_xla.sync()`) after every region so each region is one graph.
 
 **Stages.** Region code calls `split(stage)` at stage boundaries (`attn.qkv`, `attn.compress`, `attn.index`,
 `attn.core`, `attn.out`, `moe.gate`, `moe.experts`, `moe.exchange`, ...). Timing off, `split` is `no_split` and
@@ -23,15 +30,15 @@ so the region runs stage by stage with a synchronize() and a clock read at every
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.backends import Backend
 from engine.config import BATCH_BUCKETS, GraphMode
-from engine.model.cache import KVCache, SeqStep
+from engine.model.cache import KVCache, LayerCache, SeqStep
 from engine.model.model import Block, Transformer
 from engine.profiling import RegionTimer, no_split
 
@@ -52,45 +59,55 @@ def block_bucket(n: int, max_blocks: int) -> int:
     return max(n, min(b, max_blocks))
 
 
-def _attn(blk: Block, cache: KVCache, split: Callable[[str], None], x: torch.Tensor, roots: dict[str, torch.Tensor],
-          pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    lc = cache.layer_view(blk.layer_id, roots)
-    return blk.hc_site(x, "attn", lambda h: blk.attn.decode_static(h, pos, slots, tables, lc, split), split)
+class Region(nn.Module):
+    """One region of one decoder layer, as a module over that layer's Block: `forward(x, roots, li, pos, slots,
+    tables, ids)` with x [Bp, n, dim] streams -> [Bp, n, dim]. `roots` are the cache's root tensors of the layer's
+    compress ratio flattened over (layer, slot) and (layer, block) (`KVCache.flat_roots`), `li` the layer's index
+    in them as a 0-d device tensor: the region adds li * rows-per-layer to its slot and block indices, so nothing
+    layer-specific is a graph constant and layers of the same kind run the same graph."""
 
+    def __init__(self, blk: Block, kind: str, cache: KVCache, split: Callable[[str], None]) -> None:
+        super().__init__()
+        self.blk, self.kind, self.split = blk, kind, split
+        self.ratio = cache.where[blk.layer_id][0]
+        self.slots_per_layer, self.blocks_per_layer = cache.num_slots + 1, cache.num_blocks + 1
+        self._params: dict[str, torch.Tensor] | None = None
+        self.prefixes = {"attn": ("blk.attn.", "blk.attn_norm.", "blk.hc_attn_"),
+                         "moe": ("blk.ffn.", "blk.ffn_norm.", "blk.hc_ffn_"), "layer": ("blk.",)}[kind]
 
-def _moe(blk: Block, split: Callable[[str], None], x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    return blk.hc_site(x, "ffn", lambda h: blk.ffn.forward_static(h, input_ids, split), split)
+    def structure(self) -> tuple:
+        """Layers whose regions share a graph: same kind and same structure (attention: compress ratio; MoE: hash
+        routing or not; a whole layer: both)."""
+        gate_hash = self.blk.ffn.gate.hash
+        return {"attn": (self.kind, self.ratio), "moe": (self.kind, gate_hash),
+                "layer": (self.kind, self.ratio, gate_hash)}[self.kind]
 
+    def params(self) -> dict[str, torch.Tensor]:
+        """This layer's tensors the region reads (the inputs of a shared graph)."""
+        if self._params is None:
+            self._params = {k: v for k, v in self.named_parameters() if k.startswith(self.prefixes)}
+        return self._params
 
-def attn_region(blk: Block, cache: KVCache, split: Callable[[str], None], x: torch.Tensor,
-                roots: dict[str, torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                input_ids: torch.Tensor) -> torch.Tensor:
-    """The attention half of layer `blk`: streams x [B, n, dim] -> [B, n, dim] (B a bucket)."""
-    return _attn(blk, cache, split, x, roots, pos, slots, tables)
-
-
-def moe_region(blk: Block, cache: KVCache, split: Callable[[str], None], x: torch.Tensor,
-               roots: dict[str, torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-               input_ids: torch.Tensor) -> torch.Tensor:
-    """The MoE half of layer `blk`: x [B, n, dim] -> [B, n, dim]."""
-    return _moe(blk, split, x, input_ids)
-
-
-def layer_region(blk: Block, cache: KVCache, split: Callable[[str], None], x: torch.Tensor,
-                 roots: dict[str, torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 input_ids: torch.Tensor) -> torch.Tensor:
-    """The whole decoder layer as one region: attention half then MoE half."""
-    return _moe(blk, split, _attn(blk, cache, split, x, roots, pos, slots, tables), input_ids)
-
-
-_REGION_FNS = {"attn": attn_region, "moe": moe_region, "layer": layer_region}
+    def forward(self, x: torch.Tensor, roots: dict[str, torch.Tensor], li: torch.Tensor,
+                packed: torch.Tensor) -> torch.Tensor:
+        """`packed` [Bp, 3 + NB] int64: pos, slot, token id, block table (RegionRunner.prepare)."""
+        blk, split = self.blk, self.split
+        pos, slots, ids, tables = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:]
+        if self.kind in ("attn", "layer"):
+            lc = LayerCache(ratio=self.ratio, **roots)
+            sl, tl = slots + li * self.slots_per_layer, tables + li * self.blocks_per_layer
+            x = blk.hc_site(x, "attn", lambda h: blk.attn.decode_static(h, pos, sl, tl, lc, split), split)
+        if self.kind in ("moe", "layer"):
+            x = blk.hc_site(x, "ffn", lambda h: blk.ffn.forward_static(h, ids, split), split)
+        return x
 
 
 class RegionRunner:
     """Runs pure-decode steps of `model` as region graphs over `cache` (which must have a scratch slot/block).
 
     `launches` counts graph calls; `launches_last_step` is the count of the latest step (2 x layers in `regions`
-    mode, 1 x layers in `layer` mode). `compiled` records each (region, layer, batch bucket, block bucket) seen."""
+    mode, 1 x layers in `layer` mode). `compiled` records each distinct graph: (region kind, structure, batch
+    bucket, block bucket) - its size does not grow with the number of layers."""
 
     def __init__(self, model: Transformer, cache: KVCache, mode: GraphMode | str, backend: Backend, max_blocks: int,
                  timer: RegionTimer | None = None, buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
@@ -103,72 +120,78 @@ class RegionRunner:
         self.max_blocks, self.buckets = max_blocks, buckets
         self.timer = timer
         self.kinds = ("layer",) if mode is GraphMode.LAYER else ("attn", "moe")
-        self._graphs: dict[tuple[str, int, bool], Callable[..., torch.Tensor]] = {}
-        self._boundary = backend.boundary(self._split)  # kept out of graphs; used only by the timed graphs
+        boundary = backend.boundary(self._split)  # kept out of graphs; used only by the timed graphs
+        dev = backend.device
+        self._regions = {timed: [[Region(blk, kind, cache, boundary if timed else no_split) for kind in self.kinds]
+                                 for blk in model.layers] for timed in (False, True)}
+        self._li = [torch.tensor(cache.where[blk.layer_id][1], device=dev) for blk in model.layers]
+        self._graphs: dict[tuple, Callable[..., torch.Tensor]] = {}
+        self._embed = backend.compile_fn(lambda packed: model.streams(packed[:, 2]), "embed")
+        self.head = backend.compile_fn(model.logits, "head")  # the runner's head for region steps
         self.launches = 0
         self.launches_last_step = 0
-        self.compiled: set[tuple[str, int, int, int]] = set()
+        self.compiled: set[tuple] = set()
 
     def _split(self, stage: str) -> None:
         if self.timer is not None:
             self.timer.split(stage)
 
-    def _graph(self, kind: str, blk: Block, timed: bool) -> Callable[..., torch.Tensor]:
-        key = (kind, blk.layer_id, timed)
+    def _graph(self, region: Region, timed: bool) -> Callable[..., torch.Tensor]:
+        key = (region.structure(), timed)
         fn = self._graphs.get(key)
         if fn is None:
-            split = self._boundary if timed else no_split
-            fn = self.backend.compile(functools.partial(_REGION_FNS[kind], blk, self.cache, split))
+            fn = self.backend.compile_region(region)
             self._graphs[key] = fn
         return fn
 
-    def prepare(self, steps: list[SeqStep], input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Padded static inputs: pos, slots, tables [Bp, NB], ids [Bp] (Bp = batch bucket, NB = block bucket)."""
+    def prepare(self, steps: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor:
+        """Padded static inputs on the device, in ONE host-to-device copy: [Bp, 3 + NB] int64 rows of (pos, slot,
+        token id, block table) (Bp = batch bucket, NB = block bucket; padded rows point at the scratch slot and
+        block). The regions slice it inside their graphs."""
         b = len(steps)
         bp = batch_bucket(b, self.buckets)
         bs = self.cache.block_size
         nb = block_bucket(max(s.start // bs + 1 for s in steps), self.max_blocks)
-        scratch_slot, scratch_block = self.cache.num_slots, self.cache.num_blocks
-        pos = torch.zeros(bp, dtype=torch.long)
-        slots = torch.full((bp,), scratch_slot, dtype=torch.long)
-        tables = torch.full((bp, nb), scratch_block, dtype=torch.long)
-        ids = torch.zeros(bp, dtype=torch.long)
+        packed = torch.zeros(bp, 3 + nb, dtype=torch.long)  # pos, slot, id, table...
+        packed[:, 1], packed[:, 3:] = self.cache.num_slots, self.cache.num_blocks
+        ids = input_ids.tolist() if input_ids.device.type == "cpu" else input_ids.cpu().tolist()
         for i, s in enumerate(steps):
-            pos[i], slots[i], ids[i] = s.start, s.slot, input_ids[s.token_start]
+            if s.token_start != i:
+                raise ValueError(f"decode step {i} has token_start {s.token_start}: one token per sequence, in order")
+            packed[i, 0], packed[i, 1], packed[i, 2] = s.start, s.slot, ids[i]
             bt = s.block_table[:nb]
-            tables[i, : len(bt)] = bt
-        return pos, slots, tables, ids
+            packed[i, 3: 3 + len(bt)] = bt
+        return packed.to(self.backend.device)
 
     def decode_step(self, steps: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor:
         """One decode step (every step n == 1) -> final streams [T, n, dim] in input_ids order."""
         timer = self.timer
         timed = timer is not None and timer.enabled
-        region = timer.region if timer is not None else None
+        region = timer.region if timed else None
         if region is None:
-            pos, slots, tables, ids = self.prepare(steps, input_ids)
-            x = self.model.streams(ids)  # [Bp, n, dim]
+            packed = self.prepare(steps, input_ids)
+            x = self._embed(packed)  # [Bp, n, dim]
         else:
             with region("embed"):
-                pos, slots, tables, ids = self.prepare(steps, input_ids)
-                x = self.model.streams(ids)  # [Bp, n, dim]
+                packed = self.prepare(steps, input_ids)
+                x = self._embed(packed)  # [Bp, n, dim]
         n_launch = 0
-        for blk in self.model.layers:
-            roots = self.cache.roots[self.cache.where[blk.layer_id][0]]
-            for kind in self.kinds:
-                fn = self._graph(kind, blk, timed)
-                self.compiled.add((kind, blk.layer_id, pos.shape[0], tables.shape[1]))
+        shape = (packed.shape[0], packed.shape[1] - 3)
+        for blk, regions, li in zip(self.model.layers, self._regions[timed], self._li, strict=True):
+            roots = self.cache.flat_roots[self.cache.where[blk.layer_id][0]]
+            for reg in regions:
+                fn = self._graph(reg, timed)
+                self.compiled.add((reg.kind, reg.structure()[1:], *shape))
                 if region is None:
-                    x = fn(x, roots, pos, slots, tables, ids)
+                    x = fn(reg, x, roots, li, packed)
                 else:
-                    with region(kind, blk.layer_id):
-                        x = fn(x, roots, pos, slots, tables, ids)
+                    with region(reg.kind, blk.layer_id):
+                        x = fn(reg, x, roots, li, packed)
+                self.backend.region_end()
                 n_launch += 1
         self.launches += n_launch
         self.launches_last_step = n_launch
-        rows = torch.tensor([s.token_start for s in steps])
-        out = torch.empty(len(steps), *x.shape[1:], dtype=x.dtype)
-        out[rows] = x[: len(steps)]
-        return out
+        return x[: len(steps)]
 
 
 def region_summary(runner: Any) -> dict[str, Any]:
@@ -178,4 +201,4 @@ def region_summary(runner: Any) -> dict[str, Any]:
         return {"graph_mode": "eager", "graph_launches_per_step": 0}
     return {"graph_mode": str(rr.mode), "graph_launches_per_step": rr.launches_last_step,
             "graph_backend": f"{rr.backend.name}:{getattr(rr.backend, 'compiler', '')}",
-            "compiled_shapes": len(rr.compiled)}
+            "compiled_shapes": len(rr.compiled), "distinct_graphs": len(rr.compiled)}

@@ -59,8 +59,9 @@ class ModelRunner:
         for layer in [*model.layers, *model.mtp]:
             layer.ffn.capacity = graph.moe_capacity
         self.timer = RegionTimer(enabled=graph.region_timing, synchronize=self.backend.synchronize)
+        self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,
-                             cp=self.par.cp, scratch=graph.mode is not GraphMode.EAGER)
+                             cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER)
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -69,14 +70,21 @@ class ModelRunner:
 
     # -- execution -------------------------------------------------------------------------------------------------
     def free_slot(self, slot: int) -> None:
-        self.cache.reset_slot(slot)
+        with self.backend.grad_context():
+            self.cache.reset_slot(slot)
+            self.backend.step_end()  # a graph of its own: the next step's graph does not depend on which slots freed
 
-    @torch.inference_mode()
     def forward(self, steps: list[SeqStep], input_ids: torch.Tensor, logit_index: torch.Tensor | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
         """Run one step. `steps` carry each sequence's slot, start position, token count and block table;
         `input_ids` [T] holds their tokens back to back. Returns fp32 logits of `logit_index` tokens (default: the
-        last token of each step) [len, vocab], or the final streams [T, n, dim] with `return_hidden`."""
+        last token of each step) [len, vocab] on the host, or the final streams [T, n, dim] (on the device) with
+        `return_hidden`."""
+        with self.backend.grad_context():
+            return self._forward(steps, input_ids, logit_index, return_hidden)
+
+    def _forward(self, steps: list[SeqStep], input_ids: torch.Tensor, logit_index: torch.Tensor | None,
+                 return_hidden: bool) -> torch.Tensor:
         for s in steps:
             if s.start + s.n > self.max_model_len:
                 raise ValueError(f"sequence needs {s.start + s.n} positions, max_model_len is {self.max_model_len}")
@@ -85,16 +93,22 @@ class ModelRunner:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
         self.num_steps += 1
         if self.regions is not None and self.batch_decode and steps and all(s.n == 1 for s in steps):
-            x = self.regions.decode_step(steps, input_ids)  # pure decode: region graphs
+            x = self.regions.decode_step(steps, input_ids)  # pure decode: region graphs, rows in step order
+            last = None
         else:
-            plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode)
-            x = self.model.hidden(input_ids, plan, self.cache, self.timer)
+            plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
+            x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
+            last = [s.token_start + s.n - 1 for s in steps]
         if return_hidden:
             return x
-        if logit_index is None:
-            logit_index = torch.tensor([s.token_start + s.n - 1 for s in steps])
         with self.timer.region("head"):
-            return self.model.logits(x[logit_index])
+            if logit_index is not None:
+                x = x[logit_index.to(self.device)]
+            elif last is not None and last != list(range(x.shape[0])):
+                x = x[torch.tensor(last, device=self.device)]
+            logits = self.model.logits(x) if last is not None else self.regions.head(x)
+            self.backend.step_end()
+            return self.backend.to_host(logits)
 
     def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
         """Scheduler entry point: for each (seq, n), process seq.all_token_ids[num_computed : num_computed + n] at

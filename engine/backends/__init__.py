@@ -25,16 +25,55 @@ class Backend(Protocol):
     @property
     def device(self) -> Any: ...
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]: ...
+    def compile_region(self, region: Any) -> Callable[..., Any]:
+        """A callable `g(region, *args)` running `region(*args)` as a graph; regions of the same structure share
+        it (engine/regions.py)."""
+        ...
 
-    def synchronize(self) -> None: ...
+    def compile_fn(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """`fn` (static shapes) as one graph per call on a graph backend; as it is on the host."""
+        ...
 
-    def boundary(self, fn: Callable[[str], None]) -> Callable[[str], None]: ...
+    def region_end(self) -> None:
+        """After each region of a decode step (a lazy-tensor backend cuts its graph here)."""
+        ...
 
-    def setup_process(self, threads: int | None = None, rank: int = 0) -> None: ...
+    def step_end(self) -> None:
+        """After each engine step, before its logits are read."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (region timing calls it at every boundary)."""
+        ...
+
+    def boundary(self, fn: Callable[[str], None]) -> Callable[[str], None]:
+        """`fn` kept out of a captured graph (region timing's split points)."""
+        ...
+
+    def grad_context(self) -> Any:
+        """The autograd mode the engine runs under (inference_mode on the host; no_grad on torch-xla)."""
+        ...
+
+    def to_host(self, t: Any) -> Any:
+        """A step's result (logits) as a CPU tensor: the one device-to-host copy of a step."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters for results metadata: compiles, executions, transfers, fallbacks (empty on the host)."""
+        ...
+
+    def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
+                      master_port: int | None = None) -> None:
+        """Set this (rank) process up before any runtime starts: threads, reproducible math, runtime variables."""
+        ...
+
+    def check_parallel(self, cp: int) -> None:
+        """Raise ValueError (with the reason) if this backend cannot run cp ranks here."""
+        ...
 
 
-_REGISTRY = {"host": "engine.backends.host:HostBackend", "neuron": "engine.backends.neuron:NeuronBackend"}
+_REGISTRY = {"host": "engine.backends.host:HostBackend", "xla": "engine.backends.xla:XlaBackend",
+             "neuron": "engine.backends.xla:NeuronBackend"}
 
 
 def get_backend(config: EngineConfig) -> Backend:

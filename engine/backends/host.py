@@ -53,16 +53,46 @@ class HostBackend:
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_region(self, region: Any) -> Callable[..., Any]:
+        """`none`: the region as plain Python. Otherwise one torch.compile graph over `region` as a template, each
+        layer's tensors passed in by functional_call: dynamo guards on the template (one object) and on the tensors'
+        metadata, so layers of one structure reuse one graph per static shape instead of one each."""
         if self.compiler is HostCompiler.NONE:
-            return fn
-        return torch.compile(fn, backend=self.compiler.value, dynamic=False)
+            return lambda reg, *args: reg(*args)
+
+        def run(params: dict[str, torch.Tensor], *args: Any) -> Any:
+            return torch.func.functional_call(region, params, args)
+
+        graph = torch.compile(run, backend=self.compiler.value, dynamic=False)
+        return lambda reg, *args: graph(reg.params(), *args)
+
+    def compile_fn(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        return fn  # embed / head of a decode step: one or two kernels each, nothing to gain from a graph here
+
+    def region_end(self) -> None:
+        """Eager CPU kernels: nothing to cut."""
+
+    def step_end(self) -> None:
+        """Nothing queued on the host."""
 
     def synchronize(self) -> None:
         """CPU kernels run synchronously; nothing to wait for."""
 
+    def grad_context(self) -> Any:
+        return torch.inference_mode()
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
     def boundary(self, fn: Callable[[str], None]) -> Callable[[str], None]:
         return torch.compiler.disable(fn)  # a graph break: the stages before and after become separate graphs
 
-    def setup_process(self, threads: int | None = None, rank: int = 0) -> None:
+    def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
+                      master_port: int | None = None) -> None:
         setup_host_process(threads)
+
+    def check_parallel(self, cp: int) -> None:
+        """gloo ranks on this host: any layout the config accepted."""

@@ -75,7 +75,7 @@ class Compressor(nn.Module):
         m, n = self.ratio, kv.shape[0]
         off = m if self.overlap else 0
         r0 = start % m  # rows of the current block already in the state
-        pos = torch.arange(start, start + n)
+        pos = torch.arange(start, start + n, device=kv.device)
         score = score + self.ape[pos % m]
         seq_kv = torch.cat([st_kv[off: off + r0], kv], 0)  # positions start-r0 .. start+n-1
         seq_sc = torch.cat([st_score[off: off + r0], score], 0)
@@ -85,7 +85,7 @@ class Compressor(nn.Module):
             blocks_sc = seq_sc[: n_close * m].view(n_close, m, -1)
             prev = (st_kv[:m], st_score[:m]) if self.overlap else (None, None)
             pooled = compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
-            w = torch.arange(start // m, start // m + n_close)
+            w = torch.arange(start // m, start // m + n_close, device=kv.device)
             self._store(self.finish(pooled, w * m, rope, dtype), w, pool, table)
             if self.overlap:
                 st_kv[:m] = blocks_kv[-1]
@@ -156,7 +156,7 @@ class Compressor(nn.Module):
         u = w // self.cp
         epb = pool.shape[1]
         if tables.dim() == 2:
-            pool[tables[torch.arange(len(u)), u // epb], u % epb] = entries
+            pool[tables[torch.arange(len(u), device=u.device), u // epb], u % epb] = entries
         else:
             pool[tables[u // epb], u % epb] = entries
 
@@ -300,7 +300,7 @@ class Attention(nn.Module):
         if self.par is None:
             for g, p in zip(groups, picks, strict=True):
                 if p is not None:
-                    sel = torch.zeros(g.scores.shape, dtype=torch.bool).scatter_(-1, p[0], p[1])
+                    sel = torch.zeros(g.scores.shape, dtype=torch.bool, device=g.scores.device).scatter_(-1, p[0], p[1])
                     g.valid[..., g.n_win:] &= sel
             return
         cands = []
@@ -354,7 +354,7 @@ class Attention(nn.Module):
         if num == 0:
             return
         nloc = max(0, -(-(num - self.rank) // cp))  # this rank's share
-        ids = self.rank + cp * torch.arange(nloc)  # their global ids
+        ids = self.rank + cp * torch.arange(nloc, device=tables.device)  # their global ids
         entries = gather_entries(cache.cmp_pool, tables, nloc)  # [B, E, D]
         g.n_win = g.keys.shape[1]
         g.keys = torch.cat([g.keys, entries.to(g.keys.dtype)], 1)
@@ -382,7 +382,7 @@ class Attention(nn.Module):
         cache.win_kv[torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl] = kv.to(cache.win_kv.dtype)
         keys = cache.win_kv[slots]  # [B, wl, D]
         jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")  # [B]
-        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl)[None]) % wl
+        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl, device=pos.device)[None]) % wl
         g = _Group(rows=slice(None), q=q[:, None], keys=keys, valid=(j >= 0)[:, None])  # valid [B, 1, wl]
         split("attn.qkv")
         if self.ratio:
@@ -394,7 +394,7 @@ class Attention(nn.Module):
             split("attn.compress")
             visible = ((pos + 1) // self.ratio)[:, None]  # [B, 1] global count of causal entries
             nloc = tables.shape[1] * cache.cmp_pool.shape[1]  # static: every entry the tables can hold
-            ids = self.rank + cp * torch.arange(nloc)  # [E] global ids
+            ids = self.rank + cp * torch.arange(nloc, device=pos.device)  # [E] global ids
             g.n_win = wl
             g.keys = torch.cat([keys, cache.cmp_pool[tables].flatten(1, 2).to(keys.dtype)], 1)  # [B, wl + E, D]
             g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
@@ -415,17 +415,18 @@ class Attention(nn.Module):
                rows: slice) -> _Group:
         win, n, start, cp = self.win, s.n, s.start, self.cp
         wl = cache.win_kv.shape[1]  # ring rows on this rank (win / cp)
-        qpos = torch.arange(start, start + n)
+        qpos = torch.arange(start, start + n, device=q.device)
         # window keys: this rank's share of the win-1 earlier positions (from the ring), then of the chunk itself
-        ppos = torch.arange(max(0, start - win + 1), start)
+        ppos = torch.arange(max(0, start - win + 1), start, device=q.device)
         ppos = ppos[self._owned(ppos)]
         own_new = self._owned(qpos)
         keys = torch.cat([cache.win_kv[s.slot, (ppos // cp) % wl], kv[own_new].to(cache.win_kv.dtype)], 0)
         kpos = torch.cat([ppos, qpos[own_new]])
         valid = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - win)  # [n, Nw]
-        keep = qpos[-win:]
+        tail = max(0, n - win)  # the last `win` positions (no negative slice start: XLA does not clamp it)
+        keep = qpos[tail:]
         keep_own = self._owned(keep)
-        cache.win_kv[s.slot, (keep[keep_own] // cp) % wl] = kv[-win:][keep_own].to(cache.win_kv.dtype)
+        cache.win_kv[s.slot, (keep[keep_own] // cp) % wl] = kv[tail:][keep_own].to(cache.win_kv.dtype)
         g = _Group(rows=rows, q=q[None], keys=keys[None], valid=valid[None])
         if self.ratio:
             self.compressor.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_pool,
@@ -446,7 +447,7 @@ class Attention(nn.Module):
         keys = cache.win_kv[slots]  # [B, wl, D]
         # ring row i holds this rank's latest position r + cp*j <= pos with j % wl == i
         jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")  # [B]
-        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl)[None]) % wl
+        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl, device=pos.device)[None]) % wl
         g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=(j >= 0)[:, None])  # valid [B, 1, wl]
         if self.ratio:
             ckv, csc = aux["c"]

@@ -15,6 +15,7 @@ The plan of a step is built once and reused by every layer (FlashInfer's plan/ru
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,9 @@ class KVCache:
                 self.where[lid] = (m, i)
         self.layers: dict[int, LayerCache] = {lid: self.layer_view(lid, self.roots[self.where[lid][0]])
                                               for lid in layer_ids}
+        # (layer, slot) and (layer, block) flattened: views of the same storage, for graphs shared across layers
+        self.flat_roots: dict[int, dict[str, torch.Tensor]] = {
+            m: {name: t.flatten(0, 1) for name, t in roots.items()} for m, roots in self.roots.items()}
 
     def layer_view(self, lid: int, roots: dict[str, torch.Tensor]) -> LayerCache:
         """Layer `lid`'s tensors as views of `roots` (the roots of its ratio); cheap, so graphs call it inside."""
@@ -106,8 +110,14 @@ class KVCache:
         return LayerCache(ratio=m, **{name: t[i] for name, t in roots.items()})
 
     def reset_slot(self, slot: int) -> None:
-        for lc in self.layers.values():
-            lc.reset_slot(slot)
+        """Clear a slot's window ring and compressor states in every layer (the pool needs no reset: a sequence
+        only reads entries it wrote). The slot index is a tensor, so on a graph backend one graph serves all slots."""
+        idx = torch.tensor([slot], device=next(iter(self.roots.values()))["win_kv"].device)
+        for roots in self.roots.values():
+            for name, t in roots.items():
+                if name.endswith("_pool"):
+                    continue
+                t.index_fill_(1, idx, float("-inf") if name.endswith("_score") else 0.0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for roots in self.roots.values() for t in roots.values())
@@ -140,10 +150,12 @@ class StepPlan:
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, batch_decode: bool = True,
               device: torch.device | str = "cpu") -> StepPlan:
+        """Index tensors of the step, built on the host and copied to `device` (prefill block tables too)."""
         positions = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(device)
         plan = StepPlan(seqs=seqs, positions=positions, block_size=block_size)
         dec = [s for s in seqs if s.n == 1] if batch_decode else []
-        plan.prefill = tuple(s for s in seqs if not (batch_decode and s.n == 1))
+        plan.prefill = tuple(dataclasses.replace(s, block_table=s.block_table.to(device))
+                             for s in seqs if not (batch_decode and s.n == 1))
         if dec:
             plan.dec_tokens = torch.tensor([s.token_start for s in dec], device=device)
             plan.dec_slots = torch.tensor([s.slot for s in dec], device=device)

@@ -54,16 +54,19 @@ class Embedding(nn.Module):
         self.weight = _empty(vocab_size, dim)
 
 
-class Rope:
+class Rope(nn.Module):
     """Per-layer RoPE tables: plain base `rope_theta` for sliding-only layers, YaRN-blended `compress_rope_theta` for
-    layers with a compressor (used for q, window kv, compressed entries and indexer q/k alike)."""
+    layers with a compressor (used for q, window kv, compressed entries and indexer q/k alike). `inv_freq` is a
+    non-persistent buffer: not in the checkpoint, but it moves with the model to its device."""
 
-    def __init__(self, cfg: ModelConfig, compressed: bool, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, compressed: bool) -> None:
+        super().__init__()
         if compressed:
             yarn = (cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
-            self.inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, yarn).to(device)
+            inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, yarn)
         else:
-            self.inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, None).to(device)
+            inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.inv_freq)

@@ -1,0 +1,194 @@
+"""XLA backends: the engine on a torch-xla device, the PyTorch/XLA way (lazy tensors cut into graphs by
+`torch_xla.sync()`).
+
+* `xla`: whatever PJRT device torch-xla gives (`PJRT_DEVICE=CPU` on a CPU host: real graph compilation, caching
+  and execution by XLA's CPU backend - the verification path of the device code);
+* `neuron`: the same on the Neuron PJRT device of a trn2 (torch-neuronx installs the plugin), with the Neuron
+  runtime variables of each rank set before the runtime starts.
+
+Weights, the KV-cache roots, RoPE tables and each step's inputs live on the device; a step's inputs go up in one
+copy and only its logits come back. Execution follows torch-xla 2.x's documented split: **eager mode**
+(`torch_xla.experimental.eager_mode(True)`: every op outside a compiled function runs at once, compiled per op and
+shape and cached) for the engine's eager path - prefill chunks and `--graph-mode eager`, whose host reads and
+data-dependent shapes would otherwise cut a lazily traced step into dozens of large graphs recompiled per shape -
+and **`torch_xla.compile`** for the decode regions of `--graph-mode regions|layer`: each region call is traced
+and run as one XLA graph, cached by its IR hash; a layer's weights and cache roots are device data (graph inputs),
+so every layer of the same structure runs the same graph (engine/regions.py). Counters come from
+`torch_xla.debug.metrics` (`metrics()`).
+
+torch-xla is imported here only, when the backend is built. On PJRT CPU, XLA collectives do not run across
+processes (pytorch/xla#5005, #9089), so cp > 1 is refused there (`setup_process`); on Neuron, ranks join the
+"xla" process group with `init_method="xla://"` (engine/parallel.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+_INSTALL = "pip install torch==2.9.0 torch-xla==2.9.0 (a separate venv; PJRT_DEVICE=CPU on a CPU host)"
+
+
+def _import_torch_xla() -> Any:
+    try:
+        import torch_xla
+    except ImportError as e:
+        raise ValueError(f"backend xla needs torch-xla, which is not installed here ({e}); {_INSTALL}") from None
+    return torch_xla
+
+
+class XlaBackend:
+    name = "xla"
+    dist_backend = "xla"
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self._txla = _import_torch_xla()
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        self._xm, self._met = xm, met
+        self._device: torch.device | None = None  # the PJRT runtime starts on first use, after setup_process
+
+    @property
+    def device(self) -> torch.device:
+        if self._device is None:
+            self._eager_mode()
+            self._device = self._txla.device()
+        return self._device
+
+    @staticmethod
+    def _eager_mode() -> None:
+        from torch_xla.experimental import eager_mode
+
+        eager_mode(True)
+
+    @property
+    def pjrt_device(self) -> str:
+        import torch_xla.runtime as xr
+
+        return str(xr.device_type())
+
+    # -- graphs ----------------------------------------------------------------------------------------------------
+    def compile_region(self, region: Any) -> Callable[..., Any]:
+        """`torch_xla.compile`: the region's ops are traced and run as one graph per call (syncs before and after),
+        compiled once per IR hash. The layer's own tensors are device data, i.e. graph inputs, so layers of one
+        structure hit one graph."""
+        self._eager_mode()
+        name = "region_" + "_".join(map(str, region.structure()))
+        return self._txla.compile(lambda reg, *args: reg(*args), name=name)
+
+    def compile_fn(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        self._eager_mode()
+        return self._txla.compile(fn, name=name)
+
+    def region_end(self) -> None:
+        """torch_xla.compile ran the region's graph already."""
+
+    def step_end(self) -> None:
+        self._txla.sync()
+
+    def synchronize(self) -> None:
+        self._txla.sync()
+        self._xm.wait_device_ops()
+
+    def boundary(self, fn: Callable[[str], None]) -> Callable[[str], None]:
+        return fn  # the timer's synchronize() at each boundary cuts the graph there
+
+    def grad_context(self) -> Any:
+        # inference_mode tensors cannot be viewed/updated in place by later XLA ops (version counters): no_grad
+        return torch.no_grad()
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu()
+
+    # -- HLO export (deepinfer compile) -----------------------------------------------------------------------------
+    def trace_hlo(self, fn: Callable[[], list[torch.Tensor]]) -> tuple[str, bytes]:
+        """Trace `fn()` lazily (no execution) and return the HLO module of the tensors it returns, as text and as a
+        serialized `xla.HloModuleProto` (what `neuronx-cc compile --framework XLA` takes). The caller drops the
+        returned tensors afterwards, so the traced computation is never run."""
+        from torch_xla.experimental import eager_mode_context
+
+        with eager_mode_context(False):
+            tensors = fn()
+            text = self._txla._XLAC._get_xla_tensors_hlo(tensors)
+            proto = self._txla._XLAC._get_xla_tensors_hlo_proto(tensors)
+        return text, proto
+
+    # -- counters --------------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """Cumulative torch_xla counters: compiles (`UncachedCompile`), cache hits (`CachedCompile`), graph
+        executions (`ExecuteComputation`), host<->device transfers (samples of `TransferFromDeviceTime` /
+        `TransferToDeviceTime`) and CPU fallbacks (every `aten::*` counter)."""
+        met = self._met
+
+        def counter(name: str) -> int:
+            return int(met.counter_value(name) or 0)
+
+        def samples(name: str) -> int:
+            data = met.metric_data(name)
+            return int(data[0]) if data else 0
+
+        fallbacks = {n: counter(n) for n in met.counter_names() if n.startswith("aten::")}
+        return {"device": str(self.device), "pjrt_device": self.pjrt_device, "compiles": counter("UncachedCompile"),
+                "cached_compiles": counter("CachedCompile"), "executions": counter("ExecuteComputation"),
+                "transfers_to_host": samples("TransferFromDeviceTime"),
+                "transfers_to_device": samples("TransferToDeviceTime"),
+                "fallbacks": sum(fallbacks.values()), "fallback_ops": fallbacks}
+
+    # -- processes -------------------------------------------------------------------------------------------------
+    def check_parallel(self, cp: int) -> None:
+        from engine.envs import get_envs
+
+        device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
+        if cp > 1 and device == "CPU":
+            raise ValueError(f"cp={cp} on --backend xla with PJRT_DEVICE=CPU: XLA collectives do not run across "
+                             "processes on PJRT CPU (pytorch/xla#5005, #9089), so ranks would silently see world "
+                             "size 1. Run cp > 1 with --backend host (gloo ranks) here, or on a Neuron device")
+
+    def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
+                      master_port: int | None = None) -> None:
+        from engine.backends.host import setup_host_process
+        from engine.envs import apply_env, get_envs
+
+        rec = dict(get_envs().recorded)
+        if "PJRT_DEVICE" not in rec:
+            apply_env({"PJRT_DEVICE": "CPU"})  # torch-xla's own default, made explicit (and recorded in meta)
+        if dict(get_envs().recorded)["PJRT_DEVICE"] == "CPU" and "XLA_FLAGS" not in rec:
+            # PJRT CPU is the verification path: XLA's CPU compiler at -O0 compiles a decode region ~6x faster
+            # (measured 5.4 s -> 0.9 s on a 40-op chain); what runs is the same HLO. Set XLA_FLAGS to override.
+            apply_env({"XLA_FLAGS": "--xla_backend_optimization_level=0"})
+        setup_host_process(threads)  # the host side of the process (tracing, input packing)
+
+
+class NeuronBackend(XlaBackend):
+    """xla on the Neuron PJRT device: torch-neuronx must be installed; each rank's runtime variables (one
+    NeuronCore group per rank, LNC) are set before the runtime starts."""
+
+    name = "neuron"
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        try:
+            import torch_neuronx  # noqa: F401 - registers the Neuron PJRT plugin
+        except ImportError as e:
+            raise ValueError(f"backend neuron needs torch-neuronx (the AWS Neuron SDK), not installed here ({e}); "
+                             "on a CPU host use --backend xla (PJRT_DEVICE=CPU) or --backend host") from None
+        super().__init__(config)
+
+    def check_parallel(self, cp: int) -> None:
+        """Neuron ranks: one process per NeuronCore group, joined by the xla process group."""
+
+    def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
+                      master_port: int | None = None) -> None:
+        from engine.envs import apply_env, neuron_worker_env
+        from engine.stack import logical_nc_config
+
+        apply_env(neuron_worker_env(rank, world_size=world, logical_nc_config=logical_nc_config(),
+                                    master_port=master_port))
+        from engine.backends.host import setup_host_process
+
+        setup_host_process(threads)

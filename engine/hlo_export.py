@@ -1,0 +1,101 @@
+"""The decode graphs of an engine as HLO modules for neuronx-cc (`deepinfer compile`).
+
+For every graph a decode step runs - each region structure (engine/regions.py `Region.structure`) at every
+(batch bucket, block bucket) the engine's config allows, plus the embedding and the head at every batch bucket -
+the graph is traced lazily on the XLA device with the engine's own weights and a fresh KV cache of the engine's
+sizes as device data (so they are graph parameters, as in a real step), and written as the HLO module text and the
+serialized `xla.HloModuleProto` (`<name>.hlo.txt`, `<name>.hlo.pb`). Nothing is executed. `manifest.json` lists
+each graph: region, structure, buckets, input names/shapes/dtypes, the sha256 of its proto, and whether any f8
+element type appears (neuronx-cc rejects fp8 graph inputs: weights must arrive as uint8 bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.model.cache import KVCache
+from engine.regions import batch_bucket, block_bucket
+
+_F8 = re.compile(r"\bf8e\w*\[")
+
+
+def decode_shapes(runner: Any) -> list[tuple[int, int]]:
+    """(batch bucket, block bucket) pairs a decode step of this runner can take."""
+    rr = runner.regions
+    bps = sorted({batch_bucket(b, rr.buckets) for b in range(1, runner.max_num_seqs + 1)})
+    nbs = sorted({block_bucket(n, rr.max_blocks) for n in range(1, rr.max_blocks + 1)})
+    return [(bp, nb) for bp in bps for nb in nbs]
+
+
+def _packed(runner: Any, bp: int, nb: int) -> torch.Tensor:
+    """Valid inputs of the static shape: row i at position i in slot i (or the scratch slot), scratch blocks."""
+    cache = runner.cache
+    packed = torch.zeros(bp, 3 + nb, dtype=torch.long)
+    packed[:, 0] = torch.arange(bp)
+    packed[:, 1] = torch.arange(bp).clamp(max=cache.num_slots)
+    packed[:, 2] = torch.arange(bp) % runner.cfg.vocab_size
+    packed[:, 3:] = cache.num_blocks
+    return packed.to(runner.device)
+
+
+def _fresh_cache(runner: Any) -> KVCache:
+    c = runner.cache
+    layer_ids = list(c.where)
+    return KVCache(runner.cfg, c.num_slots, c.num_blocks, c.block_size, runner.dtype, layer_ids, cp=runner.par.cp,
+                   device=runner.device, scratch=True)
+
+
+def _inputs(named: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    return [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in named.items()]
+
+
+def export_decode_graphs(runner: Any, out_dir: str | Path) -> list[dict[str, Any]]:
+    """Write every decode graph of `runner` (an XLA-backend ModelRunner in graph mode regions|layer) to `out_dir`;
+    returns the manifest rows."""
+    be, rr = runner.backend, runner.regions
+    if rr is None or not hasattr(be, "trace_hlo"):
+        raise ValueError("deepinfer compile traces region graphs: use --backend xla (or neuron) and --graph-mode "
+                         "regions or layer")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reps: dict[tuple, tuple[Any, torch.Tensor]] = {}
+    for regions, li in zip(rr._regions[False], rr._li, strict=True):
+        for reg in regions:
+            reps.setdefault(reg.structure(), (reg, li))
+    rows = []
+    model, dim, n = runner.model, runner.cfg.dim, runner.cfg.hc_mult
+
+    def emit(name: str, fn: Any, meta: dict[str, Any], inputs: dict[str, torch.Tensor]) -> None:
+        with be.grad_context():
+            text, proto = be.trace_hlo(fn)
+        (out / f"{name}.hlo.txt").write_text(text)
+        (out / f"{name}.hlo.pb").write_bytes(proto)
+        rows.append({"graph": name, **meta, "inputs": _inputs(inputs), "hlo_bytes": len(proto),
+                     "sha256": hashlib.sha256(proto).hexdigest(), "has_fp8": bool(_F8.search(text))})
+
+    for bp, nb in decode_shapes(runner):
+        packed = _packed(runner, bp, nb)
+        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
+        for structure, (reg, li) in reps.items():
+            roots = _fresh_cache(runner).flat_roots[reg.ratio]
+            name = f"{'_'.join(map(str, structure))}_b{bp}_nb{nb}".replace("True", "hash").replace("False", "nohash")
+            emit(name, lambda reg=reg, li=li, roots=roots, x=x, p=packed: [reg(x, roots, li, p), *roots.values()],
+                 {"region": reg.kind, "structure": [str(s) for s in structure[1:]], "ratio": reg.ratio,
+                  "batch_bucket": bp, "block_bucket": nb},
+                 {"x": x, "packed": packed, "layer_index": li, **{f"root.{k}": v for k, v in roots.items()},
+                  **reg.params()})
+    for bp in sorted({bp for bp, _ in decode_shapes(runner)}):
+        packed = _packed(runner, bp, 1)
+        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
+        emit(f"embed_b{bp}", lambda packed=packed: [model.streams(packed[:, 2])],
+             {"region": "embed", "structure": [], "ratio": None, "batch_bucket": bp, "block_bucket": None},
+             {"packed": packed, "embed.weight": model.embed.weight})
+        emit(f"head_b{bp}", lambda x=x: [model.logits(x)],
+             {"region": "head", "structure": [], "ratio": None, "batch_bucket": bp, "block_bucket": None},
+             {"x": x, **{k: v for k, v in model.named_parameters() if not k.startswith(("layers.", "mtp.", "embed."))}})
+    return rows
