@@ -53,8 +53,14 @@ def regions_cmd(
     render_df(result.per_layer, f"stages per layer ({mode})",
               columns=["region", "stage", "layer", "calls", "p50_ms", "p90_ms", "ms_per_step", "share_of_step"])
     render_df(result.summary, "decode step",
-              columns=["graph_mode", "batch_size", "context_len", "cp", "steps", "graph_launches_per_step",
-                       "step_ms_p50", "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step", "stage_sum_over_step"])
+              columns=["backend", "graph_mode", "batch_size", "context_len", "cp", "steps", "graph_launches_per_step",
+                       "distinct_graphs", "step_ms_p50", "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step",
+                       "stage_sum_over_step"])
+    if str(config.backend) != "host":
+        render_df(result.summary, f"device counters per timed decode step ({config.backend}; numbers on PJRT CPU "
+                                  "are not trn2 numbers)",
+                  columns=["xla_compiles_per_step", "xla_executions_per_step", "d2h_per_step", "h2d_per_step",
+                           "fallbacks_per_step", "compiles_during_timing"])
     path = save_results(result.per_layer, out, "regions", result.meta)
     result.summed.to_csv(path.parent / "regions_summed.csv", index=False)
     result.summary.to_csv(path.parent / "regions_summary.csv", index=False)

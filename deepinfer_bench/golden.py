@@ -110,16 +110,53 @@ def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | 
     return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), **{**settings, **given})
 
 
+class _DeviceCounters:
+    """Per-step device counters (a no-op on the host): compiles of the engine's graphs in decode steps whose graph
+    shapes were all seen before ("after warm-up"), CPU fallbacks in decode steps, device-to-host copies per decode
+    step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.runner = engine, engine.runner
+        self.last = self.runner.backend.metrics()
+        self.graphs = self._graphs()
+        self.prefill = engine.stats().num_prefill_tokens
+        self.decode_steps = self.after_warmup = self.fallbacks = self.to_host = 0
+
+    def _graphs(self) -> int:
+        regions = getattr(self.runner, "regions", None)
+        return len(regions.compiled) if regions is not None else 0
+
+    def __call__(self) -> None:
+        now, graphs, prefill = self.runner.backend.metrics(), self._graphs(), self.engine.stats().num_prefill_tokens
+        if now and prefill == self.prefill:  # a pure decode step on a device backend
+            self.decode_steps += 1
+            self.fallbacks += now["fallbacks"] - self.last["fallbacks"]
+            self.to_host += now["transfers_to_host"] - self.last["transfers_to_host"]
+            if graphs == self.graphs:  # no new (region, bucket) shape: its graphs must all be cached
+                self.after_warmup += now["graph_compiles"] - self.last["graph_compiles"]
+        self.last, self.graphs, self.prefill = now, graphs, prefill
+
+    def summary(self) -> dict[str, Any]:
+        if not self.last:
+            return {"device": "cpu"}
+        n = max(1, self.decode_steps)
+        return {**{k: v for k, v in self.last.items() if k != "fallback_ops"}, "decode_steps": self.decode_steps,
+                "compiles_after_warmup": self.after_warmup, "fallbacks_per_decode_step": self.fallbacks / n,
+                "transfers_to_host_per_decode_step": self.to_host / n, "fallback_ops": self.last["fallback_ops"]}
+
+
 def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> dict[str, Any]:
     """On rank 0: every prompt as a greedy request, with the logits each token was sampled from."""
     from engine.llm import greedy_with_logits
 
-    outs, logits = greedy_with_logits(engine, prompts, max_new)
+    counters = _DeviceCounters(engine)
+    outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=counters)
     runner, stats = engine.runner, engine.stats()
     regions = getattr(runner, "regions", None)
     return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
             "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
-            "region_launches": regions.launches if regions is not None else 0}
+            "region_launches": regions.launches if regions is not None else 0,
+            "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary()}
 
 
 def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -> dict[str, Any]:
@@ -156,7 +193,8 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None) -> Go
     run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference")},
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
-                "region_launches": res["region_launches"], "collectives": res["collectives"]}
+                "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
+                "backend": res["backend"], "collectives": res["collectives"]}
     return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
                      steps=res["steps"])
 

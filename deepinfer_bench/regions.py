@@ -25,9 +25,11 @@ STAGE_COLUMNS = ["graph_mode", "region", "stage", "layer", "calls", "calls_per_s
                  "ms_per_step", "share_of_step"]
 SUMMED_COLUMNS = ["graph_mode", "region", "stage", "layers", "calls_per_step", "ms_per_step", "p50_ms_sum",
                   "p90_ms_sum", "share_of_step"]
-SUMMARY_COLUMNS = ["graph_mode", "host_compiler", "timing", "batch_size", "context_len", "cp", "steps",
-                   "graph_launches_per_step", "compiled_shapes", "compiles_during_timing", "step_ms_p50",
-                   "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions"]
+SUMMARY_COLUMNS = ["backend", "graph_mode", "host_compiler", "timing", "batch_size", "context_len", "cp", "steps",
+                   "graph_launches_per_step", "distinct_graphs", "compiles_during_timing", "step_ms_p50",
+                   "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions",
+                   "xla_compiles_per_step", "xla_executions_per_step", "d2h_per_step", "h2d_per_step",
+                   "fallbacks_per_step"]
 OVERHEAD_COLUMNS = ["variant", "rounds", "steps_per_round", "step_ms_median", "step_ms_p10", "step_ms_p90",
                     "vs_no_timer", "p10_vs_no_timer"]
 
@@ -115,9 +117,18 @@ def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
         dec.step()
     runner.timer.reset()
     shapes = len(runner.regions.compiled) if runner.regions is not None else 0
+    before = runner.backend.metrics()
     step_ms = [dec.step() for _ in range(spec.steps)]
+    after = runner.backend.metrics()
     graph = region_summary(runner)
     graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - shapes  # a new block bucket mid-run
+    if after:  # a device backend: its counters per timed decode step (after the warm-up)
+        n = spec.steps
+        graph["device"] = {k: after[k] for k in ("device", "pjrt_device")}
+        graph["per_step"] = {k: (after[k] - before[k]) / n for k in ("compiles", "graph_compiles", "executions",
+                                                                       "transfers_to_host", "transfers_to_device",
+                                                                       "fallbacks")}
+        graph["fallback_ops"] = after["fallback_ops"]
     return {"step_ms": step_ms, "timing": [asdict(r) for r in runner.timer.rows()], "graph": graph,
             "collectives": runner.par.report()}
 
@@ -148,15 +159,23 @@ def tabulate(config: Any, spec: RegionsSpec, step_ms: list[float], timing: list[
                    share_of_step=("share_of_step", "sum"))
               .reset_index())[SUMMED_COLUMNS]
     stage_sum = float(t["ms_per_step"].sum()) if len(t) else float("nan")
+    per_step = graph.get("per_step", {})
+    nan = float("nan")
     summary = pd.DataFrame([{
-        "graph_mode": mode, "host_compiler": graph.get("graph_backend", "-"), "timing": config.graph.region_timing,
+        "backend": str(config.backend), "graph_mode": mode, "host_compiler": graph.get("graph_backend", "-"),
+        "timing": config.graph.region_timing,
         "batch_size": spec.batch, "context_len": spec.context, "cp": config.cp, "steps": n,
         "graph_launches_per_step": graph.get("graph_launches_per_step", 0),
-        "compiled_shapes": graph.get("compiled_shapes", 0),
+        "distinct_graphs": graph.get("distinct_graphs", 0),
         "compiles_during_timing": graph.get("compiles_during_timing", 0),
         "step_ms_p50": quantiles(step_ms, 50)[0], "step_ms_p90": quantiles(step_ms, 90)[0], "step_ms_mean": step_mean,
         "stage_sum_ms_per_step": stage_sum, "stage_sum_over_step": stage_sum / step_mean,
-        "timed_regions": int(t["region"].nunique()) if len(t) else 0}], columns=SUMMARY_COLUMNS)
+        "timed_regions": int(t["region"].nunique()) if len(t) else 0,
+        "xla_compiles_per_step": per_step.get("compiles", nan),
+        "xla_executions_per_step": per_step.get("executions", nan),
+        "d2h_per_step": per_step.get("transfers_to_host", nan),
+        "h2d_per_step": per_step.get("transfers_to_device", nan),
+        "fallbacks_per_step": per_step.get("fallbacks", nan)}], columns=SUMMARY_COLUMNS)
     meta = {"spec": asdict(spec), "engine_config": config.to_dict(), "graph": graph, "step_ms": step_ms,
             "collectives": collectives or {}}
     return RegionsResult(per_layer=per_layer, summed=summed, summary=summary, meta=meta)

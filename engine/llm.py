@@ -319,10 +319,12 @@ class LLM:
 
 
 def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]],
-                       max_new_tokens: int | SequenceABC[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+                       max_new_tokens: int | SequenceABC[int], on_step: Callable[[], None] | None = None,
+                       ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Every prompt as a greedy request (`ignore_eos`, `max_tokens` each) through `engine`'s scheduler; returns per
     prompt the generated ids and the fp32 logits [n, vocab] each of them was sampled from (via `on_logits`). The
-    golden check and the engine tests use it, so they check the loop the server runs."""
+    golden check and the engine tests use it, so they check the loop the server runs. `on_step()` runs after every
+    engine step (the golden reads device counters there)."""
     import torch
 
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -341,6 +343,8 @@ def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]]
             for o in engine.step():
                 if o.finished:
                     outs[o.request_id] = list(o.output_token_ids)
+            if on_step is not None:
+                on_step()
     finally:
         engine.on_logits = prev
     return [outs[r] for r in rids], [torch.stack(rows[r]) for r in rids]

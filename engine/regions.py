@@ -13,7 +13,7 @@ Padded rows point at the cache's scratch slot and scratch block (KVCache(scratch
 (`Attention.decode_static`) gathers every entry the tables can hold and masks by position, and writes that must not
 happen go to the scratch slot/block, so there is no host sync and no data-dependent shape inside a graph.
 **Graphs shared across layers.** A region gets the root tensors of its layer's compress ratio flattened over
-(layer, slot) and (layer, block) (`KVCache.flat_roots`) and its layer index as a device tensor, and offsets its
+(layer, slot) and (layer, block) (`KVCache.flat_views`) and its layer index as a device tensor, and offsets its
 slot and block indices by it; its weights are the layer's own tensors. So no layer-specific value is a graph
 constant: layers of the same structure (attention: compress ratio; MoE: hash routing or not) run the same graph,
 and the number of distinct graphs is (region kinds x structures x batch buckets x block buckets), whatever the
@@ -62,18 +62,26 @@ def block_bucket(n: int, max_blocks: int) -> int:
 class Region(nn.Module):
     """One region of one decoder layer, as a module over that layer's Block: `forward(x, roots, li, pos, slots,
     tables, ids)` with x [Bp, n, dim] streams -> [Bp, n, dim]. `roots` are the cache's root tensors of the layer's
-    compress ratio flattened over (layer, slot) and (layer, block) (`KVCache.flat_roots`), `li` the layer's index
+    compress ratio flattened over (layer, slot) and (layer, block) (`KVCache.flat_views`), `li` the layer's index
     in them as a 0-d device tensor: the region adds li * rows-per-layer to its slot and block indices, so nothing
     layer-specific is a graph constant and layers of the same kind run the same graph."""
 
-    def __init__(self, blk: Block, kind: str, cache: KVCache, split: Callable[[str], None]) -> None:
+    def __init__(self, blk: Block, kind: str, ratio: int, slots_per_layer: int, blocks_per_layer: int,
+                 split: Callable[[str], None]) -> None:
         super().__init__()
         self.blk, self.kind, self.split = blk, kind, split
-        self.ratio = cache.where[blk.layer_id][0]
-        self.slots_per_layer, self.blocks_per_layer = cache.num_slots + 1, cache.num_blocks + 1
+        self.ratio, self.slots_per_layer, self.blocks_per_layer = ratio, slots_per_layer, blocks_per_layer
         self._params: dict[str, torch.Tensor] | None = None
         self.prefixes = {"attn": ("blk.attn.", "blk.attn_norm.", "blk.hc_attn_"),
                          "moe": ("blk.ffn.", "blk.ffn_norm.", "blk.hc_ffn_"), "layer": ("blk.",)}[kind]
+
+    def template(self) -> Region:
+        """A region of the same structure over a fresh Block whose parameters are on the meta device (no memory): a
+        graph traced over it takes every layer's tensors as inputs (functional_call), and no layer's own tensors
+        are baked into it."""
+        blk = type(self.blk)(self.blk.cfg, self.blk.layer_id, self.blk.par)
+        blk.ffn.capacity = self.blk.ffn.capacity
+        return Region(blk, self.kind, self.ratio, self.slots_per_layer, self.blocks_per_layer, self.split)
 
     def structure(self) -> tuple:
         """Layers whose regions share a graph: same kind and same structure (attention: compress ratio; MoE: hash
@@ -122,8 +130,9 @@ class RegionRunner:
         self.kinds = ("layer",) if mode is GraphMode.LAYER else ("attn", "moe")
         boundary = backend.boundary(self._split)  # kept out of graphs; used only by the timed graphs
         dev = backend.device
-        self._regions = {timed: [[Region(blk, kind, cache, boundary if timed else no_split) for kind in self.kinds]
-                                 for blk in model.layers] for timed in (False, True)}
+        self._regions = {timed: [[Region(blk, kind, cache.where[blk.layer_id][0], cache.num_slots + 1,
+                                         cache.num_blocks + 1, boundary if timed else no_split)
+                                  for kind in self.kinds] for blk in model.layers] for timed in (False, True)}
         self._li = [torch.tensor(cache.where[blk.layer_id][1], device=dev) for blk in model.layers]
         self._graphs: dict[tuple, Callable[..., torch.Tensor]] = {}
         self._embed = backend.compile_fn(lambda packed: model.streams(packed[:, 2]), "embed")
@@ -177,8 +186,9 @@ class RegionRunner:
                 x = self._embed(packed)  # [Bp, n, dim]
         n_launch = 0
         shape = (packed.shape[0], packed.shape[1] - 3)
+        flat = self.cache.flat_views()  # made fresh each step: a graph then sees the same inputs every step
         for blk, regions, li in zip(self.model.layers, self._regions[timed], self._li, strict=True):
-            roots = self.cache.flat_roots[self.cache.where[blk.layer_id][0]]
+            roots = flat[self.cache.where[blk.layer_id][0]]
             for reg in regions:
                 fn = self._graph(reg, timed)
                 self.compiled.add((reg.kind, reg.structure()[1:], *shape))

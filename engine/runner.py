@@ -62,6 +62,7 @@ class ModelRunner:
         self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,
                              cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER)
+        self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,

@@ -90,6 +90,27 @@ def test_compiled_layer_mode_matches_eager() -> None:
     assert got[2].regions.launches_last_step == 1
 
 
+def test_compiled_graphs_do_not_grow_with_layers() -> None:
+    """Through dynamo on the host: layers of the same structure reuse one compiled graph (functional_call over a
+    template region), so a 6-layer model compiles exactly what its 2 distinct layer structures need."""
+    import torch._dynamo.utils as dyn
+
+    prompts = _prompts((5, 9))
+
+    def graphs(cfg: ModelConfig) -> tuple[int, int]:
+        torch._dynamo.reset()
+        dyn.counters.clear()
+        _, _, runner = _run(cfg, prompts, 3, graph_mode="layer", host_compiler="eager")
+        return dyn.counters["stats"]["unique_graphs"], len(runner.regions.compiled)
+
+    two = _cfg(n_layers=2, compress_ratios=(4, 16), n_hash_layers=0)
+    six = _cfg(n_layers=6, compress_ratios=(4, 16, 4, 16, 4, 16), n_hash_layers=0)
+    g2, c2 = graphs(two)
+    g6, c6 = graphs(six)
+    assert c2 == c6 == 2  # (CSA, HCA) x one (batch, block) bucket
+    assert g6 == g2 > 0, (g2, g6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["regions", "layer"])
 def test_aot_eager_regions_match_eager(eager_ref: tuple, mode: str) -> None:

@@ -59,9 +59,10 @@ class HostBackend:
         metadata, so layers of one structure reuse one graph per static shape instead of one each."""
         if self.compiler is HostCompiler.NONE:
             return lambda reg, *args: reg(*args)
+        template = region.template()  # meta parameters: every call's tensors are inputs, none is the template's
 
         def run(params: dict[str, torch.Tensor], *args: Any) -> Any:
-            return torch.func.functional_call(region, params, args)
+            return torch.func.functional_call(template, params, args)
 
         graph = torch.compile(run, backend=self.compiler.value, dynamic=False)
         return lambda reg, *args: graph(reg.params(), *args)

@@ -53,6 +53,7 @@ class XlaBackend:
 
         self._xm, self._met = xm, met
         self._device: torch.device | None = None  # the PJRT runtime starts on first use, after setup_process
+        self._graph_compiles = 0
 
     @property
     def device(self) -> torch.device:
@@ -78,13 +79,22 @@ class XlaBackend:
         """`torch_xla.compile`: the region's ops are traced and run as one graph per call (syncs before and after),
         compiled once per IR hash. The layer's own tensors are device data, i.e. graph inputs, so layers of one
         structure hit one graph."""
-        self._eager_mode()
         name = "region_" + "_".join(map(str, region.structure()))
-        return self._txla.compile(lambda reg, *args: reg(*args), name=name)
+        return self.compile_fn(lambda reg, *args: reg(*args), name)
 
     def compile_fn(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """`torch_xla.compile(fn)`, counting the compiles its calls cause (`graph_compiles` in metrics(): the
+        engine's own graphs, apart from the per-op compiles of eager mode)."""
         self._eager_mode()
-        return self._txla.compile(fn, name=name)
+        graph = self._txla.compile(fn, name=name)
+
+        def run(*args: Any) -> Any:
+            before = self._met.counter_value("UncachedCompile") or 0
+            out = graph(*args)
+            self._graph_compiles += (self._met.counter_value("UncachedCompile") or 0) - before
+            return out
+
+        return run
 
     def region_end(self) -> None:
         """torch_xla.compile ran the region's graph already."""
@@ -121,7 +131,9 @@ class XlaBackend:
 
     # -- counters --------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
-        """Cumulative torch_xla counters: compiles (`UncachedCompile`), cache hits (`CachedCompile`), graph
+        """Cumulative torch_xla counters: compiles (`UncachedCompile`; `graph_compiles`: those of the engine's
+        compiled graphs - regions, embed, head - as opposed to eager mode's per-op compiles), cache hits
+        (`CachedCompile`), graph
         executions (`ExecuteComputation`), host<->device transfers (samples of `TransferFromDeviceTime` /
         `TransferToDeviceTime`) and CPU fallbacks (every `aten::*` counter)."""
         met = self._met
@@ -135,6 +147,7 @@ class XlaBackend:
 
         fallbacks = {n: counter(n) for n in met.counter_names() if n.startswith("aten::")}
         return {"device": str(self.device), "pjrt_device": self.pjrt_device, "compiles": counter("UncachedCompile"),
+                "graph_compiles": self._graph_compiles,
                 "cached_compiles": counter("CachedCompile"), "executions": counter("ExecuteComputation"),
                 "transfers_to_host": samples("TransferFromDeviceTime"),
                 "transfers_to_device": samples("TransferToDeviceTime"),

@@ -22,7 +22,7 @@ from nki_kernels.reference import hc_collapse, hc_expand, hc_head, hc_mixes, lin
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
-        self.cfg, self.layer_id = cfg, layer_id
+        self.cfg, self.layer_id, self.par = cfg, layer_id, par
         self.attn = Attention(cfg, layer_id, par)
         self.ffn = MoE(cfg, layer_id, par)
         self.attn_norm = RMSNorm(cfg.dim)

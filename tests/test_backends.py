@@ -1,0 +1,156 @@
+"""Backend selection and the device-path environment logic, with fake torch_xla / torch_neuronx modules (the real
+ones are not installable on the host lane; tests marked `xla` run the real torch-xla in the second CI lane)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch.distributed as dist
+
+import engine.envs
+from engine.config import Backend, resolve_backend
+from tests.fake_runner import fake_config
+
+
+@pytest.fixture
+def envs(monkeypatch: pytest.MonkeyPatch):
+    """Set environment variables for engine.envs (its cache cleared before and after)."""
+
+    def set_env(**values: str) -> None:
+        for k, v in values.items():
+            monkeypatch.setenv(k, v)
+        engine.envs.get_envs.cache_clear()
+
+    for k in ("PJRT_DEVICE", "NEURON_LOGICAL_NC_CONFIG", "XLA_FLAGS", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    engine.envs.get_envs.cache_clear()
+    yield set_env
+    engine.envs.get_envs.cache_clear()
+
+
+@pytest.fixture
+def fake_xla(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """Minimal torch_xla / torch_neuronx module trees; records what the engine asks of them."""
+    seen = types.SimpleNamespace(eager=[], synced=0)
+
+    def mod(name: str, **attrs) -> types.ModuleType:
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    txla = mod("torch_xla", device=lambda: "xla:0", sync=lambda: setattr(seen, "synced", seen.synced + 1),
+               compile=lambda f, name=None: f)
+    mod("torch_xla.core")
+    mod("torch_xla.core.xla_model", wait_device_ops=lambda: None)
+    mod("torch_xla.debug")
+    mod("torch_xla.debug.metrics", counter_value=lambda n: 0, metric_data=lambda n: None, counter_names=lambda: [])
+    mod("torch_xla.experimental", eager_mode=seen.eager.append)
+    mod("torch_xla.distributed")
+    mod("torch_xla.distributed.xla_backend")
+    mod("torch_xla.runtime", device_type=lambda: "CPU")
+    mod("torch_neuronx")
+    txla.core, txla.debug = sys.modules["torch_xla.core"], sys.modules["torch_xla.debug"]
+    return seen
+
+
+def test_auto_resolves_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_backend("auto") is Backend.HOST  # no /dev/neuron* here
+    assert resolve_backend("xla") is Backend.XLA and resolve_backend(Backend.NEURON) is Backend.NEURON
+    import glob
+    import importlib.util
+
+    monkeypatch.setattr(glob, "glob", lambda pat: ["/dev/neuron0"] if pat == "/dev/neuron*" else [])
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "torch_neuronx" else real_find(n))
+    assert resolve_backend("auto") is Backend.NEURON
+    assert fake_config(backend="auto").backend is Backend.NEURON  # a built config never holds "auto"
+    with pytest.raises(ValueError, match="backend 'tpu': expected one of auto, host, xla, neuron"):
+        resolve_backend("tpu")
+
+
+def test_xla_without_torch_xla_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.backends import get_backend
+
+    monkeypatch.setitem(sys.modules, "torch_xla", None)  # import fails
+    with pytest.raises(ValueError, match=r"backend xla needs torch-xla.*pip install torch==2.9.0 torch-xla==2.9.0"):
+        get_backend(fake_config(backend="xla"))
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)
+    with pytest.raises(ValueError, match="backend neuron needs torch-neuronx"):
+        get_backend(fake_config(backend="neuron"))
+
+
+def test_xla_backend_sets_pjrt_cpu_and_refuses_ranks_there(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import run_job
+    from engine.backends import get_backend
+
+    applied: dict[str, str] = {}
+
+    def apply_env(updates: dict[str, str]) -> None:
+        applied.update(updates)
+        envs(**updates)
+
+    monkeypatch.setattr(engine.envs, "apply_env", apply_env)
+    be = get_backend(fake_config(backend="xla"))
+    assert be.name == "xla" and be.dist_backend == "xla"
+    be.setup_process(threads=None)
+    assert applied["PJRT_DEVICE"] == "CPU" and "optimization_level=0" in applied["XLA_FLAGS"]
+    assert be.device == "xla:0" and fake_xla.eager == [True]  # torch-xla's eager mode; regions via torch_xla.compile
+    with pytest.raises(ValueError, match=r"cp=2 on --backend xla with PJRT_DEVICE=CPU.*#5005"):
+        be.check_parallel(2)
+    be.check_parallel(1)
+    with pytest.raises(ValueError, match="XLA collectives do not run across processes"):  # before any rank starts
+        run_job(fake_config(backend="xla", cp=2), lambda eng: None)
+
+
+def test_neuron_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.backends import get_backend
+
+    applied: list[dict[str, str]] = []
+    monkeypatch.setattr(engine.envs, "apply_env", applied.append)
+    envs(NEURON_LOGICAL_NC_CONFIG="1")
+    be = get_backend(fake_config(backend="neuron"))
+    be.check_parallel(4)  # Neuron ranks are fine
+    be.setup_process(threads=None, rank=1, world=2, master_port=29511)
+    env = applied[-1]
+    assert env["PJRT_DEVICE"] == "NEURON" and env["NEURON_RT_VISIBLE_CORES"] == "1"
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "1"  # LNC read once, from the environment
+    assert (env["NEURON_PJRT_PROCESS_INDEX"], env["NEURON_PJRT_WORLD_SIZE"]) == ("1", "2")
+    # the variables torchrun sets, so torch-xla's plugin and xla:// rendezvous take their torchrun path
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "29511")
+    assert "TORCHELASTIC_RUN_ID" in env
+    applied.clear()
+    be.setup_process(threads=None, rank=0, world=2, master_port=None)  # under torchrun: its variables stand
+    assert "RANK" not in applied[-1] and applied[-1]["NEURON_PJRT_PROCESS_INDEX"] == "0"
+
+
+def test_xla_process_group_joins_over_xla_and_checks_world(fake_xla, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import parallel
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "new_group", lambda **k: "control")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    par = parallel.init_process_group(1, 2, 1234, 30.0, "xla")
+    assert calls[0][0] == ("xla",) and calls[0][1]["init_method"] == "xla://"
+    assert (par.rank, par.cp, par.control_group) == (1, 2, "control")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)  # what PJRT CPU reports for every process
+    with pytest.raises(RuntimeError, match="world size 1, the job has cp=2"):
+        parallel.init_process_group(1, 2, 1234, 30.0, "xla")
+
+
+def test_stack_probe_and_nki_version(envs) -> None:
+    from engine import stack
+
+    p = stack.probe()
+    assert p["versions"]["torch"] and p["logical_nc_config"] == 2 and p["nki_ok"]
+    envs(NEURON_LOGICAL_NC_CONFIG="3")
+    with pytest.raises(ValueError, match="expected 1 or 2"):
+        stack.logical_nc_config()
+    stack.check_nki_version(None)
+    stack.check_nki_version("0.6.1")
+    with pytest.raises(ValueError, match="nki 0.5.0 is installed.*written and checked for nki 0.6"):
+        stack.check_nki_version("0.5.0")

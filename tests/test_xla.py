@@ -1,0 +1,110 @@
+"""The engine on a torch-xla device (PJRT CPU): the second CI lane runs these (`python -m pytest -m xla` in a venv
+with torch 2.9.0 + torch-xla 2.9.0). They need torch-xla; in the host lane they are deselected by the marker.
+
+What is shown here: the golden through the same LLMEngine path on `xla:0` (eager and layer graphs); decode graphs
+shared across layers (their number does not grow with the layer count); after warm-up a decode step compiles
+nothing, falls back to the CPU for nothing and copies to the host once; `deepinfer compile` writes one HLO module
+per graph with no f8 type. What is not: neuronx-cc, the Neuron runtime, multi-process XLA collectives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.xla
+
+TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
+
+
+@pytest.fixture(autouse=True)
+def _pjrt_cpu(monkeypatch: pytest.MonkeyPatch):
+    import engine.envs
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    engine.envs.get_envs.cache_clear()
+    yield
+    engine.envs.get_envs.cache_clear()
+
+
+@pytest.mark.parametrize("mode", ["eager", "layer"])
+def test_golden_on_xla(mode: str) -> None:
+    from deepinfer_bench.golden import golden_config, run_golden
+
+    run = run_golden(golden_config(backend="xla", graph_mode=mode))
+    assert run.ok, run.table.to_string()
+    dev = run.meta["backend"]
+    assert dev["device"].startswith("xla") and dev["decode_steps"] > 30
+    if mode == "layer":  # static decode: no CPU fallback, no compile once a shape was seen, one copy back per step
+        assert run.meta["region_launches"] > 0 and dev["compiles_after_warmup"] == 0
+        assert dev["fallbacks_per_decode_step"] == 0 and dev["transfers_to_host_per_decode_step"] == 1
+
+
+def _decode_counters(cfg, steps: int = 6) -> tuple[int, list[dict]]:
+    import engine
+    from engine.config import EngineConfig
+    from engine.sampler import SamplingParams
+
+    config = EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer", load_format="dummy",
+                                            max_num_seqs=2, num_kv_blocks=8, max_model_len=32)
+    eng = engine.build(config)
+    be = eng.runner.backend
+    for p in ([5, 6, 7], [9, 10, 11, 12]):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    eng.step()  # prefill (eager ops)
+    per_step = []
+    for _ in range(steps):
+        before = be.metrics()
+        eng.step()
+        after = be.metrics()
+        per_step.append({k: after[k] - before[k] for k in ("graph_compiles", "compiles", "transfers_to_host",
+                                                           "fallbacks")})
+    return len(eng.runner.regions.compiled), per_step
+
+
+def test_decode_graphs_do_not_grow_with_layers() -> None:
+    from engine.config import ModelConfig
+
+    base = ModelConfig.from_json(TINY)
+    deep = ModelConfig(**{**base.__dict__, "n_layers": 8, "compress_ratios": (0, 4, 16, 4, 16, 4, 16, 4, 0)})
+    g4, steps4 = _decode_counters(base)
+    g8, steps8 = _decode_counters(deep)
+    assert g4 == g8 == 4  # layer graphs: (sliding, hash), (CSA, hash), (HCA), (CSA) x one bucket
+    # twice the layers, the same compiled graphs (per-layer graphs would compile 4 more per new shape)
+    assert sum(s["graph_compiles"] for s in steps8) == sum(s["graph_compiles"] for s in steps4) > 0
+    for s in steps4[3:] + steps8[3:]:  # after warm-up: nothing compiles, nothing falls back, one copy to the host
+        assert (s["compiles"], s["transfers_to_host"], s["fallbacks"]) == (0, 1, 0), (steps4, steps8)
+
+
+def test_compile_writes_hlo_per_graph(tmp_path: Path) -> None:
+    from deepinfer_bench.cli import app
+
+    res = CliRunner().invoke(app, ["compile", "--backend", "xla", "--graph-mode", "regions", "--max-num-seqs", "2",
+                                   "--max-model-len", "32", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    graphs = manifest["graphs"]
+    # regions mode: attn per ratio (0, 4, 16) + moe per routing (hash, not) = 5 structures x (2 x 2) buckets,
+    # plus embed and head per batch bucket
+    assert len(graphs) == 5 * 4 + 2 * 2
+    for g in graphs:
+        assert (tmp_path / f"{g['graph']}.hlo.pb").stat().st_size == g["hlo_bytes"] > 0
+        assert "ENTRY" in (tmp_path / f"{g['graph']}.hlo.txt").read_text()
+        assert not g["has_fp8"] and g["inputs"]
+    assert manifest["stack"]["versions"]["torch-xla"]
+
+
+def test_regions_timing_on_xla(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from deepinfer_bench.cli import app
+
+    res = CliRunner().invoke(app, ["regions", "--timing", "--backend", "xla", "--graph-mode", "layer", "--batch", "2",
+                                   "--context", "9", "--steps", "4", "--warmup", "3", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    s = pd.read_csv(next(tmp_path.iterdir()) / "regions_summary.csv").iloc[0]
+    assert 0.9 <= s["stage_sum_over_step"] <= 1.1
+    assert s["xla_compiles_per_step"] == 0 and s["fallbacks_per_step"] == 0 and s["d2h_per_step"] == 1
