@@ -31,7 +31,8 @@ def golden_cmd(
     config = engine.config(cfg, **engine_settings(prompts, cfg, engine.cp or 1))
     c = config.cache
     err_console.print(f"[dim]golden: model {engine.model_dir}, {config.model.dtype}, cp {config.cp}, backend "
-                      f"{config.backend}, graph {config.graph.mode}, kernels {config.kernels}; max_num_seqs "
+                      f"{config.backend}, graph {config.graph.mode}, kernels {config.kernels}, weights "
+                      f"{config.model.weights}; max_num_seqs "
                       f"{c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}, num_kv_blocks "
                       f"{c.num_kv_blocks} x {c.block_size}[/dim]")
     run = run_golden(config, golden_dir)
@@ -39,7 +40,11 @@ def golden_cmd(
     if run.collectives and (report_collectives or config.cp > 1):
         render_df(collectives_per_layer(run.collectives, run.steps), f"collectives per layer per step "
                                                                       f"({run.steps} engine steps)")
+    if len(run.kernels):
+        render_df(run.kernels, f"NKI kernel dispatches inside the model (--kernels {config.kernels})")
     path = save_results(run.table, out, "golden", run.meta)
+    if len(run.kernels):
+        run.kernels.to_csv(path.parent / "golden_kernels.csv", index=False)
     n = len(run.table)
     style = "green" if run.ok else "red"
     toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"

@@ -55,6 +55,7 @@ class GoldenRun:
     meta: dict[str, Any]
     collectives: dict[str, int] = field(default_factory=dict)
     steps: int = 0
+    kernels: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=KERNEL_COLUMNS))
 
     @property
     def n_match(self) -> int:
@@ -145,18 +146,41 @@ class _DeviceCounters:
                 "transfers_to_host_per_decode_step": self.to_host / n, "fallback_ops": self.last["fallback_ops"]}
 
 
+KERNEL_COLUMNS = ["family", "dispatch_key", "executor", "calls"]
+
+
+def kernel_dispatches() -> list[dict[str, Any]]:
+    """Kernel dispatches so far in this process (nki_kernels.dispatch counters), one row per (key, executor)."""
+    from nki_kernels import dispatch
+
+    return [{"family": key.split(".")[0], "dispatch_key": key, "executor": ex, "calls": n}
+            for (key, ex), n in sorted(dispatch.counts().items())]
+
+
 def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> dict[str, Any]:
     """On rank 0: every prompt as a greedy request, with the logits each token was sampled from."""
     from engine.llm import greedy_with_logits
+    from nki_kernels import dispatch
 
     counters = _DeviceCounters(engine)
+    dispatch.reset_counts()
     outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=counters)
     runner, stats = engine.runner, engine.stats()
     regions = getattr(runner, "regions", None)
     return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
             "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
             "region_launches": regions.launches if regions is not None else 0,
-            "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary()}
+            "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
+            "kernels": kernel_dispatches(), "weights": _weight_summary(runner.model)}
+
+
+def _weight_summary(model: Any) -> dict[str, Any]:
+    from engine.model.model import formats_of
+
+    formats = formats_of(model)
+    return {"resident_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "stored_fp8": sum(f == "fp8" for f in formats.values()),
+            "stored_fp4": sum(f == "fp4" for f in formats.values())}
 
 
 def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -> dict[str, Any]:
@@ -194,9 +218,9 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None) -> Go
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference")},
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
-                "backend": res["backend"], "collectives": res["collectives"]}
+                "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"]}
     return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
-                     steps=res["steps"])
+                     steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
 
 
 def collectives_per_layer(coll: dict[str, int], steps: int) -> pd.DataFrame:

@@ -33,7 +33,7 @@ from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
            "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "ParallelConfig",
-           "check_layout", "default_block_size", "resolve_backend"]
+           "Weights", "check_layout", "default_block_size", "resolve_backend"]
 
 
 class _Choice(str, enum.Enum):
@@ -83,6 +83,11 @@ class Kernels(_Choice):
 class LoadFormat(_Choice):
     SAFETENSORS = "safetensors"
     DUMMY = "dummy"  # random weights for the directory's config.json (engine/model/dummy.py)
+
+
+class Weights(_Choice):
+    STORED = "stored"  # FP8 / FP4 weights kept as the checkpoint's bytes; the GEMMs consume them
+    DEQUANT = "dequant"  # every weight dequantised to the compute dtype at load (A/B runs, the HF reference)
 
 
 class DType(_Choice):
@@ -151,12 +156,14 @@ class ModelSpec:
     load_format: LoadFormat = LoadFormat.SAFETENSORS
     dtype: DType = DType.FLOAT32  # compute dtype of activations and non-fp32-kept weights
     with_mtp: bool = False  # load and keep the MTP block (mtp.*) and its cache
+    weights: Weights = Weights.STORED  # FP8/FP4 weights as stored (bytes), or dequantised at load
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ModelConfig):
             raise ValueError(f"model config must be a ModelConfig, got {type(self.config).__name__}")
         object.__setattr__(self, "load_format", LoadFormat.parse(self.load_format, "load_format"))
         object.__setattr__(self, "dtype", DType.parse(self.dtype, "dtype"))
+        object.__setattr__(self, "weights", Weights.parse(self.weights, "weights"))
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", str(self.model_dir))  # accept a Path, store a str
 
@@ -219,6 +226,7 @@ class GraphConfig:
 # Flat override name -> (part, field). The CLI options, the DEEPINFER_* defaults and `replace()` all use these.
 _FLAT: dict[str, tuple[str, str]] = {
     "load_format": ("model", "load_format"), "dtype": ("model", "dtype"), "with_mtp": ("model", "with_mtp"),
+    "weights": ("model", "weights"),
     **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
@@ -254,6 +262,9 @@ class EngineConfig:
         if self.cache.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.cache.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        if self.kernels is Kernels.STAND_IN and self.backend is not Backend.HOST:
+            raise ValueError("kernels 'stand-in' execute the NKI kernels on the host's NumPy stand-in: use "
+                             "--backend host (on a device: --kernels nki or reference)")
         if self.kernels is Kernels.NKI and self.backend is Backend.HOST:
             raise ValueError("kernels 'nki' run on a Neuron device: use --backend neuron (or --kernels stand-in "
                              "to execute the NKI kernels on the NumPy stand-in on the host)")

@@ -25,8 +25,21 @@ if TYPE_CHECKING:
     from engine.runner import ModelRunner
 
 
-def load_weights(config: EngineConfig, par: Parallel | None = None) -> dict[str, torch.Tensor]:
-    """Official-named tensors for `config`: random (load_format dummy) or read from `config.model.model_dir`."""
+def stored_formats(config: EngineConfig) -> dict[str, str]:
+    """{weight name: "fp8" | "fp4"} the model holds as stored bytes: the checkpoint's quantised weights under
+    `weights=stored`; nothing for `weights=dequant` or dummy weights (random floats)."""
+    spec = config.model
+    if str(spec.weights) != "stored" or str(spec.load_format) == "dummy" or spec.model_dir is None:
+        return {}
+    from engine.loader import stored_formats as read_formats
+
+    return read_formats(spec.model_dir, spec.config, include_mtp=spec.with_mtp)
+
+
+def load_weights(config: EngineConfig, par: Parallel | None = None, stored: bool | None = None,
+                 ) -> dict[str, torch.Tensor]:
+    """Official-named tensors for `config`: random (load_format dummy) or read from `config.model.model_dir`, FP8 /
+    FP4 weights as stored bytes under `weights=stored` (`stored=False` forces dequantised ones)."""
     import torch
 
     spec, par = config.model, par or Parallel()
@@ -39,26 +52,47 @@ def load_weights(config: EngineConfig, par: Parallel | None = None) -> dict[str,
     from engine.loader import load_checkpoint
 
     experts = par.local_experts(spec.config.n_routed_experts) if par.enabled else None
+    keep = str(spec.weights) == "stored" if stored is None else stored
     return load_checkpoint(spec.model_dir, spec.config, dtype=torch.float32, include_mtp=spec.with_mtp,
-                           experts=experts)
+                           experts=experts, stored=keep)
 
 
 def build_runner(config: EngineConfig, par: Parallel | None = None,
                  weights: dict[str, torch.Tensor] | None = None) -> ModelRunner:
-    """The model runner of `config` on this rank (`weights`: official-named tensors to use instead of loading)."""
+    """The model runner of `config` on this rank (`weights`: official-named tensors to use instead of loading;
+    stored FP8/FP4 bytes among them are held as stored)."""
     from engine.backends import get_backend
-    from engine.model.model import Transformer
+    from engine.model.model import Transformer, use_formats, use_ops
+    from engine.model.ops import ops_for
     from engine.runner import ModelRunner, parse_dtype
 
     par = par or Parallel()
     backend = get_backend(config)
+    ops = ops_for(config.kernels)
     state = weights if weights is not None else load_weights(config, par)
     model = Transformer(config.model.config, par, with_mtp=config.model.with_mtp)
+    wanted = model.state_dict(keep_vars=True).keys()
+    formats = stored_formats(config) if weights is None else _formats_in(state, wanted)
+    use_formats(model, {k: v for k, v in formats.items() if k in wanted})
+    use_ops(model, ops)
     wanted = model.state_dict(keep_vars=True).keys()
     model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(config.model.dtype))
     with backend.grad_context():
         model.to(backend.device)  # weights and RoPE tables on the engine's device (a no-op on the host)
     return ModelRunner(config, model, par, backend)
+
+
+def _formats_in(state: dict[str, torch.Tensor], names: Any) -> dict[str, str]:
+    """Stored formats of handed-in tensors: a uint8 weight with a `.scale` beside it is FP8 ([out, in] codes, scale
+    blocked by 128) or FP4 (packed [out, in/2], one scale per 32)."""
+    import torch
+
+    out = {}
+    for name in names:
+        w, s = state.get(name), state.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+        if w is not None and s is not None and w.dtype == torch.uint8:
+            out[name] = "fp4" if s.shape[0] == w.shape[0] and s.shape[1] * 16 == w.shape[1] else "fp8"
+    return out
 
 
 def build(config: EngineConfig, *, weights: dict[str, torch.Tensor] | None = None, par: Parallel | None = None,

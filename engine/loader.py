@@ -33,7 +33,15 @@ import torch
 
 from engine.config import ConfigError, ModelConfig
 from engine.model.layers import stored_fp32
-from nki_kernels.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
+from nki_kernels.formats import (
+    FP4_BLOCK,
+    FP8_BLOCK,
+    as_bytes,
+    dequant_fp4,
+    dequant_fp8_block,
+    quant_fp4,
+    quant_fp8_block,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -449,9 +457,21 @@ def _wanted(cfg: ModelConfig, layers: Iterable[int] | None, experts: Iterable[in
     return out
 
 
-def _dequant(ckpt: _Checkpoint, name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+# Quantised in the checkpoint but always dequantised at load, as the official convert.py does: wo_a runs in a
+# grouped bf16 einsum (and the grouped wo_a kernel takes a dense weight).
+DEQUANT_ALWAYS = ("attn.wo_a.weight",)
+
+
+def keeps_stored(name: str) -> bool:
+    """Under `weights=stored`, whether a quantised tensor stays as its bytes (else it is dequantised at load)."""
+    return not name.endswith(DEQUANT_ALWAYS)
+
+
+def _dequant(ckpt: _Checkpoint, name: str, key: str, shape: tuple[int, ...], dtype: torch.dtype,
+             stored: bool = False) -> torch.Tensor | tuple[str, torch.Tensor, torch.Tensor]:
     """Read official tensor `name` stored under `key` and return it dequantised: fp32 for the spec's fp32 tensors,
-    int64 for tid2eid, `dtype` for everything else."""
+    int64 for tid2eid, `dtype` for everything else. With `stored`, an FP8/FP4 weight comes back as it is stored:
+    ("fp8" | "fp4", weight bytes uint8, scale bytes uint8) - zero-copy views of what was read."""
     path = ckpt.where[key]
     where = f"tensor {name!r} (stored as {key!r} in {path})"
     st_dtype, st_shape = ckpt.info(key)
@@ -487,6 +507,8 @@ def _dequant(ckpt: _Checkpoint, name: str, key: str, shape: tuple[int, ...], dty
         raise CheckpointError(f"{where}: scale {scale_key!r} in {ckpt.where[scale_key]} is {sc_dtype}"
                               f"{list(sc_shape)}, expected F8_E8M0{list(want_s)}")
     w, s = ckpt.read(key), ckpt.read(scale_key)
+    if stored and keeps_stored(name):
+        return ("fp8" if st_dtype == "F8_E4M3" else "fp4"), as_bytes(w), as_bytes(s)
     if st_dtype == "F8_E4M3":
         return dequant_fp8_block(w, s, out_dtype)
     return dequant_fp4(w, s, out_dtype)
@@ -514,7 +536,7 @@ def _read_hf_expert(ckpt: _Checkpoint, name: str, cfg: ModelConfig, dtype: torch
 def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dtype: torch.dtype = torch.float32,
                     layers: Iterable[int] | None = None,
                     experts: Iterable[int] | Callable[[int], bool] | None = None,
-                    include_mtp: bool = True, strict: bool = True) -> dict[str, torch.Tensor]:
+                    include_mtp: bool = True, strict: bool = True, stored: bool = False) -> dict[str, torch.Tensor]:
     """Load a DeepSeek-V4 checkpoint directory into a dict keyed by **official** names.
 
     Args:
@@ -529,6 +551,10 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dt
         include_mtp: also load `mtp.*` (official checkpoints only; HF spellings have no MTP and skip it).
         strict: on a full load (no `layers`/`experts` subset), tensors in the checkpoint that nothing consumed
             are an error.
+        stored: keep FP8 / FP4 weights as stored - `<name>` = the weight's bytes (uint8: e4m3 codes [out, in], or
+            packed e2m1 [out, in/2]) and `<name[:-7]>.scale` = its UE8M0 scale bytes (uint8) - instead of
+            dequantising them (`stored_formats` says which; `DEQUANT_ALWAYS` are dequantised anyway). Nothing is
+            widened: what stays in memory is the checkpoint's bytes.
 
     Returns: {official name: tensor with the logical shape of `expected_tensors(cfg)`}.
     Raises: CheckpointError naming the tensor and the file (missing/mis-shaped/mis-typed tensor, missing scale,
@@ -551,7 +577,11 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dt
         key = {"official": name, "hf": to_hf_name(name), "hf_saved": to_hf_saved_name(name)}[scheme]
         if key is None or key not in ckpt:
             raise CheckpointError(f"tensor {name!r} (looked for {key!r}, {scheme} naming) missing from {ckpt.source}")
-        out[name] = _dequant(ckpt, name, key, shape, dtype)
+        got = _dequant(ckpt, name, key, shape, dtype, stored)
+        if isinstance(got, tuple):
+            _, out[name], out[_scale_name(name)] = got
+        else:
+            out[name] = got
         used.update((key, _scale_name(key), key + "_scale_inv"))
     if strict and layers is None and experts is None:
         extra = sorted(k for k in ckpt.where if k not in used
@@ -559,6 +589,23 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dt
         if extra:
             raise CheckpointError(f"{ckpt.source}: {len(extra)} unexpected tensors for this config, e.g. "
                                   f"{extra[:5]} (in {ckpt.where[extra[0]]}); pass strict=False to ignore")
+    return out
+
+
+def stored_formats(model_dir: str | Path, cfg: ModelConfig, include_mtp: bool = False) -> dict[str, str]:
+    """{official weight name: "fp8" | "fp4"} for every weight the checkpoint stores quantised and a `weights=stored`
+    load keeps as bytes (headers only, nothing read). Empty for an HF-named (float) checkpoint."""
+    ckpt = _Checkpoint(Path(model_dir))
+    if _detect_scheme(ckpt, cfg) != "official":
+        return {}
+    out = {}
+    for name in expected_tensors(cfg, include_mtp=include_mtp):
+        if name in ckpt and keeps_stored(name):
+            st_dtype = ckpt.info(name)[0]
+            if st_dtype == "F8_E4M3":
+                out[name] = "fp8"
+            elif st_dtype in ("I8", "U8"):
+                out[name] = "fp4"
     return out
 
 

@@ -79,8 +79,12 @@ class Region(nn.Module):
         """A region of the same structure over a fresh Block whose parameters are on the meta device (no memory): a
         graph traced over it takes every layer's tensors as inputs (functional_call), and no layer's own tensors
         are baked into it."""
+        from engine.model.model import formats_of, use_formats, use_ops
+
         blk = type(self.blk)(self.blk.cfg, self.blk.layer_id, self.blk.par)
         blk.ffn.capacity = self.blk.ffn.capacity
+        use_formats(blk, formats_of(self.blk))
+        use_ops(blk, self.blk.ops)
         return Region(blk, self.kind, self.ratio, self.slots_per_layer, self.blocks_per_layer, self.split)
 
     def structure(self) -> tuple:
@@ -186,9 +190,9 @@ class RegionRunner:
                 x = self._embed(packed)  # [Bp, n, dim]
         n_launch = 0
         shape = (packed.shape[0], packed.shape[1] - 3)
-        flat = self.cache.flat_views()  # made fresh each step: a graph then sees the same inputs every step
         for blk, regions, li in zip(self.model.layers, self._regions[timed], self._li, strict=True):
-            roots = flat[self.cache.where[blk.layer_id][0]]
+            # fresh views for every layer: each region call then sees its cache inputs in the same form
+            roots = self.cache.flat_views(self.cache.where[blk.layer_id][0])
             for reg in regions:
                 fn = self._graph(reg, timed)
                 self.compiled.add((reg.kind, reg.structure()[1:], *shape))

@@ -19,20 +19,10 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.cache import LayerCache, SeqStep, StepPlan
 from engine.model.layers import Linear, RMSNorm, Rope, _empty
+from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import no_split
-from nki_kernels.reference import (
-    compress_pool,
-    grouped_out_proj,
-    index_score,
-    index_topk,
-    linear,
-    rms_norm,
-    rope_apply,
-    sparse_attn,
-    sparse_attn_merge,
-    sparse_attn_partial,
-)
+from nki_kernels.reference import index_topk, rope_apply, sparse_attn_merge
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
@@ -40,7 +30,7 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, in
     return torch.cat([x[..., :-rd], rope_apply(x[..., -rd:], cos, sin, inverse)], dim=-1)
 
 
-class Compressor(nn.Module):
+class Compressor(OpsUser, nn.Module):
     """Gated pooling of m consecutive tokens into one entry; CSA (m=4) overlaps with the previous block (coff=2)."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, par: Parallel | None = None) -> None:
@@ -58,11 +48,11 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 projections of all tokens: x [T, dim] -> kv, score [T, coff*D] (ape not yet added)."""
         xf = x.float()
-        return linear(xf, self.wkv.weight), linear(xf, self.wgate.weight)
+        return self.wkv(xf), self.wgate(xf)
 
     def finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
         """RMSNorm, then RoPE of the trailing dims at the position of the block's first token. [W, D] -> [W, D]."""
-        e = rms_norm(pooled, self.norm.weight, self.eps)
+        e = self.ops.rms_norm(pooled, self.norm.weight, self.eps)
         cos, sin = rope.cos_sin(first_pos)
         e = rope_tail(e, cos, sin, self.rd)
         return e.to(dtype)
@@ -84,7 +74,7 @@ class Compressor(nn.Module):
             blocks_kv = seq_kv[: n_close * m].view(n_close, m, -1)
             blocks_sc = seq_sc[: n_close * m].view(n_close, m, -1)
             prev = (st_kv[:m], st_score[:m]) if self.overlap else (None, None)
-            pooled = compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
+            pooled = self.ops.compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
             w = torch.arange(start // m, start // m + n_close, device=kv.device)
             self._store(self.finish(pooled, w * m, rope, dtype), w, pool, table)
             if self.overlap:
@@ -110,11 +100,12 @@ class Compressor(nn.Module):
         cs = slots[closing]
         skv, ssc = st_kv[cs], st_score[cs]  # [C, coff*m, coff*D]
         if self.overlap:
-            pooled = compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m], ssc[:, :m])[:, 0]  # [C, D]
+            pooled = self.ops.compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m],
+                                            ssc[:, :m])[:, 0]  # [C, D]
             st_kv[cs, :m] = skv[:, m:]
             st_score[cs, :m] = ssc[:, m:]
         else:
-            pooled = compress_pool(skv, ssc, False)  # [C, D]
+            pooled = self.ops.compress_pool(skv, ssc, False)  # [C, D]
         w = pos[closing] // m
         self._store(self.finish(pooled, w * m, rope, dtype), w, pool, tables[closing])
 
@@ -132,12 +123,13 @@ class Compressor(nn.Module):
         closing = (pos + 1) % m == 0  # [B]
         skv, ssc = st_kv[slots], st_score[slots]  # [B, coff*m, coff*D]
         if self.overlap:
-            pooled = compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m], ssc[:, :m])[:, 0]  # [B, D]
+            pooled = self.ops.compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m],
+                                            ssc[:, :m])[:, 0]  # [B, D]
             shift = closing.view(-1, 1, 1)
             st_kv[slots, :m] = torch.where(shift, skv[:, m:], skv[:, :m])
             st_score[slots, :m] = torch.where(shift, ssc[:, m:], ssc[:, :m])
         else:
-            pooled = compress_pool(skv, ssc, False)  # [B, D]
+            pooled = self.ops.compress_pool(skv, ssc, False)  # [B, D]
         w = pos // m
         entries = self.finish(pooled, w * m, rope, dtype)  # [B, D]
         keep = closing & (w % self.cp == self.rank)
@@ -161,7 +153,7 @@ class Compressor(nn.Module):
             pool[tables[u // epb], u % epb] = entries
 
 
-class Indexer(nn.Module):
+class Indexer(OpsUser, nn.Module):
     """Lightning indexer (CSA layers): its own CSA compressor at index_head_dim, scores with ReLU and head weights,
     causal top-k of the compressed entries per query (global across context-parallel ranks)."""
 
@@ -177,9 +169,9 @@ class Indexer(nn.Module):
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, Di] (RoPE on the trailing dims, no per-head norm) and head weights [T, Hi] fp32."""
-        q = linear(qr, self.wq_b.weight).view(qr.shape[0], self.n_heads, self.head_dim)
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
         q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd)
-        w = linear(x, self.weights_proj.weight).float() * self.weight_scale
+        w = self.weights_proj(x).float() * self.weight_scale
         return q, w
 
 
@@ -214,7 +206,7 @@ class _Group:
     ids: torch.Tensor | None = None  # [E] global entry ids of this rank's entries
 
 
-class Attention(nn.Module):
+class Attention(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -244,11 +236,11 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, dim] -> q [T, H, D], kv [T, D], qr [T, q_lora]."""
         t = x.shape[0]
-        qr = rms_norm(linear(x, self.wq_a.weight), self.q_norm.weight, self.eps)  # [T, q_lora]
-        q = linear(qr, self.wq_b.weight).view(t, self.n_heads, self.head_dim)
-        q = rms_norm(q, None, self.eps)  # per-head unweighted RMS
+        qr = self.ops.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)  # [T, q_lora]
+        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
+        q = self.ops.rms_norm(q, None, self.eps)  # per-head unweighted RMS
         q = self._rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [T, H, D]
-        kv = rms_norm(linear(x, self.wkv.weight), self.kv_norm.weight, self.eps)
+        kv = self.ops.rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
         kv = self._rope_tail(kv, cos, sin)  # [T, D]
         return q, kv, qr
 
@@ -263,13 +255,13 @@ class Attention(nn.Module):
         return aux
 
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Inverse RoPE, grouped wo_a, wo_b: o [T, H, D] -> [T, dim]."""
+        """Inverse RoPE, grouped wo_a: o [T, H, D] -> [T, G*o_lora]. wo_b comes with the mHC expand
+        (`ops.attn_out_expand`, the fused `hc_attn_out` kernel in the kernel table)."""
         o = self._rope_tail(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        o = grouped_out_proj(o.reshape(o.shape[0], -1), self.wo_a.weight, self.cfg.o_groups)
-        return linear(o, self.wo_b.weight)
+        return self.ops.grouped_out_proj(o.reshape(o.shape[0], -1), self.wo_a.weight, self.cfg.o_groups)
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
-        """x [T, dim] (attn_norm applied) -> [T, dim]."""
+        """x [T, dim] (attn_norm applied) -> [T, G*o_lora] (before wo_b)."""
         cos, sin = self.rope.cos_sin(plan.positions)  # [T, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
         aux = self._aux(x, qr, cos, sin)
@@ -328,10 +320,11 @@ class Attention(nn.Module):
     def _attend(self, groups: list[_Group]) -> list[torch.Tensor]:
         """Attention of every group over this rank's keys; under cp the shares are merged with ONE all-gather."""
         if self.par is None:
-            return [sparse_attn(g.q, g.keys.to(g.q.dtype), g.valid, self.attn_sink, self.scale) for g in groups]
+            return [self.ops.sparse_attn(g.q, g.keys.to(g.q.dtype), g.valid, self.attn_sink, self.scale)
+                    for g in groups]
         packed = []
         for g in groups:
-            acc, mx, den = sparse_attn_partial(g.q, g.keys.to(g.q.dtype), g.valid, self.scale)
+            acc, mx, den = self.ops.sparse_attn_partial(g.q, g.keys.to(g.q.dtype), g.valid, self.scale)
             packed.append(torch.cat([acc, mx.unsqueeze(-1), den.unsqueeze(-1)], -1).flatten(0, 1))  # [BT, H, D+2]
         gathered = self.par.all_gather(torch.cat(packed), f"L{self.layer_id}.attn.merge")
         parts = [(p[..., :-2], p[..., -2], p[..., -1]) for p in gathered]
@@ -361,7 +354,7 @@ class Attention(nn.Module):
         g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
         if self.indexer is not None:
             ikeys = gather_entries(cache.idx_pool, tables, nloc)  # [B, E, Di]
-            g.scores = index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
+            g.scores = self.ops.index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
             g.visible, g.ids = visible, ids
 
     # -- static shapes: B sequences, one token each, in a compiled region ------------------------------------------
@@ -372,7 +365,8 @@ class Attention(nn.Module):
         x [B, dim] (attn_norm applied): row b is the token at pos[b] of the sequence in slots[b], with block table
         tables[b] [NB] (NB a static bucket). Padded rows point at the cache's scratch slot and block. Entries are
         gathered up to the bucket (NB * entries per block) and masked by position instead of cut at the longest
-        sequence; writes that must not happen go to the scratch slot/block. Same math as `_decode` -> [B, dim].
+        sequence; writes that must not happen go to the scratch slot/block. Same math as `_decode` -> [B, G*o_lora]
+        (before wo_b).
         `split(stage)` marks stage boundaries (a no-op unless region timing is on)."""
         cos, sin = self.rope.cos_sin(pos)  # [B, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
@@ -400,7 +394,7 @@ class Attention(nn.Module):
             g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
             if self.indexer is not None:
                 ikeys = cache.idx_pool[tables].flatten(1, 2)  # [B, E, Di]
-                g.scores = index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
+                g.scores = self.ops.index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
                 g.visible, g.ids = visible, ids
                 self._select([g])
                 split("attn.index")

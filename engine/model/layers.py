@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.model.ops import OpsUser
 from nki_kernels.reference import rope_cos_sin, rope_inv_freq
 
 # The one list of fp32 tensors. Stored as F32 in the released checkpoint (so always loaded as fp32): the mHC
@@ -34,12 +35,56 @@ def _empty(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """`weight` [out, in], dequantised at load time (FP8/FP4 checkpoints become plain tensors)."""
+class Linear(OpsUser, nn.Module):
+    """y = x @ W^T with `weight` as the checkpoint stores it (official names, so the loader is one table):
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    * fmt None: `weight` [out, in] float (bf16/fp32 tensors, or FP8/FP4 ones dequantised at load);
+    * fmt "fp8": `weight` = e4m3 codes as uint8 [out, in], `scale` = UE8M0 bytes [ceil(out/128), ceil(in/128)];
+    * fmt "fp4": `weight` = packed e2m1 codes as uint8 [out, in/2] (low nibble = even element), `scale` = UE8M0
+      bytes [out, in/32].
+    The GEMM is the op table's (`linear` / `fp8_linear` / `fp4_linear`): fp32 accumulation, result in x.dtype."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str | None = None) -> None:
         super().__init__()
-        self.weight = _empty(out_features, in_features)
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        if fmt is None:
+            self.weight = _empty(out_features, in_features)
+        elif fmt == "fp8":
+            self.weight = _empty(out_features, in_features, dtype=torch.uint8)
+            self.scale = _empty(-(-out_features // 128), -(-in_features // 128), dtype=torch.uint8)
+        elif fmt == "fp4":
+            if in_features % 32:
+                raise ValueError(f"fp4 Linear: in_features={in_features} is not a multiple of 32")
+            self.weight = _empty(out_features, in_features // 2, dtype=torch.uint8)
+            self.scale = _empty(out_features, in_features // 32, dtype=torch.uint8)
+        else:
+            raise ValueError(f"Linear fmt {fmt!r}: expected None, 'fp8' or 'fp4'")
+        self._dense: tuple | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt is None:
+            return self.ops.linear(x, self.weight)
+        if self.fmt == "fp8":
+            return self.ops.fp8_linear(x, self.weight, self.scale)
+        return self.ops.fp4_linear(x, self.weight, self.scale)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a float [out, in] tensor (dequantised once and cached for a stored one): for the kernels
+        that take dense weights only (the fused attention tail)."""
+        if self.fmt is None:
+            return self.weight
+        key = (self.weight.data_ptr(), self.weight._version, dtype)
+        if self._dense is None or self._dense[0] != key:
+            from engine.model.ops import dequant
+
+            self._dense = (key, dequant(self.weight, self.scale, self.fmt, dtype))
+        return self._dense[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMM with this weight reads (weight + scales)."""
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (self.scale.numel() * self.scale.element_size() if self.fmt is not None else 0)
 
 
 class RMSNorm(nn.Module):

@@ -14,12 +14,39 @@ from engine.model.attention import Attention
 from engine.model.cache import KVCache, StepPlan
 from engine.model.layers import Embedding, Linear, RMSNorm, _empty, keeps_fp32
 from engine.model.moe import MoE
+from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer, no_split
-from nki_kernels.reference import hc_collapse, hc_expand, hc_head, hc_mixes, linear, rms_norm
+from nki_kernels.reference import hc_head
 
 
-class Block(nn.Module):
+def use_ops(module: nn.Module, ops: object) -> None:
+    """Run every op of `module` through `ops` (engine/model/ops.py `ops_for(config.kernels)`)."""
+    for m in module.modules():
+        if isinstance(m, OpsUser):
+            m.ops = ops
+
+
+def use_formats(module: nn.Module, formats: dict[str, str]) -> None:
+    """Hold the weights named in `formats` ({weight name relative to `module`: "fp8" | "fp4"}) as stored: their
+    Linear modules get uint8 `weight` + `scale` parameters (engine/loader.py `stored_formats` gives the map)."""
+    linears = {f"{name}.weight": m for name, m in module.named_modules() if isinstance(m, Linear)}
+    unknown = sorted(set(formats) - set(linears))
+    if unknown:
+        raise KeyError(f"stored formats for weights the model has no Linear for, e.g. {unknown[:3]}")
+    for name, fmt in formats.items():
+        lin = linears[name]
+        parent, _, leaf = name[: -len(".weight")].rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, leaf, type(lin)(lin.in_features,
+                                                                                   lin.out_features, fmt))
+
+
+def formats_of(module: nn.Module) -> dict[str, str]:
+    """The stored formats `module` holds (the inverse of `use_formats`)."""
+    return {f"{name}.weight": m.fmt for name, m in module.named_modules() if isinstance(m, Linear) and m.fmt}
+
+
+class Block(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
         self.cfg, self.layer_id, self.par = cfg, layer_id, par
@@ -34,19 +61,25 @@ class Block(nn.Module):
 
     def _mix(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return self.ops.hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                                 getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
+                                 c.norm_eps)
 
     def hc_site(self, x: torch.Tensor, site: str, inner: Callable[[torch.Tensor], torch.Tensor],
                 split: Callable[[str], None] = no_split) -> torch.Tensor:
         """One half of the block around `inner` (attention or MoE): mHC collapse, norm, inner, mHC expand.
-        x [T, n, dim] -> [T, n, dim]; `split` marks the stage boundaries (engine/regions.py)."""
+        x [T, n, dim] -> [T, n, dim]; `split` marks the stage boundaries (engine/regions.py). The attention site's
+        `inner` returns the output before wo_b, which comes fused with the expand (`ops.attn_out_expand`)."""
         stage = "attn" if site == "attn" else "moe"
+        ops = self.ops
         pre, post, comb = self._mix(x, site)
-        h = rms_norm(hc_collapse(x, pre), getattr(self, f"{site}_norm").weight, self.cfg.norm_eps)  # [T, dim]
+        h = ops.rms_norm(ops.hc_collapse(x, pre), getattr(self, f"{site}_norm").weight, self.cfg.norm_eps)  # [T, dim]
         split(f"{stage}.hc_pre")
-        y = inner(h)  # [T, dim]
-        x = hc_expand(y, x, post, comb)  # [T, n, dim]
+        y = inner(h)
+        if site == "attn":
+            x = ops.attn_out_expand(y, self.attn.wo_b, x, post, comb)  # [T, n, dim]
+        else:
+            x = ops.hc_expand(y, x, post, comb)  # [T, n, dim]
         split(f"{stage}.hc_post")
         return x
 
@@ -77,7 +110,7 @@ class MTPBlock(Block):
         self.hc_head_scale = _empty(1)
 
 
-class Transformer(nn.Module):
+class Transformer(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel | None = None, with_mtp: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
@@ -96,7 +129,8 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Take official-named tensors (already dequantised); cast to the compute dtype except fp32-kept ones."""
+        """Take official-named tensors (dequantised, or as stored for the formats set by `use_formats`); cast float
+        ones to the compute dtype except fp32-kept ones; bytes (uint8) and ints stay as they are."""
         own = self.state_dict(keep_vars=True)
         missing = sorted(set(own) - set(state))
         if missing:
@@ -139,16 +173,16 @@ class Transformer(nn.Module):
         """Streams [T, n, dim] -> fp32 logits [T, vocab] via hc_head, the final norm and the head."""
         hc = hc or self
         h = hc_head(x, hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, self.cfg.hc_eps, self.cfg.norm_eps)
-        h = rms_norm(h, (norm or self.norm).weight, self.cfg.norm_eps)
-        return linear(h.float(), self.head.weight)
+        h = self.ops.rms_norm(h, (norm or self.norm).weight, self.cfg.norm_eps)
+        return self.head(h.float())
 
     def mtp_logits(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
                    k: int = 0) -> torch.Tensor:
         """MTP block k: streams x [T, n, dim] at positions t and the ids of tokens t+1 -> logits for tokens t+2."""
         blk: MTPBlock = self.mtp[k]
         eps = self.cfg.norm_eps
-        e = rms_norm(self.embed.weight[next_ids], blk.enorm.weight, eps)
-        h = rms_norm(x, blk.hnorm.weight, eps)
-        x0 = linear(e, blk.e_proj.weight).unsqueeze(1) + linear(h, blk.h_proj.weight)
+        e = self.ops.rms_norm(self.embed.weight[next_ids], blk.enorm.weight, eps)
+        h = self.ops.rms_norm(x, blk.hnorm.weight, eps)
+        x0 = blk.e_proj(e).unsqueeze(1) + blk.h_proj(h)
         x1 = blk(x0, plan, cache, next_ids)
         return self.logits(x1, blk, blk.norm)

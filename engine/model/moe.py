@@ -12,9 +12,10 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.layers import Linear, _empty
+from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import no_split
-from nki_kernels.reference import gate_scores, linear, route, swiglu
+from nki_kernels.reference import gate_scores, route
 
 
 class Gate(nn.Module):
@@ -35,7 +36,7 @@ class Gate(nn.Module):
         return route(scores, self.topk, self.route_scale, bias=self.bias)
 
 
-class Expert(nn.Module):
+class Expert(OpsUser, nn.Module):
     def __init__(self, dim: int, inter_dim: int, limit: float) -> None:
         super().__init__()
         self.w1 = Linear(dim, inter_dim)
@@ -45,10 +46,10 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim]; the routing weight [T, 1] multiplies before w2 (official order)."""
-        h = swiglu(linear(x, self.w1.weight), linear(x, self.w3.weight), self.limit)  # [T, inter] fp32
+        h = self.ops.swiglu(self.w1(x), self.w3(x), self.limit)  # [T, inter] fp32
         if weights is not None:
             h = h * weights
-        return linear(h.to(x.dtype), self.w2.weight).float()
+        return self.w2(h.to(x.dtype)).float()
 
 
 class MoE(nn.Module):

@@ -25,19 +25,18 @@ from nki_kernels import (
 )
 
 
-def test_engine_imports_the_same_reference_functions():
+def test_engine_reference_ops_are_the_reference_functions():
+    """`--kernels reference` runs exactly the functions the kernels are tested against (one definition per op)."""
     from engine.model import attention, model, moe
+    from engine.model.ops import REFERENCE
 
-    assert model.rms_norm is reference.rms_norm
-    assert model.hc_mixes is reference.hc_mixes
-    assert model.hc_collapse is reference.hc_collapse
-    assert model.hc_expand is reference.hc_expand
-    assert moe.swiglu is reference.swiglu
-    assert moe.linear is reference.linear
-    assert attention.sparse_attn is reference.sparse_attn
-    assert attention.compress_pool is reference.compress_pool
-    assert attention.index_score is reference.index_score
-    assert attention.grouped_out_proj is reference.grouped_out_proj
+    for name in ("rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "hc_attn_out", "swiglu", "linear", "fp8_linear",
+                 "fp4_linear", "sparse_attn", "sparse_attn_partial", "compress_pool", "index_score",
+                 "grouped_out_proj"):
+        assert getattr(REFERENCE, name) is getattr(reference, name), name
+    # the reference-only ops the model calls directly are the same functions too
+    assert attention.index_topk is reference.index_topk and attention.rope_apply is reference.rope_apply
+    assert model.hc_head is reference.hc_head and moe.route is reference.route
 
 
 T, N, D = 4, 2, 16

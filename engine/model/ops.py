@@ -1,0 +1,66 @@
+"""The model's op table: which implementation every kernel-family op runs, chosen by `EngineConfig.kernels`.
+
+* `reference`: the torch definitions in nki_kernels/reference.py (the single definition each kernel is tested
+  against; compile-safe on a torch-xla device: uint8 weight inputs decoded arithmetically);
+* `stand-in`: the NKI kernels themselves, executed on the NumPy stand-in inside the model (host only), through
+  nki_kernels/kernel_ops.py (same signatures; dispatch counters prove which path ran);
+* `nki`: the same kernel ops on a Neuron device (executor "neuron"; written, not run here).
+
+Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
+another). Besides the kernel ops, the table has one composite the model needs: `attn_out_expand`, the attention
+tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused `hc_attn_out` kernel.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
+
+__all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for"]
+
+
+def _table(executor: str) -> types.SimpleNamespace:
+    ops = types.SimpleNamespace(**make_ops(executor), kernels=executor)
+    if executor == "reference":
+        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
+    else:
+        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_attn_out(o, wo_b.dense(o.dtype), residual,
+                                                                                    post, comb)
+    return ops
+
+
+REFERENCE = _table("reference")
+
+
+def ops_for(kernels: Any) -> types.SimpleNamespace:
+    """The op table of `--kernels reference | stand-in | nki`."""
+    name = str(kernels)
+    if name == "reference":
+        return REFERENCE
+    if name == "stand-in":
+        return _table("stand-in")
+    if name == "nki":
+        from engine.stack import check_nki_version, versions
+
+        check_nki_version(versions()["nki"])
+        return _table("neuron")
+    raise ValueError(f"kernels {name!r}: expected reference, stand-in or nki")
+
+
+class OpsUser:
+    """Mixin of the modules that call ops: `self.ops` is the table in use."""
+
+    ops: types.SimpleNamespace = REFERENCE
+
+
+def dequant(weight: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """A stored FP8 / FP4 weight (bytes) dequantised: for kernels that take dense weights only."""
+    from nki_kernels import formats
+
+    if fmt == "fp8":
+        return formats.dequant_fp8_block(weight.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), dtype)
+    return formats.dequant_fp4(weight.view(torch.int8), scale.view(torch.float8_e8m0fnu), dtype)
