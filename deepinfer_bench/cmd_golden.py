@@ -66,9 +66,11 @@ def generate_cmd(
     top_k: Annotated[int, typer.Option()] = 0,
     seed: Annotated[int | None, typer.Option()] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print {prompt_ids, output_ids, text} as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write generate.csv + meta.json (timing, resident "
+                                                           "weight bytes, peak RSS) under this folder.")] = None,
 ) -> None:
     """One-off generation through the full engine (scheduler, KV pool, sampler)."""
-    from deepinfer_bench.generate import engine_settings, generate
+    from deepinfer_bench.generate import checkpoint_bytes, engine_settings, generate
     from engine.sampler import SamplingParams
 
     if (prompt is None) == (prompt_ids is None):
@@ -83,6 +85,19 @@ def generate_cmd(
     cfg = engine.model_config()
     config = engine.config(cfg, **engine_settings(cfg, prompt, ids, max_tokens, engine.cp or 1))
     result = generate(config, prompt if prompt is not None else ids, params)
+    if out is not None:
+        import pandas as pd
+
+        ckpt = checkpoint_bytes(engine.model_dir)
+        row = {"prompt_len": len(result["prompt_ids"]), "output_len": len(result["output_ids"]),
+               "seconds": result["seconds"], "weights": str(config.model.weights), "dtype": str(config.model.dtype),
+               "checkpoint_bytes": ckpt, "resident_weight_bytes": result["resident_weight_bytes"],
+               "kv_cache_bytes": result["kv_cache_bytes"], "peak_rss_bytes": result["peak_rss_bytes"],
+               "peak_rss_over_checkpoint": result["peak_rss_bytes"] / ckpt if ckpt else float("nan")}
+        path = save_results(pd.DataFrame([row]), out, "generate", {"engine_config": config.to_dict(), **row})
+        err_console.print(f"peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB = {row['peak_rss_over_checkpoint']:.2f}"
+                          f" x the checkpoint ({ckpt / 2**30:.2f} GiB); resident weights "
+                          f"{row['resident_weight_bytes'] / 2**30:.2f} GiB  ->  {path}")
     if as_json:
         typer.echo(json.dumps(result))
     else:

@@ -17,16 +17,36 @@ def engine_settings(cfg: Any, prompt: str | None, prompt_ids: list[int] | None, 
             "max_num_batched_tokens": max(512, n_prompt)}
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def checkpoint_bytes(model_dir: Any) -> int:
+    """Bytes of the safetensors files of a model directory (what the checkpoint is on disk)."""
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
 def _generate_job(engine: Any, prompt: str | list[int], params: Any) -> dict[str, Any]:
+    import time
+
     ids = engine.encode(prompt)
     engine.add_request(ids, params, request_id="generate")
-    final = None
+    final, t0 = None, time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 final = out
+    model = engine.runner.model
     return {"prompt_ids": ids, "output_ids": list(final.output_token_ids),
-            "text": final.text if engine.tokenizer is not None else None, "finish_reason": final.finish_reason}
+            "text": final.text if engine.tokenizer is not None else None, "finish_reason": final.finish_reason,
+            "seconds": time.perf_counter() - t0,
+            "resident_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "kv_cache_bytes": engine.runner.cache.nbytes(), "peak_rss_bytes": peak_rss_bytes()}
 
 
 def generate(config: Any, prompt: str | list[int], params: Any) -> dict[str, Any]:

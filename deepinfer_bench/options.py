@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from deepinfer_bench.report import DEFAULT_MODEL_DIR
-from engine.config import Backend, DType, GraphMode, HostCompiler, Kernels, Weights
+from engine.config import Backend, DType, GraphMode, HostCompiler, Kernels, MoeMode, Weights
 
 PANEL = "Engine options"
 
@@ -37,6 +37,7 @@ class EngineArgs:
     backend: Backend | None = None
     kernels: Kernels | None = None
     weights: Weights | None = None
+    moe: MoeMode | None = None
     host_compiler: HostCompiler | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -81,6 +82,8 @@ _OPTIONS: dict[str, Any] = {
                                               "reference, NKI kernels on the NumPy stand-in, or NKI on Neuron.")],
     "weights": Annotated[Weights | None, _opt("--weights", help="FP8/FP4 weights as stored (the GEMMs read the "
                                               "checkpoint's bytes; default) or dequantised at load.")],
+    "moe": Annotated[MoeMode | None, _opt("--moe", help="Routed experts in decode graphs: gather the chosen ones "
+                                          "(cost K per token), dense (every local expert), or auto.")],
     "host_compiler": Annotated[HostCompiler | None, _opt("--host-compiler", help="torch.compile backend of region "
                                                          "graphs on the host (default: DEEPINFER_HOST_COMPILER)")],
     "max_num_seqs": Annotated[int | None, _opt("--max-num-seqs", min=1, help="Largest running batch (KV slots).")],

@@ -32,8 +32,8 @@ from typing import Any
 from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
-           "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "ParallelConfig",
-           "Weights", "check_layout", "default_block_size", "resolve_backend"]
+           "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "MoeMode",
+           "ParallelConfig", "Weights", "check_layout", "default_block_size", "resolve_backend"]
 
 
 class _Choice(str, enum.Enum):
@@ -72,6 +72,12 @@ class HostCompiler(_Choice):
     AOT_EAGER = "aot_eager"
     EAGER = "eager"  # dynamo capture only
     NONE = "none"  # no torch.compile: the same static-shape code as plain Python
+
+
+class MoeMode(_Choice):
+    AUTO = "auto"  # decode regions gather the chosen experts while T*K < local experts, else dense
+    GATHER = "gather"  # per (token, k) pair, the chosen expert's weights gathered by index: cost K per token
+    DENSE = "dense"  # every local expert on every token with a zero weight where not chosen (fine for small E_local)
 
 
 class Kernels(_Choice):
@@ -209,11 +215,13 @@ class GraphConfig:
     host_compiler: HostCompiler = HostCompiler.INDUCTOR  # torch.compile backend of region graphs on the host
     region_timing: bool = False  # run regions stage by stage with a sync and a clock read at every split()
     moe_capacity: float = 0.0  # capacity factor of the grouped expert path for prefill chunks (0 = off)
+    moe: MoeMode = MoeMode.AUTO  # routed experts in decode regions (eager/prefill always run only the chosen ones)
     batch_decode: bool = True  # vectorised decode path (False: every sequence through the chunk path; tests)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode, "graph mode"))
         object.__setattr__(self, "host_compiler", HostCompiler.parse(self.host_compiler, "host compiler"))
+        object.__setattr__(self, "moe", MoeMode.parse(self.moe, "moe"))
         buckets = tuple(int(b) for b in self.batch_buckets)
         if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"batch_buckets must be increasing positive ints, got {self.batch_buckets!r}")
@@ -231,7 +239,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
-    "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"),
+    "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
     "backend": ("", "backend"), "kernels": ("", "kernels"), "seed": ("", "seed"),
 }
 OVERRIDES = tuple(_FLAT)

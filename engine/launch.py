@@ -70,13 +70,17 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
     backend = get_backend(config)
     ops = ops_for(config.kernels)
     state = weights if weights is not None else load_weights(config, par)
+    stored = str(config.model.weights) == "stored"
     model = Transformer(config.model.config, par, with_mtp=config.model.with_mtp)
     wanted = model.state_dict(keep_vars=True).keys()
     formats = stored_formats(config) if weights is None else _formats_in(state, wanted)
     use_formats(model, {k: v for k, v in formats.items() if k in wanted})
     use_ops(model, ops)
     wanted = model.state_dict(keep_vars=True).keys()
-    model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(config.model.dtype))
+    model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(config.model.dtype),
+                       keep_narrow=stored)
+    if weights is None:
+        state.clear()  # the model holds what it needs; the rest goes now (peak memory = the weights once)
     with backend.grad_context():
         model.to(backend.device)  # weights and RoPE tables on the engine's device (a no-op on the host)
     return ModelRunner(config, model, par, backend)

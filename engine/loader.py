@@ -311,6 +311,11 @@ _FLOATS = ("F32", "BF16", "F16")
 
 def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Parse and validate a safetensors header without reading tensor data: name -> (dtype, shape)."""
+    return _parse_header(path)[0]
+
+
+def _parse_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, tuple[int, int]], int]:
+    """(name -> (dtype, shape), name -> data byte range, where the data starts in the file)."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -329,7 +334,7 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    out = {}
+    out, offsets = {}, {}
     data_size = size - 8 - n
     for name, info in header.items():
         if name == "__metadata__":
@@ -347,7 +352,8 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise CheckpointError(f"{path}: corrupt header: tensor {name!r} {dt}{list(shape)} spans {end - start} "
                                   "bytes")
         out[name] = (dt, shape)
-    return out
+        offsets[name] = (int(start), int(end))
+    return out, offsets, 8 + n
 
 
 class _Checkpoint:
@@ -359,6 +365,8 @@ class _Checkpoint:
         self.dir = model_dir
         self.where: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        self._offsets: dict[Path, dict[str, tuple[int, int]]] = {}
+        self._data_start: dict[Path, int] = {}
         self._handles: dict[Path, object] = {}
         index = model_dir / INDEX_FILE
         single = model_dir / SINGLE_FILE
@@ -379,7 +387,7 @@ class _Checkpoint:
         if path not in self._headers:
             if not path.exists():
                 raise CheckpointError(f"tensor {tensor!r}: shard {path} listed in {self.source.name} is missing")
-            self._headers[path] = _read_header(path)
+            self._headers[path], self._offsets[path], self._data_start[path] = _parse_header(path)
         return self._headers[path]
 
     def __contains__(self, key: str) -> bool:
@@ -393,19 +401,30 @@ class _Checkpoint:
         return header[key]
 
     def read(self, key: str, index: tuple | None = None) -> torch.Tensor:
-        """Read one tensor (or `index`, a tuple of ints/slices, of it) from its memory-mapped file."""
+        """Read one tensor (or `index`, a tuple of ints/slices, of it). A whole tensor is read with plain file I/O
+        into its own memory (no memory map: mapped pages of the file would count in the process's resident set
+        on top of the copy, up to twice the checkpoint at the peak of a load); a slice through safetensors."""
+        path = self.where[key]
+        dt, shape = self.info(key)
+        if index is None:
+            start, end = self._offsets[path][key]
+            out = torch.empty(shape, dtype=_ST_DTYPES[dt][0])
+            view = out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8)
+            with open(path, "rb") as f:
+                f.seek(self._data_start[path] + start)
+                got = f.readinto(memoryview(view.numpy()))
+            if got != end - start:
+                raise CheckpointError(f"tensor {key!r} in {path}: read {got} of {end - start} bytes (truncated?)")
+            return out
         from safetensors import safe_open
 
-        path = self.where[key]
-        self.info(key)
         if path not in self._handles:
             try:
                 self._handles[path] = safe_open(str(path), framework="pt")
             except Exception as e:  # safetensors raises its own error type
                 raise CheckpointError(f"tensor {key!r}: cannot open {path}: {e}") from e
-        handle = self._handles[path]
         try:
-            return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+            return self._handles[path].get_slice(key)[index]
         except Exception as e:
             raise CheckpointError(f"tensor {key!r} in {path}: cannot read ({e})") from e
 
@@ -486,7 +505,8 @@ def _dequant(ckpt: _Checkpoint, name: str, key: str, shape: tuple[int, ...], dty
     if st_dtype in _FLOATS:
         if st_shape != shape:
             raise CheckpointError(f"{where}: shape {list(st_shape)}, expected {list(shape)}")
-        return ckpt.read(key).to(out_dtype)
+        t = ckpt.read(key)
+        return t if stored and fmt != "fp32" else t.to(out_dtype)  # stored: float tensors as they are
     quantisable = len(shape) == 2 and name.endswith(".weight")
     if st_dtype not in ("F8_E4M3", "I8", "U8") or not quantisable:
         allowed = ", ".join(_FLOATS + (("F8_E4M3 + .scale", "I8 (FP4) + .scale") if quantisable else ()))
@@ -553,8 +573,9 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, *, dt
             are an error.
         stored: keep FP8 / FP4 weights as stored - `<name>` = the weight's bytes (uint8: e4m3 codes [out, in], or
             packed e2m1 [out, in/2]) and `<name[:-7]>.scale` = its UE8M0 scale bytes (uint8) - instead of
-            dequantising them (`stored_formats` says which; `DEQUANT_ALWAYS` are dequantised anyway). Nothing is
-            widened: what stays in memory is the checkpoint's bytes.
+            dequantising them (`stored_formats` says which; `DEQUANT_ALWAYS` are dequantised anyway), and float
+            tensors in their stored dtype (`dtype` is not applied). Nothing is widened: what stays in memory is
+            the checkpoint's bytes.
 
     Returns: {official name: tensor with the logical shape of `expected_tensors(cfg)`}.
     Raises: CheckpointError naming the tensor and the file (missing/mis-shaped/mis-typed tensor, missing scale,

@@ -82,9 +82,11 @@ class Region(nn.Module):
         from engine.model.model import formats_of, use_formats, use_ops
 
         blk = type(self.blk)(self.blk.cfg, self.blk.layer_id, self.blk.par)
-        blk.ffn.capacity = self.blk.ffn.capacity
+        blk.ffn.capacity, blk.ffn.static_moe = self.blk.ffn.capacity, self.blk.ffn.static_moe
         use_formats(blk, formats_of(self.blk))
         use_ops(blk, self.blk.ops)
+        if self.blk.ffn._stacked:
+            blk.ffn.stack_experts()  # meta buffers of the same names: functional_call swaps the layer's in
         return Region(blk, self.kind, self.ratio, self.slots_per_layer, self.blocks_per_layer, self.split)
 
     def structure(self) -> tuple:
@@ -97,7 +99,8 @@ class Region(nn.Module):
     def params(self) -> dict[str, torch.Tensor]:
         """This layer's tensors the region reads (the inputs of a shared graph)."""
         if self._params is None:
-            self._params = {k: v for k, v in self.named_parameters() if k.startswith(self.prefixes)}
+            tensors = [*self.named_parameters(), *self.named_buffers()]
+            self._params = {k: v for k, v in tensors if k.startswith(self.prefixes)}
         return self._params
 
     def forward(self, x: torch.Tensor, roots: dict[str, torch.Tensor], li: torch.Tensor,

@@ -58,6 +58,8 @@ class ModelRunner:
         self.num_steps = 0  # forward calls so far
         for layer in [*model.layers, *model.mtp]:
             layer.ffn.capacity = graph.moe_capacity
+            layer.ffn.static_moe = str(graph.moe)
+            layer.ffn.stack_experts()  # views: no extra memory; lets decode regions gather experts by index
         self.timer = RegionTimer(enabled=graph.region_timing, synchronize=self.backend.synchronize)
         self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,

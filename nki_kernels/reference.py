@@ -47,9 +47,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(g) * u
 
 
+LINEAR_CHUNK = 1 << 21  # weight elements widened at a time when the weight is narrower than x (8 MiB in fp32)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T in x's dtype (weights are dequantised at load time). x [..., K], weight [N, K]."""
-    return F.linear(x, weight.to(x.dtype))
+    """x @ weight^T in x's dtype. x [..., K], weight [N, K] float. A narrower weight (a bf16 tensor kept as the
+    checkpoint stores it, with fp32 activations) is widened exactly, a block of rows at a time, so no full-size copy
+    exists at any point; the products are the same as with a weight widened at load."""
+    if weight.dtype == x.dtype or weight.numel() <= LINEAR_CHUNK:
+        return F.linear(x, weight.to(x.dtype))
+    rows = max(1, LINEAR_CHUNK // weight.shape[1])
+    return torch.cat([F.linear(x, weight[i: i + rows].to(x.dtype)) for i in range(0, weight.shape[0], rows)], -1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

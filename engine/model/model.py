@@ -12,7 +12,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.attention import Attention
 from engine.model.cache import KVCache, StepPlan
-from engine.model.layers import Embedding, Linear, RMSNorm, _empty, keeps_fp32
+from engine.model.layers import Embedding, Linear, RMSNorm, _empty, keeps_fp32, stored_fp32
 from engine.model.moe import MoE
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
@@ -126,11 +126,15 @@ class Transformer(OpsUser, nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The compute dtype (activations and residual streams)."""
+        return getattr(self, "_compute_dtype", torch.float32)
 
-    def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor], dtype: torch.dtype, keep_narrow: bool = False) -> None:
         """Take official-named tensors (dequantised, or as stored for the formats set by `use_formats`); cast float
-        ones to the compute dtype except fp32-kept ones; bytes (uint8) and ints stay as they are."""
+        ones to the compute dtype except fp32-kept ones; bytes (uint8) and ints stay as they are. `keep_narrow`
+        (weights=stored): a bf16 / fp16 matrix (embedding, head, compressor and indexer projections, router) stays
+        as the checkpoint stores it - the ops widen it exactly when they use it - instead of a 2x wider copy."""
+        self._compute_dtype = dtype
         own = self.state_dict(keep_vars=True)
         missing = sorted(set(own) - set(state))
         if missing:
@@ -140,15 +144,18 @@ class Transformer(OpsUser, nn.Module):
             t = state[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"tensor {name}: shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
-            if not t.is_floating_point():
+            want = torch.float32 if keeps_fp32(name) else dtype
+            narrow = t.dtype in (torch.bfloat16, torch.float16) and t.dim() >= 2 and t.element_size() <= \
+                torch.empty((), dtype=want).element_size()
+            if not t.is_floating_point() or (keep_narrow and narrow and not stored_fp32(name)):
                 cast[name] = t
             else:
-                cast[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
+                cast[name] = t.to(want)
         self.load_state_dict(cast, strict=True, assign=True)
 
     def streams(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the embedding copied into every residual stream [T, n, dim]."""
-        e = self.embed.weight[input_ids]  # [T, dim]
+        e = self.embed.weight[input_ids].to(self.dtype)  # [T, dim]
         return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def hidden(self, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
@@ -181,7 +188,7 @@ class Transformer(OpsUser, nn.Module):
         """MTP block k: streams x [T, n, dim] at positions t and the ids of tokens t+1 -> logits for tokens t+2."""
         blk: MTPBlock = self.mtp[k]
         eps = self.cfg.norm_eps
-        e = self.ops.rms_norm(self.embed.weight[next_ids], blk.enorm.weight, eps)
+        e = self.ops.rms_norm(self.embed.weight[next_ids].to(self.dtype), blk.enorm.weight, eps)
         h = self.ops.rms_norm(x, blk.hnorm.weight, eps)
         x0 = blk.e_proj(e).unsqueeze(1) + blk.h_proj(h)
         x1 = blk(x0, plan, cache, next_ids)

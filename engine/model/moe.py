@@ -52,7 +52,7 @@ class Expert(OpsUser, nn.Module):
         return self.w2(h.to(x.dtype)).float()
 
 
-class MoE(nn.Module):
+class MoE(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -66,6 +66,70 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
         self.capacity = 0.0  # capacity factor of the grouped path (0 = off); set by the runner
         self.overflows = 0  # multi-token calls that overflowed and re-ran on the dense path
+        self.static_moe = "auto"  # decode regions: gather (cost K per token) | dense (every local expert) | auto
+        self._stacked = False
+
+    # -- stacked experts: what the static gather path indexes ------------------------------------------------------
+    _WEIGHTS = ("w1", "w2", "w3")
+
+    def stack_experts(self) -> None:
+        """Stack the local experts' tensors into non-persistent buffers `stack_<w>` [E_local, ...] (and
+        `stack_<w>_scale` for stored FP8/FP4 weights) and make each expert's parameters views of them: no extra
+        memory, the same names in the state dict, and a decode region can gather the chosen experts' weights by
+        index (reading K experts, not E)."""
+        if self._stacked:
+            return
+        experts = [self.experts[e] for e in self.local]
+        for w in self._WEIGHTS:
+            for attr in ("weight", "scale"):
+                parts = [getattr(getattr(ex, w), attr, None) for ex in experts]
+                if parts[0] is None:
+                    continue
+                stack = torch.stack([p.data for p in parts])  # [E_local, ...]
+                name = f"stack_{w}" if attr == "weight" else f"stack_{w}_scale"
+                self.register_buffer(name, stack, persistent=False)
+                for i, ex in enumerate(experts):
+                    setattr(getattr(ex, w), attr, nn.Parameter(stack[i], requires_grad=False))
+        self._stacked = True
+
+    def _gathered(self, w: str, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """x [1, in] @ the weight `w` of local expert e (a 1-element index tensor) -> [1, out]."""
+        lin = getattr(self.experts[self.local.start], w)
+        weight = getattr(self, f"stack_{w}").index_select(0, e)[0]
+        if lin.fmt is None:
+            return self.ops.linear(x, weight)
+        scale = getattr(self, f"stack_{w}_scale").index_select(0, e)[0]
+        fn = self.ops.fp8_linear if lin.fmt == "fp8" else self.ops.fp4_linear
+        return fn(x, weight, scale)
+
+    def routed_gather(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`routed_local` with static shapes whose cost is K experts per token: each (token, k) pair gathers its
+        expert's weights from the stacks (index_select by a device index: no host sync) and runs the SwiGLU on that
+        token. Pairs routed to another rank's expert carry weight 0 (and read this rank's first expert).
+        x [T, dim], weights/indices [T, K] -> fp32 [T, dim]."""
+        t, k = indices.shape
+        lo, n_local = self.local.start, len(self.local)
+        mine = (indices >= lo) & (indices < lo + n_local)
+        sel = torch.where(mine, indices - lo, 0).flatten()  # [T*K] local expert ids
+        wts = torch.where(mine, weights, 0.0).flatten()  # [T*K]
+        ex = self.experts[lo]
+        out = []
+        for p in range(t * k):  # static: T (a batch bucket) x K pairs
+            xp, e = x[p // k: p // k + 1], sel[p: p + 1]
+            h = self.ops.swiglu(self._gathered("w1", xp, e), self._gathered("w3", xp, e), ex.limit) * wts[p]
+            out.append(self._gathered("w2", h.to(x.dtype), e).float())
+        return torch.cat(out, 0).view(t, k, -1).sum(1)
+
+    def routed_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The static routed-expert path of decode regions: gather (K experts' weights per token) while the batch
+        reads fewer expert weights than the dense path would (T*K < E_local), else dense (each local expert once);
+        `static_moe` forces one (the `--moe` option)."""
+        mode = self.static_moe
+        if mode == "auto":
+            mode = "gather" if indices.numel() < len(self.local) else "dense"
+        if mode == "gather" and self._stacked:
+            return self.routed_gather(x, weights, indices)
+        return self.routed_dense(x, weights, indices)
 
     def routed_local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over this process's experts of w_i * Expert_i(x): x [T, dim], weights/indices [T, K] -> fp32."""
@@ -138,7 +202,7 @@ class MoE(nn.Module):
             return self._forward_ep(x, input_ids, static=True, split=split)
         weights, indices = self.gate(x, input_ids)
         split("moe.gate")
-        y = self.routed_dense(x, weights, indices)
+        y = self.routed_static(x, weights, indices)
         split("moe.experts")
         y = y + self.shared_experts(x)
         split("moe.shared")
@@ -163,7 +227,7 @@ class MoE(nn.Module):
         split("moe.exchange")
         xs = rows[:, : -2 * k].to(x.dtype)
         w, idx = rows[:, -2 * k: -k], rows[:, -k:].long()
-        y = self.routed_dense(xs, w, idx) if static else self.routed(xs, w, idx, grouped)
+        y = self.routed_static(xs, w, idx) if static else self.routed(xs, w, idx, grouped)
         split("moe.experts")
         y[lo:hi] += self.shared_experts(x[lo:hi])
         split("moe.shared")
