@@ -25,9 +25,12 @@ def engine_vs_hf_cmd(
     graph_modes: Annotated[str, typer.Option(
         help="Engine graph modes to time, comma-separated (eager, regions, layer); compiled modes compile during "
              "the warm-up. Overrides --graph-mode.")] = "eager,layer",
+    prefill_len: Annotated[int, typer.Option(min=0, help="Also time the TTFT of one prompt of this many tokens "
+                                                         "(0: skip).")] = 0,
     out: Annotated[Path, typer.Option()] = DEFAULT_OUT_DIR,
 ) -> None:
-    """Batch-1 greedy decode (engine vs HF transformers, fp32) and engine batched-decode throughput, interleaved."""
+    """Decode (batch 1 and batch B) and prefill speed of the engine against HF transformers on the same weights,
+    interleaved in one run; weight bytes read per decode step, achieved GB/s and the machine's memory roof."""
     from deepinfer_bench.speed import engine_settings, run_speed
     from engine.config import GraphMode
 
@@ -35,11 +38,16 @@ def engine_vs_hf_cmd(
     if (engine.cp or 1) != 1:
         raise typer.BadParameter("engine-vs-hf times one process against HF: --cp must be 1", param_hint="--cp")
     cfg = engine.model_config()
-    config = engine.config(cfg, **engine_settings(cfg, batch, prompt_len, steps))
-    err_console.print(f"[dim]timing {repeats} x {steps} decode steps after a {prompt_len}-token prefill ...[/dim]")
-    df, ratios = run_speed(config, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
-                           threads=threads, graph_modes=modes)
-    render_df(df, "decode speed: deepinfer vs HF transformers (fp32, same weights, same run)")
+    config = engine.config(cfg, **engine_settings(cfg, batch, prompt_len, steps, prefill_len))
+    err_console.print(f"[dim]timing {repeats} x {steps} decode steps after a {prompt_len}-token prefill; engine: "
+                      f"{config.model.dtype}, weights {config.model.weights}, kernels {config.kernels}, moe "
+                      f"{config.graph.moe}; {threads} thread(s) each side ...[/dim]")
+    df, pre, ratios = run_speed(config, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
+                                threads=threads, graph_modes=modes, prefill_len=prefill_len)
+    render_df(df, f"decode: deepinfer vs HF transformers ({config.model.dtype}, same weights, same run; memory "
+                  f"roof {ratios['memory_bandwidth_gb_s']:.1f} GB/s)")
+    if len(pre):
+        render_df(pre, f"prefill: TTFT of one {prefill_len}-token prompt")
     rows = []
     for mode in modes:
         b1 = ratios[f"{mode}:b1_ms_per_token_engine_over_hf"]
@@ -48,6 +56,16 @@ def engine_vs_hf_cmd(
                   "target": f"<= {ratios['b1_target']}", "met": b1 <= ratios["b1_target"]},
                  {"graph_mode": mode, "measure": f"batch-{batch} tok/s / batch-1 tok/s (engine)", "value": bk,
                   "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]}]
+        if mode != modes[0]:
+            v = ratios[f"{mode}:b1_ms_per_token_over_eager"]
+            rows.append({"graph_mode": mode, "measure": f"batch-1 ms/token, {mode} / {modes[0]}", "value": v,
+                         "target": "<= 1", "met": v <= 1.0})
+    if "ttft_engine_over_hf" in ratios:
+        v = ratios["ttft_engine_over_hf"]
+        rows.append({"graph_mode": "eager", "measure": f"TTFT of {prefill_len} tokens, engine / HF", "value": v,
+                     "target": f"<= {ratios['ttft_target']}", "met": v <= ratios["ttft_target"]})
     render_df(pd.DataFrame(rows), "targets")
     path = save_results(df, out, "engine_vs_hf", {"ratios": ratios, "engine_config": config.to_dict()})
+    if len(pre):
+        pre.to_csv(path.parent / "engine_vs_hf_prefill.csv", index=False)
     err_console.print(f"-> {path}")
