@@ -32,6 +32,12 @@ def kernels_cmd(
     if executor == "auto" and envs.DEEPINFER_KERNEL_EXECUTOR != "auto":
         executor = envs.DEEPINFER_KERNEL_EXECUTOR
     simulator = dict(envs.recorded).get("NKI_SIMULATOR", "") == "1"
+    from engine.stack import check_nki_version, logical_nc_config, versions
+    from nki_kernels import dispatch
+
+    dispatch.set_default(lnc=logical_nc_config())  # the same LNC as the engine's kernel launches
+    if executor in ("simulator", "neuron"):
+        check_nki_version(versions()["nki"])
     try:
         ex = resolve_executor(executor, simulator=simulator)
     except RuntimeError as e:

@@ -115,7 +115,7 @@ class Kernel:
             self._bound[kind] = _rebind(self.fn, backend(kind), {})
         return self._bound[kind]
 
-    def run(self, executor: str, *args, lnc: int = 1):
+    def run(self, executor: str, *args, lnc: int = 2):
         """Run on `executor` ('stand-in' | 'simulator' | 'neuron') with NumPy array / compile-time arguments.
 
         `lnc` > 1 launches `kernel[lnc]` on the real NKI (it must equal NEURON_LOGICAL_NC_CONFIG); the kernels do

@@ -72,14 +72,22 @@ def resolve_executor(requested: str = "auto", *, simulator: bool = False) -> str
     return requested
 
 
-_default = {"executor": "auto", "simulator": False}
+_default: dict[str, Any] = {"executor": "auto", "simulator": False, "lnc": 2}
 
 
-def set_default(executor: str = "auto", *, simulator: bool = False) -> None:
-    """Process default used by wrappers called with executor=None (set once by the CLI/engine from its config)."""
+def set_default(executor: str = "auto", *, simulator: bool = False, lnc: int | None = None) -> None:
+    """Process defaults used by wrappers called with executor=None, and the logical NeuronCore config every kernel
+    launch uses (`kernel[lnc]` on the real NKI; set once by the CLI/engine from engine.stack.logical_nc_config(),
+    i.e. NEURON_LOGICAL_NC_CONFIG, trn2's default 2). This module reads no environment itself."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}")
-    _default.update(executor=executor, simulator=simulator)
+    if lnc is not None and lnc not in (1, 2):
+        raise ValueError(f"lnc must be 1 or 2, got {lnc!r}")
+    _default.update(executor=executor, simulator=simulator, **({"lnc": lnc} if lnc is not None else {}))
+
+
+def default_lnc() -> int:
+    return int(_default["lnc"])
 
 
 def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
@@ -93,7 +101,7 @@ def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
         if reference is None:
             raise ValueError(f"{name}: no reference path")
         return ex, reference()
-    return ex, kernel.run(ex, *args)
+    return ex, kernel.run(ex, *args, lnc=_default["lnc"])
 
 
 def fallback(name: str, reason: str, reference: Callable[[], Any]) -> Any:

@@ -41,6 +41,10 @@ def ops_for(kernels: Any) -> types.SimpleNamespace:
     name = str(kernels)
     if name == "reference":
         return REFERENCE
+    from engine.stack import logical_nc_config
+    from nki_kernels import dispatch
+
+    dispatch.set_default(lnc=logical_nc_config())  # every kernel launch uses the process's LNC
     if name == "stand-in":
         return _table("stand-in")
     if name == "nki":
