@@ -82,7 +82,7 @@ def export_decode_graphs(runner: Any, out_dir: str | Path) -> list[dict[str, Any
         packed = _packed(runner, bp, nb)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         for structure, (reg, li) in reps.items():
-            roots = _fresh_cache(runner).flat_views(reg.ratio)
+            roots = _fresh_cache(runner).roots[reg.ratio]
             name = f"{'_'.join(map(str, structure))}_b{bp}_nb{nb}".replace("True", "hash").replace("False", "nohash")
             emit(name, lambda reg=reg, li=li, roots=roots, x=x, p=packed: [reg(x, roots, li, p), *roots.values()],
                  {"region": reg.kind, "structure": [str(s) for s in structure[1:]], "ratio": reg.ratio,

@@ -13,7 +13,7 @@ Padded rows point at the cache's scratch slot and scratch block (KVCache(scratch
 (`Attention.decode_static`) gathers every entry the tables can hold and masks by position, and writes that must not
 happen go to the scratch slot/block, so there is no host sync and no data-dependent shape inside a graph.
 **Graphs shared across layers.** A region gets the root tensors of its layer's compress ratio flattened over
-(layer, slot) and (layer, block) (`KVCache.flat_views`) and its layer index as a device tensor, and offsets its
+(layer, slot) and (layer, block) (flattened inside the graph) and its layer index as a device tensor, and offsets its
 slot and block indices by it; its weights are the layer's own tensors. So no layer-specific value is a graph
 constant: layers of the same structure (attention: compress ratio; MoE: hash routing or not) run the same graph,
 and the number of distinct graphs is (region kinds x structures x batch buckets x block buckets), whatever the
@@ -60,11 +60,11 @@ def block_bucket(n: int, max_blocks: int) -> int:
 
 
 class Region(nn.Module):
-    """One region of one decoder layer, as a module over that layer's Block: `forward(x, roots, li, pos, slots,
-    tables, ids)` with x [Bp, n, dim] streams -> [Bp, n, dim]. `roots` are the cache's root tensors of the layer's
-    compress ratio flattened over (layer, slot) and (layer, block) (`KVCache.flat_views`), `li` the layer's index
-    in them as a 0-d device tensor: the region adds li * rows-per-layer to its slot and block indices, so nothing
-    layer-specific is a graph constant and layers of the same kind run the same graph."""
+    """One region of one decoder layer, as a module over that layer's Block: `forward(x, roots, li, packed)` with
+    x [Bp, n, dim] streams -> [Bp, n, dim]. `roots` are the cache's root tensors of the layer's compress ratio
+    ([layers of that ratio, slots, ...]; the region flattens (layer, slot) and (layer, block)), `li` the layer's
+    index in them as a [1]-shaped device tensor: the region adds li * rows-per-layer to its slot and block indices, so
+    nothing layer-specific is a graph constant and layers of the same kind run the same graph."""
 
     def __init__(self, blk: Block, kind: str, ratio: int, slots_per_layer: int, blocks_per_layer: int,
                  split: Callable[[str], None]) -> None:
@@ -108,6 +108,7 @@ class Region(nn.Module):
         """`packed` [Bp, 3 + NB] int64: pos, slot, token id, block table (RegionRunner.prepare)."""
         blk, split = self.blk, self.split
         pos, slots, ids, tables = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:]
+        roots = {name: t.flatten(0, 1) for name, t in roots.items()}  # (layer, slot) / (layer, block) flattened
         if self.kind in ("attn", "layer"):
             lc = LayerCache(ratio=self.ratio, **roots)
             sl, tl = slots + li * self.slots_per_layer, tables + li * self.blocks_per_layer
@@ -140,7 +141,9 @@ class RegionRunner:
         self._regions = {timed: [[Region(blk, kind, cache.where[blk.layer_id][0], cache.num_slots + 1,
                                          cache.num_blocks + 1, boundary if timed else no_split)
                                   for kind in self.kinds] for blk in model.layers] for timed in (False, True)}
-        self._li = [torch.tensor(cache.where[blk.layer_id][1], device=dev) for blk in model.layers]
+        # [1]-shaped, not 0-d: torch-xla turns a 0-d tensor holding 0 or 1 into a graph constant, which would give
+        # the layers at index 0 and 1 graphs of their own
+        self._li = [torch.tensor([cache.where[blk.layer_id][1]], device=dev) for blk in model.layers]
         self._graphs: dict[tuple, Callable[..., torch.Tensor]] = {}
         self._embed = backend.compile_fn(lambda packed: model.streams(packed[:, 2]), "embed")
         self.head = backend.compile_fn(model.logits, "head")  # the runner's head for region steps
@@ -194,8 +197,9 @@ class RegionRunner:
         n_launch = 0
         shape = (packed.shape[0], packed.shape[1] - 3)
         for blk, regions, li in zip(self.model.layers, self._regions[timed], self._li, strict=True):
-            # fresh views for every layer: each region call then sees its cache inputs in the same form
-            roots = self.cache.flat_views(self.cache.where[blk.layer_id][0])
+            # the root tensors themselves (the graph flattens them): on a lazy-tensor device a region then always
+            # gets its cache as device data and writes it back in place, whatever wrote it last
+            roots = self.cache.roots[self.cache.where[blk.layer_id][0]]
             for reg in regions:
                 fn = self._graph(reg, timed)
                 self.compiled.add((reg.kind, reg.structure()[1:], *shape))

@@ -43,35 +43,47 @@ def test_golden_on_xla(mode: str) -> None:
         assert dev["fallbacks_per_decode_step"] == 0 and dev["transfers_to_host_per_decode_step"] == 1
 
 
-def _decode_counters(cfg, steps: int = 6) -> tuple[int, list[dict]]:
-    import engine
-    from engine.config import EngineConfig
-    from engine.sampler import SamplingParams
+_COUNTERS = """
+import json, sys
+import engine
+from engine.config import EngineConfig, ModelConfig
+from engine.sampler import SamplingParams
+base = ModelConfig.from_json(sys.argv[1])
+cfg = ModelConfig(**{**base.__dict__, **json.loads(sys.argv[2])})
+config = EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer", load_format="dummy", max_num_seqs=2,
+                                        num_kv_blocks=8, max_model_len=32)
+eng = engine.build(config)
+be = eng.runner.backend
+for p in ([5, 6, 7], [9, 10, 11, 12]):
+    eng.add_request(p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+eng.step()  # prefill (eager ops)
+steps = []
+for _ in range(6):
+    before = be.metrics()
+    eng.step()
+    after = be.metrics()
+    steps.append({k: after[k] - before[k] for k in ("graph_compiles", "compiles", "transfers_to_host", "fallbacks")})
+print(json.dumps({"graphs": len(eng.runner.regions.compiled), "steps": steps}))
+"""
 
-    config = EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer", load_format="dummy",
-                                            max_num_seqs=2, num_kv_blocks=8, max_model_len=32)
-    eng = engine.build(config)
-    be = eng.runner.backend
-    for p in ([5, 6, 7], [9, 10, 11, 12]):
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    eng.step()  # prefill (eager ops)
-    per_step = []
-    for _ in range(steps):
-        before = be.metrics()
-        eng.step()
-        after = be.metrics()
-        per_step.append({k: after[k] - before[k] for k in ("graph_compiles", "compiles", "transfers_to_host",
-                                                           "fallbacks")})
-    return len(eng.runner.regions.compiled), per_step
+
+def _decode_counters(**over) -> tuple[int, list[dict]]:
+    """Counters of 6 decode steps of a fresh engine in a fresh process (XLA's compile cache is per process, and
+    graphs an earlier engine compiled would be cache hits here)."""
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _COUNTERS, str(TINY), json.dumps(over)], capture_output=True,
+                         text=True, timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    return out["graphs"], out["steps"]
 
 
 def test_decode_graphs_do_not_grow_with_layers() -> None:
-    from engine.config import ModelConfig
-
-    base = ModelConfig.from_json(TINY)
-    deep = ModelConfig(**{**base.__dict__, "n_layers": 8, "compress_ratios": (0, 4, 16, 4, 16, 4, 16, 4, 0)})
-    g4, steps4 = _decode_counters(base)
-    g8, steps8 = _decode_counters(deep)
+    g4, steps4 = _decode_counters()
+    g8, steps8 = _decode_counters(n_layers=8, compress_ratios=[0, 4, 16, 4, 16, 4, 16, 4, 0])
     assert g4 == g8 == 4  # layer graphs: (sliding, hash), (CSA, hash), (HCA), (CSA) x one bucket
     # twice the layers, the same compiled graphs (per-layer graphs would compile 4 more per new shape)
     assert sum(s["graph_compiles"] for s in steps8) == sum(s["graph_compiles"] for s in steps4) > 0

@@ -101,13 +101,6 @@ class KVCache:
         self.layers: dict[int, LayerCache] = {lid: self.layer_view(lid, self.roots[self.where[lid][0]])
                                               for lid in layer_ids}
 
-    def flat_views(self, ratio: int) -> dict[str, torch.Tensor]:
-        """The roots of compress ratio `ratio` with (layer, slot) and (layer, block) flattened: views of the same
-        storage, for graphs shared across layers (engine/regions.py). Taken anew for every region call: on a
-        lazy-tensor device a view kept across calls would reach a graph once as a view and then as the data an
-        earlier graph wrote into it, i.e. as two different graphs."""
-        return {name: t.flatten(0, 1) for name, t in self.roots[ratio].items()}
-
     def layer_view(self, lid: int, roots: dict[str, torch.Tensor]) -> LayerCache:
         """Layer `lid`'s tensors as views of `roots` (the roots of its ratio); cheap, so graphs call it inside."""
         m, i = self.where[lid]
