@@ -2,7 +2,7 @@
 """How long would `deepinfer golden --kernels stand-in` take? Replays its kernel-op call mix through the op table.
 
     python scripts/standin_golden_bench.py [--executor stand-in|reference] [--dtype float32|bfloat16]
-                                           [--layers N] [--steps N] [--profile] [--engine]
+                                           [--layers N] [--steps N] [--profile]
 
 The replay follows the engine's structure (engine/model/{model,attention,moe}.py) at the tiny model's sizes
 (golden/tiny/config.json) over the golden prompts (golden/golden.json: 12 prompts of 3..321 tokens): one prefill
@@ -17,11 +17,7 @@ experts (w1, w3, swiglu, w2 per expert that got tokens) and the FP8 shared exper
 no kernel family (rope, gate, route, index_topk, hc_head) are not replayed: they are the same torch code in every
 mode. The weights are random (right shapes and formats); the values do not change the stand-in's work.
 
-`--engine` instead runs the real `deepinfer golden` (deepinfer_bench.golden.run_golden) with the engine's reference
-ops swapped for the op table by patching the engine modules' imported names (a stand-in for the coming wiring;
-it breaks if those names move) and the FP8/FP4-format weights re-quantised to stored bytes after loading (exact:
-the loaded weights are the dequantised checkpoint), so `linear` call sites of those weights run fp8_linear /
-fp4_linear. It prints the golden verdict, so it also checks the kernel ops end to end.
+The real run inside the model is `deepinfer golden --kernels stand-in` (engine/model/ops.py).
 
 Reports the wall time, per-op time and call counts, and the dispatch counters. torch runs on 1 intra-op thread
 (the stand-in is single-threaded NumPy; on a shared 2-core box torch's 2-thread index_add_/matmul spin distorts
@@ -34,7 +30,6 @@ import argparse
 import collections
 import cProfile
 import json
-import os
 import pstats
 import sys
 import time
@@ -242,50 +237,6 @@ def replay(ops, cfg: dict, prompts: list[tuple[int, int]], dtype: torch.dtype, n
     return steps
 
 
-def engine_golden(ops: TimedOps, dtype: str) -> bool:
-    """The real golden run with the op table patched in (see the module docstring)."""
-    os.environ.setdefault("DEEPINFER_NUM_THREADS", "1")
-    from torch.utils.weak import WeakIdKeyDictionary
-
-    import engine.model.attention as m_attn
-    import engine.model.model as m_model
-    import engine.model.moe as m_moe
-    from deepinfer_bench.golden import golden_config, run_golden
-    from engine.loader import official_format
-    from engine.model.model import Transformer
-
-    stored = WeakIdKeyDictionary()  # dense parameter -> (op, bytes, scale bytes)
-    load = Transformer.load_weights
-
-    def load_weights(self, state, dt):
-        load(self, state, dt)
-        for name, p in self.named_parameters():
-            fmt = official_format(name, self.cfg)
-            w = p.detach().float()
-            if fmt == "fp8" and not name.endswith("wo_a.weight"):  # wo_a feeds grouped_out_proj (dense)
-                stored[p] = (ops.fp8_linear, *formats.stored_fp8(*formats.quant_fp8_block(w)))
-            elif fmt == "fp4":
-                stored[p] = (ops.fp4_linear, *formats.stored_fp4(*formats.quant_fp4(w)))
-
-    def linear(x, weight):
-        s = stored.get(weight)
-        return ops.linear(x, weight) if s is None else s[0](x, s[1], s[2])
-
-    Transformer.load_weights = load_weights
-    try:
-        for mod in (m_model, m_attn, m_moe):
-            for name in kernel_ops.KERNEL_OPS:
-                if hasattr(mod, name):
-                    setattr(mod, name, linear if name == "linear" else getattr(ops, name))
-        run = run_golden(golden_config(dtype=dtype))
-    finally:
-        Transformer.load_weights = load
-    print(run.table[["prompt", "prompt_len", "tokens_matched", "tokens_total", "max_abs_dlogit", "verdict"]]
-          .to_string(index=False))
-    print(f"golden: {run.n_match}/{len(run.table)} prompts match, {run.steps} engine steps")
-    return bool(run.ok)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--executor", default="stand-in", help="op table: stand-in (kernels) or reference")
@@ -293,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="main layers to replay (default: the config's)")
     ap.add_argument("--steps", type=int, default=None, help="engine steps to replay (default: all, 48)")
     ap.add_argument("--profile", action="store_true", help="cProfile the run, print the top functions")
-    ap.add_argument("--engine", action="store_true", help="the real golden run with the op table patched in")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg, prompts = load_setup()
@@ -305,18 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     if prof:
         prof.enable()
     ok = True
-    if args.engine:
-        ok = engine_golden(ops, args.dtype)
-        steps = 48
-    else:
-        steps = replay(ops, cfg, prompts, dtype, args.layers, args.steps)
+    steps = replay(ops, cfg, prompts, dtype, args.layers, args.steps)
     if prof:
         prof.disable()
     wall = time.perf_counter() - t0
     n_layers = cfg["n_layers"] if args.layers is None else args.layers
     full = wall * (cfg["n_layers"] / n_layers)
-    what = "engine golden" if args.engine else "replay"
-    print(f"{what} {args.executor} {args.dtype}: {steps} steps x {n_layers} layers in {wall:.1f} s "
+    print(f"replay {args.executor} {args.dtype}: {steps} steps x {n_layers} layers in {wall:.1f} s "
           f"(all {cfg['n_layers']} layers: ~{full:.1f} s; ops {sum(ops.time.values()):.1f} s)")
     print(f"{'op':20s} {'calls':>7s} {'total s':>9s} {'ms/call':>8s}")
     for name, sec in ops.time.most_common():
