@@ -7,6 +7,11 @@ incrementally detokenised text: the engine is their one owner) -> free finished 
 
 `on_logits(request_ids, logits)`, when set, sees the fp32 logits [B, V] every sampled token of a step is drawn
 from, before sampling (the golden check records them; logprobs are computed from the same rows).
+
+Logprobs (`SamplingParams.logprobs` / `prompt_logprobs`, vLLM's names): a sampled token's come from the row it was
+sampled from; a prompt's need the logits at every prompt position, so for a sequence that asks for them the runner
+returns every row of its prefill chunk (`execute(batch, full_logits=...)`), chunk by chunk; positions already
+recorded before a preemption are not recorded again. The prompt's list arrives once, with the first token.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.detokenizer import TextState
-from engine.sampler import Sampler, SamplingParams, make_generator
+from engine.sampler import Sampler, SamplingParams, TokenLogprobs, make_generator, token_logprobs
 from engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -29,7 +34,8 @@ from engine.tokenizer import Tokenizer, load_tokenizer
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams"]
+__all__ = ["EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams",
+           "TokenLogprobs", "check_token_ids"]
 
 
 class ModelRunnerLike(Protocol):
@@ -38,7 +44,9 @@ class ModelRunnerLike(Protocol):
     block_size: int
     max_model_len: int
 
-    def execute(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor: ...
+    def execute(self, batch: list[tuple[Sequence, int]], full_logits: SequenceABC[int] = ()) -> torch.Tensor:
+        """fp32 logits: per entry in batch order, every row of its chunk for the entry indices in `full_logits`,
+        else the chunk's last row."""
 
     def free_slot(self, slot: int) -> None: ...
 
@@ -60,6 +68,18 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    # prompt_logprobs: one per prompt token, the first None (nothing predicts it), in the output of the first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+def check_token_ids(ids: SequenceABC[int], vocab_size: int) -> list[int]:
+    """`ids` as ints, or ValueError naming the first id outside [0, vocab_size)."""
+    ids = [int(t) for t in ids]
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is out of range [0, {vocab_size}) (the model's vocab_size)")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -134,11 +154,7 @@ class LLMEngine:
                 raise ValueError(f"text prompt given but the model directory ({self.config.model.model_dir}) has "
                                  "no tokenizer.json: pass token ids instead")
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size}) (the model's vocab_size)")
-        return ids
+        return check_token_ids(prompt, self.vocab_size)
 
     def add_request(self, prompt: str | SequenceABC[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, arrival_time: float | None = None) -> str:
@@ -199,28 +215,54 @@ class LLMEngine:
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         sample = batch.sample_indices  # before advance(): chunks that end at the last token
         num_decode = sum(1 for s, n in batch.entries if n == 1 and s.num_output_tokens and s.num_uncomputed_tokens == 1)
-        logits = self.runner.execute(batch.entries)  # [B, V] fp32
+        starts = [s.num_computed_tokens for s, _ in batch.entries]
+        full = [i for i, (s, n) in enumerate(batch.entries) if _new_prompt_targets(s, starts[i], n)]
+        # [R, V] fp32: per entry its chunk's last row, or every row of the chunk for the entries in `full`
+        logits = self.runner.execute(batch.entries, full) if full else self.runner.execute(batch.entries)
         self.scheduler.advance(batch)
         self._c.steps += 1
         self._c.prefill_tokens += batch.num_batched_tokens - num_decode
+        last_row, row = [], 0
+        for i, (seq, n) in enumerate(batch.entries):
+            if i in full:
+                self._record_prompt_logprobs(seq, starts[i], logits[row:row + n])
+                row += n
+            else:
+                row += 1
+            last_row.append(row - 1)
         if not sample:
             return []
         seqs = [batch.entries[i][0] for i in sample]
-        rows = logits[sample]  # [Bs, V]
+        rows = logits[[last_row[i] for i in sample]]  # [Bs, V]
         if self.on_logits is not None:
             self.on_logits([s.seq_id for s in seqs], rows)
         tokens = self.sampler(rows, [s.sampling_params for s in seqs], [s.generator for s in seqs])
+        want = [j for j, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+        lps = dict(zip(want, token_logprobs(rows[want], [tokens[j] for j in want],
+                                            [seqs[j].sampling_params.logprobs for j in want]), strict=True))
         now = time.perf_counter()
         outputs = []
-        for seq, tok in zip(seqs, tokens, strict=True):
+        for j, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
             seq.append_token(tok, now)
             self._c.generated_tokens += 1
             reason, stop_reason, delta = self._check_stop(seq, tok)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._c.finished += 1
-            outputs.append(self._output(seq, [tok], delta, stop_reason))
+            prompt_lps = None
+            if seq.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                prompt_lps = [None, *seq.prompt_logprobs]
+            outputs.append(self._output(seq, [tok], delta, stop_reason, [lps[j]] if j in lps else None, prompt_lps))
         return outputs
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, start: int, chunk: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens this chunk's rows [n, V] predict and that are not recorded yet
+        (row r, at position start + r, predicts token start + r + 1)."""
+        first, end = _new_prompt_targets(seq, start, chunk.shape[0])
+        ids = seq.all_token_ids[first:end]
+        rows = chunk[first - 1 - start:end - 1 - start]
+        seq.prompt_logprobs += token_logprobs(rows, ids, [seq.sampling_params.prompt_logprobs] * len(ids))
 
     def _check_stop(self, seq: Sequence, tok: int) -> tuple[str | None, str | int | None, str]:
         """(finish reason, stop reason, released text) after `tok` was appended to `seq`."""
@@ -246,8 +288,9 @@ class LLMEngine:
         seq.output_text = text.text
         return delta
 
-    def _output(self, seq: Sequence, new: list[int], delta: str = "",
-                stop_reason: str | int | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], delta: str = "", stop_reason: str | int | None = None,
+                logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
         if seq.is_finished:  # a finished request is forgotten (a long-running server must not grow with each one)
             self._text.pop(seq.seq_id, None)
             self._requests.pop(seq.seq_id, None)
@@ -256,7 +299,8 @@ class LLMEngine:
                              prompt_len=seq.num_prompt_tokens, text=seq.output_text, text_delta=delta,
                              stop_reason=stop_reason, arrival_time=seq.arrival_time,
                              first_token_time=seq.first_token_time, finished_time=seq.finished_time,
-                             num_preemptions=seq.num_preemptions)
+                             num_preemptions=seq.num_preemptions, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs)
 
     def _release_slots(self) -> None:
         slots = self.scheduler.take_freed_slots()
@@ -277,6 +321,16 @@ class LLMEngine:
 
     def reset_peak_usage(self) -> None:
         self.scheduler.block_manager.reset_peak()
+
+
+def _new_prompt_targets(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
+    """The prompt tokens [first, end) whose logprobs a chunk of `n` tokens from position `start` yields and `seq`
+    has not recorded yet (token t is predicted by position t - 1); None when there are none (or none were asked)."""
+    if seq.sampling_params.prompt_logprobs is None:
+        return None
+    first = max(start + 1, len(seq.prompt_logprobs) + 1)
+    end = min(start + n + 1, seq.num_prompt_tokens)
+    return (first, end) if first < end else None
 
 
 class LLM:

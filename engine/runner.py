@@ -113,12 +113,13 @@ class ModelRunner:
             self.backend.step_end()
             return self.backend.to_host(logits)
 
-    def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
+    def execute(self, batch: Seq[tuple[SequenceLike, int]], full_logits: Seq[int] = ()) -> torch.Tensor:
         """Scheduler entry point: for each (seq, n), process seq.all_token_ids[num_computed : num_computed + n] at
         those positions in seq.slot with seq.block_table. Returns fp32 logits [len(batch), vocab] of each entry's
-        last processed token. Does not advance num_computed_tokens."""
+        last processed token; the entries whose indices are in `full_logits` (prompt logprobs) get all n rows of
+        their chunk instead, in place. Does not advance num_computed_tokens."""
         steps, ids = _describe(batch)
-        return self.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long))
+        return self.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long), _logit_index(steps, full_logits))
 
 
 class DistributedRunner:
@@ -146,10 +147,11 @@ class DistributedRunner:
         self._send(("forward", desc, input_ids.tolist()))
         return self.runner.forward(steps, input_ids)
 
-    def execute(self, batch: Seq[tuple[SequenceLike, int]]) -> torch.Tensor:
+    def execute(self, batch: Seq[tuple[SequenceLike, int]], full_logits: Seq[int] = ()) -> torch.Tensor:
         steps, ids = _describe(batch)
-        self._send(("forward", steps, ids))
-        return self.runner.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long))
+        self._send(("forward", steps, ids))  # the other ranks' logits are not used: the head has no collective
+        return self.runner.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long),
+                                   _logit_index(steps, full_logits))
 
     def free_slot(self, slot: int) -> None:
         self._send(("free", slot))
@@ -167,6 +169,17 @@ def _describe(batch: Seq[tuple[SequenceLike, int]]) -> tuple[list[tuple[int, int
         steps.append((seq.slot, start, n, offset, list(seq.block_table)))
         offset += n
     return steps, ids
+
+
+def _logit_index(desc: list[tuple[int, int, int, int, list[int]]], full: Seq[int]) -> torch.Tensor | None:
+    """Token rows whose logits `execute` returns: each step's last token, or all its tokens for steps in `full`
+    (None: the default, every step's last token)."""
+    if not full:
+        return None
+    rows: list[int] = []
+    for i, (_, _, n, off, _) in enumerate(desc):
+        rows.extend(range(off, off + n) if i in full else (off + n - 1,))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _to_steps(desc: list[tuple[int, int, int, int, list[int]]]) -> list[SeqStep]:

@@ -1,4 +1,5 @@
-"""Sampling: `SamplingParams` (per request) and `Sampler` (one batched call per engine step).
+"""Sampling: `SamplingParams` (per request), `Sampler` (one batched call per engine step) and `token_logprobs` (the
+log-probabilities a request asked for, from the same fp32 logits rows).
 
 Greedy (`temperature == 0`, or `top_k == 1`) is an exact argmax with the lowest index winning ties, so greedy output
 through the scheduler can be compared token for token with the golden. Sampled rows apply temperature, then top-k,
@@ -29,6 +30,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenised output (needs a tokenizer)
     ignore_eos: bool = False
+    # vLLM's names: top-k logprobs of each generated token (0 = the token's own only; None = none), and of each
+    # prompt token after the first (from the prefill logits at every prompt position).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise list / str inputs to tuples inside the constructor (the object is frozen afterwards).
@@ -53,6 +58,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +105,36 @@ class Sampler:
             for i, t in zip(sampled, ids, strict=True):
                 out[i] = t
         return out
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the log-probability of its token (sampled, or given in the prompt) under the model's fp32
+    logits (log-softmax, before temperature / top-k / top-p: vLLM's default `raw_logprobs`), the token's rank (1 =
+    most likely) and the `k` most likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of `token_ids[i]` under row i of `logits` [R, V] (computed in fp32), with the top `ks[i]`."""
+    if logits.dim() != 2 or logits.shape[0] != len(token_ids) or len(token_ids) != len(ks):
+        raise ValueError(f"logits {tuple(logits.shape)} must be [R, V] with R = len(token_ids) = len(ks) "
+                         f"({len(token_ids)}, {len(ks)})")
+    if not len(token_ids):
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    ids = torch.tensor(list(token_ids), dtype=torch.long)  # [R]
+    chosen = lp.gather(1, ids[:, None])  # [R, 1]
+    ranks = (lp > chosen).sum(dim=-1) + 1  # [R]
+    kmax = min(max(ks), lp.shape[1])
+    top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())  # [R, kmax]
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(int(t), float(c), int(r), tuple(zip(top_i[i][:k], top_v[i][:k], strict=True)))
+            for i, (t, c, r, k) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), ks, strict=True))]
 
 
 def top_k_top_p_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from engine.sampler import SamplingParams
+    from engine.sampler import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +48,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.output_text = ""  # detokenised output (engine fills it when a tokenizer is present)
         self.num_preemptions = 0
+        # `sampling_params.prompt_logprobs`: those of prompt tokens 1.. so far (kept across a preemption).
+        self.prompt_logprobs: list[TokenLogprobs] = []
         # Metrics (time.perf_counter() seconds).
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

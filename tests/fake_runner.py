@@ -51,12 +51,13 @@ class FakeRunner:
         self.slot_hash[slot] = 0
         self.freed.append(slot)
 
-    def execute(self, batch: list) -> torch.Tensor:
+    def execute(self, batch: list, full_logits=()) -> torch.Tensor:
+        """Logits [R, V]: per entry its last token's row, or a row per chunk token for entries in `full_logits`."""
         assert batch, "execute() with an empty batch"
         assert len(batch) <= self.max_num_seqs
         slots = [seq.slot for seq, _ in batch]
         assert len(set(slots)) == len(slots), f"two entries share a slot: {slots}"
-        out = torch.empty(len(batch), self.vocab_size)  # [B, V]
+        rows = []
         for i, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
             assert n >= 1 and start + n <= seq.num_tokens, (seq, n)
@@ -66,16 +67,17 @@ class FakeRunner:
             assert len(seq.block_table) >= need, f"{seq!r} needs {need} blocks"
             assert start + n <= self.max_model_len
             h = self.slot_hash[seq.slot]
-            for t in seq.all_token_ids[start:start + n]:
+            for j, t in enumerate(seq.all_token_ids[start:start + n]):
                 h = (h * 1_000_003 + t + 1) % _MOD
+                if i in full_logits or j == n - 1:
+                    rows.append(self.logits_for(seq, start + j + 1, h))
             self.slot_hash[seq.slot] = h
             self.slot_pos[seq.slot] = start + n
-            out[i] = self.logits_for(seq, start + n, h)
         self.num_calls += 1
         self.num_tokens += sum(n for _, n in batch)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return out
+        return torch.stack(rows)  # [R, V]
 
     def logits_for(self, seq, end: int, h: int) -> torch.Tensor:
         """Logits [V] after `seq.all_token_ids[:end]` (rolling hash `h`); subclasses may model something else."""
@@ -155,11 +157,11 @@ class ByteRunner(FakeRunner):
         self.fail_at_step = fail_at_step
         self.batch_sizes: list[int] = []
 
-    def execute(self, batch: list) -> torch.Tensor:
+    def execute(self, batch: list, full_logits=()) -> torch.Tensor:
         if self.fail_at_step is not None and self.num_calls + 1 >= self.fail_at_step:
             raise RuntimeError("injected engine failure")
         self.batch_sizes.append(len(batch))
-        return super().execute(batch)
+        return super().execute(batch, full_logits)
 
     def logits_for(self, seq, end: int, h: int) -> torch.Tensor:
         out = torch.full((self.vocab_size,), -1e4)  # [V]
