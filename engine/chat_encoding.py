@@ -312,12 +312,12 @@ def _parse_block(block: str) -> list[dict] | None:
     return calls if calls and not block[pos:].strip() else None
 
 
-def parse_completion(text: str, *, thinking_mode: str) -> ParsedCompletion:
+def parse_completion(text: str, *, thinking_mode: str, tools: bool = True) -> ParsedCompletion:
     """A generated assistant turn (the text after the generation prompt) as reasoning, content and tool calls.
 
     Thinking mode: text up to `</think>` is the reasoning (all of it when `</think>` never came, e.g. a length
     cut). Text from the first EOS on is dropped. A well-formed DSML `tool_calls` block at the end becomes
-    `tool_calls` (new ids); a malformed one is left in `content`, as text."""
+    `tool_calls` (new ids); a malformed one is left in `content`, as text (as is any block with `tools=False`)."""
     if thinking_mode not in THINKING_MODES:
         raise ValueError(f"thinking_mode {thinking_mode!r} is not one of {', '.join(THINKING_MODES)}")
     text = text.split(EOS, 1)[0]
@@ -327,7 +327,7 @@ def parse_completion(text: str, *, thinking_mode: str) -> ParsedCompletion:
         reasoning, closed, text = text.partition(THINK_END)
         if not closed:
             return ParsedCompletion(reasoning, "")
-    start = text.find(TOOL_CALLS_OPEN)
+    start = text.find(TOOL_CALLS_OPEN) if tools else -1
     end = text.rfind(TOOL_CALLS_CLOSE)
     if start >= 0 and end > start and not text[end + len(TOOL_CALLS_CLOSE):].strip():
         calls = _parse_block(text[start + len(TOOL_CALLS_OPEN):end])
@@ -339,3 +339,22 @@ def parse_completion(text: str, *, thinking_mode: str) -> ParsedCompletion:
 def missing_special_tokens(token_to_id: Callable[[str], int | None]) -> list[str]:
     """The entries of `SPECIAL_TOKENS` a tokenizer has no single id for (e.g. `tokenizers.Tokenizer.token_to_id`)."""
     return [t for t in SPECIAL_TOKENS if token_to_id(t) is None]
+
+
+class ChatTokenizerError(ValueError):
+    """The model's tokenizer cannot encode DeepSeek-V4 chat prompts (it has no single id for some special token)."""
+
+
+def encode_chat(tokenizer: object, prompt: str) -> list[int]:
+    """Token ids of a prompt string from `encode_messages` (it starts with BOS already: no special tokens added).
+
+    `tokenizer`: `encode(text, add_special_tokens=...)` and `token_to_id(token)` (engine.tokenizer.Tokenizer).
+    Raises ChatTokenizerError when a special token of the format is not one token of this vocabulary (the text
+    would be encoded as ordinary characters the model was never trained to read as structure)."""
+    token_to_id = getattr(tokenizer, "token_to_id", None)
+    missing = SPECIAL_TOKENS if token_to_id is None else missing_special_tokens(token_to_id)
+    if missing:
+        raise ChatTokenizerError(f"this model's tokenizer lacks DeepSeek-V4's chat special tokens "
+                                 f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): chat prompts "
+                                 "cannot be encoded; send raw prompts (/v1/completions, --prompt) instead")
+    return tokenizer.encode(prompt, add_special_tokens=False)  # type: ignore[attr-defined]

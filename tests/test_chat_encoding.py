@@ -313,3 +313,33 @@ def test_tiny_tokenizer_has_every_chat_token_as_one_id():
     text = f"<think>r</think>x\n\n<{DSML}tool_calls>\n"
     assert tok.decode(tok.encode(text + EOS, add_special_tokens=False)) == text
     assert tok.decode(tok.encode(f"{USER}hi{ASSISTANT}", add_special_tokens=False)) == "hi"
+
+
+def test_encode_chat_adds_no_second_bos_and_refuses_a_tokenizer_without_chat_tokens():
+    from engine.chat_encoding import ChatTokenizerError, encode_chat
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(TINY / "tokenizer.json")
+    _, prompt = case(4)
+    ids = encode_chat(tok, prompt)
+    assert ids == tok.encode(prompt, add_special_tokens=False) and ids.count(tok.bos_token_id) == 1
+
+    class NoChatTokens:
+        def token_to_id(self, t: str) -> int | None:
+            return None if t in (USER, ASSISTANT) else 5
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            raise AssertionError("must not be called")
+
+    with pytest.raises(ChatTokenizerError, match="lacks DeepSeek-V4's chat special tokens"):
+        encode_chat(NoChatTokens(), prompt)
+    with pytest.raises(ChatTokenizerError):
+        encode_chat(object(), prompt)  # no token_to_id at all
+
+
+def test_parse_completion_without_tools_keeps_a_dsml_block_as_text():
+    block = (f"<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n<{DSML}parameter name=\"x\" string=\"true\">1"
+             f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>")
+    assert parse_completion("Hi.\n\n" + block, thinking_mode="chat").tool_calls
+    p = parse_completion("Hi.\n\n" + block + EOS, thinking_mode="chat", tools=False)
+    assert p.tool_calls == [] and p.content == "Hi.\n\n" + block
