@@ -19,7 +19,7 @@ from engine.llm import EngineStats, RequestOutput
 from engine.scheduler import RequestRejected
 
 if TYPE_CHECKING:
-    from engine.sampler import SamplingParams
+    from engine.sampler import SamplingParams, TokenLogprobs
 
 
 # ---- server -> engine ---------------------------------------------------------------------------------------------
@@ -107,11 +107,14 @@ class StepOutput:
     finish_reason: str | None  # 'stop' | 'length' | 'abort' once finished
     stop_reason: str | int | None  # the stop string or stop token id that finished the request
     prompt_len: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # of new_token_ids, when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # once, with the first token, when asked
 
     @classmethod
     def of(cls, out: RequestOutput) -> StepOutput:
         return cls(out.request_id, tuple(out.new_token_ids), out.text_delta, bool(out.finished), out.finish_reason,
-                   out.stop_reason, int(out.prompt_len))
+                   out.stop_reason, int(out.prompt_len), None if out.logprobs is None else tuple(out.logprobs),
+                   None if out.prompt_logprobs is None else tuple(out.prompt_logprobs))
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,20 @@
-"""The OpenAI `/v1/completions` request surface this server accepts, and OpenAI-style errors.
+"""The OpenAI request surface this server accepts (`/v1/completions`, `/v1/chat/completions`), OpenAI-style errors,
+and the logprobs layouts of both endpoints.
 
-What is accepted follows vLLM's `CompletionRequest`: unknown or legacy fields (`best_of`, `user`,
+What is accepted follows vLLM's `CompletionRequest` / `ChatCompletionRequest`: unknown or legacy fields (`user`,
 `repetition_penalty=1.0`, ...) are accepted and ignored, because benchmark clients send them; values that would
-change the result but are not implemented (`n>1`, `echo`, `logprobs`, penalties, `logit_bias`, ...) are a 400.
+change the result but are not implemented (penalties, `logit_bias`, `suffix`, ...) are a 400.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+if TYPE_CHECKING:
+    from engine.sampler import TokenLogprobs
 
 Prompt = Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
 
@@ -38,13 +43,12 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = False
 
 
-class CompletionRequest(BaseModel):
-    """Fields we read; everything else is allowed and ignored (`extra="allow"`, like vLLM)."""
+class _Request(BaseModel):
+    """Fields both endpoints read; everything else is allowed and ignored (`extra="allow"`, like vLLM)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    prompt: Prompt
     max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -58,26 +62,40 @@ class CompletionRequest(BaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # Accepted only at their neutral values.
-    echo: StrictBool | None = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    return_token_ids: StrictBool = False  # vLLM extension: generated token ids in each choice
+    return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:ID"
+    request_id: StrictStr | None = Field(default=None)
+
+
+class CompletionRequest(_Request):
+    prompt: Prompt
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None  # top-k logprobs of each token (vLLM: the chosen token's + k more)
+    prompt_logprobs: StrictInt | None = None  # vLLM extension: vLLM's own layout, in each choice
+    best_of: StrictInt | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True
-    return_token_ids: StrictBool = False  # vLLM extension: generated token ids in each choice
-    request_id: StrictStr | None = Field(default=None)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name of max_tokens
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    # DeepSeek-V4's encoding options: {"thinking": bool} (or "thinking_mode": "chat" | "thinking"), "drop_thinking"
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: StrictStr | None = None
 
 
 # field -> (neutral values, why it is refused otherwise)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "only n=1 is supported"),
-    "best_of": ((None, 1), "only best_of=1 is supported"),
-    "echo": ((None, False), "echo is not supported"),
-    "logprobs": ((None,), "logprobs are not supported"),
     "repetition_penalty": ((None, 1.0), "only repetition_penalty=1.0 is supported"),
     "presence_penalty": ((None, 0.0), "only presence_penalty=0 is supported"),
     "frequency_penalty": ((None, 0.0), "only frequency_penalty=0 is supported"),
@@ -87,28 +105,71 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 def _loc(err: dict[str, Any]) -> str:
-    return ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith(("list[", "str", "int")))
+    return ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith(("list[", "str", "int", "dict[")))
 
 
-def parse_completion_request(payload: Any) -> CompletionRequest:
-    """Validate a decoded JSON body; every problem becomes an `APIError(400)` naming the field."""
+def _validate(cls: type[_Request], payload: Any) -> Any:
     if not isinstance(payload, dict):
         raise APIError(400, "The request body must be a JSON object.")
     try:
-        req = CompletionRequest.model_validate(payload)
+        req = cls.model_validate(payload)
     except ValidationError as e:
         first = e.errors()[0]
         param = _loc(first) or None
         raise APIError(400, f"Invalid value for '{param}': {first.get('msg')}", param=param) from None
     for name, (ok, why) in _NEUTRAL.items():
-        if getattr(req, name) not in ok:
+        if getattr(req, name, None) not in ok:
             raise APIError(400, f"{why} (got {name}={getattr(req, name)!r}).", param=name)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported.", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    if req.n is not None and req.n < 1:
+        raise APIError(400, f"n must be at least 1, got {req.n}.", param="n")
+    return req
+
+
+def _check_logprobs(value: int | None, name: str, max_logprobs: int) -> None:
+    if value is not None and not 0 <= value <= max_logprobs:
+        raise APIError(400, f"{name} must be in [0, {max_logprobs}] (the server's max_logprobs), got {value}.",
+                       param=name)
+
+
+def parse_completion_request(payload: Any, max_logprobs: int = 20) -> CompletionRequest:
+    """Validate a decoded JSON body; every problem becomes an `APIError(400)` naming the field."""
+    req: CompletionRequest = _validate(CompletionRequest, payload)
+    _check_logprobs(req.logprobs, "logprobs", max_logprobs)
+    _check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=True` (use echo with logprobs).",
+                       param="prompt_logprobs")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of < n:
+        raise APIError(400, f"best_of must be >= n, got best_of={req.best_of} and n={n}.", param="best_of")
+    if req.best_of is not None and req.best_of > n and req.stream:
+        raise APIError(400, "best_of > n cannot be streamed (only the best n of the best_of sequences are returned).",
+                       param="best_of")
+    if req.max_tokens is not None and req.max_tokens < (0 if req.echo else 1):
+        raise APIError(400, f"max_tokens must be at least 1 (0 only with echo=true), got {req.max_tokens}.",
+                       param="max_tokens")
+    return req
+
+
+def parse_chat_request(payload: Any, max_logprobs: int = 20) -> ChatCompletionRequest:
+    """Validate a decoded chat JSON body (the messages themselves are checked when they are encoded)."""
+    req: ChatCompletionRequest = _validate(ChatCompletionRequest, payload)
+    _check_logprobs(req.top_logprobs, "top_logprobs", max_logprobs)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+    if req.max_completion_tokens is not None:
+        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens disagree.", param="max_completion_tokens")
+        req.max_tokens = req.max_completion_tokens
     if req.max_tokens is not None and req.max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (only 'auto' and 'none').",
+                       param="tool_choice")
     return req
 
 
@@ -126,3 +187,63 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
         if len(p) == 0:
             raise APIError(400, "The prompt must not be empty.", param="prompt")
     return prompts
+
+
+# ---- logprobs layouts ---------------------------------------------------------------------------------------------
+def _floor(lp: float) -> float:
+    return max(lp, -9999.0)  # -inf is not JSON; OpenAI and vLLM send -9999.0
+
+
+def _alternatives(e: TokenLogprobs) -> list[tuple[int, float]]:
+    """vLLM's order: the position's own token, then the top-k (without it again)."""
+    return [(e.token_id, e.logprob), *((t, lp) for t, lp in e.top if t != e.token_id)]
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], k: int,
+                        token_str: Callable[[int], str], initial_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions layout (vLLM `_create_completion_logprobs`): per token its text, its logprob (None
+    for the first prompt token), a {text: logprob} dict of it and the k most likely tokens, and the token's offset
+    (running sum of the token texts' lengths)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = initial_offset
+    for tid, e in zip(token_ids, entries, strict=True):
+        text = token_str(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if e is None:
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            token_logprobs.append(_floor(e.logprob))
+            top.append({token_str(t): _floor(lp) for t, lp in _alternatives(e)[:k + 1]})
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+
+def prompt_logprobs_layout(entries: Sequence[TokenLogprobs | None],
+                           token_str: Callable[[int], str]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token and the top-k."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranks = {e.token_id: e.rank, **{t: r for r, (t, _) in enumerate(e.top, 1)}}
+        out.append({str(t): {"logprob": _floor(lp), "rank": ranks.get(t, e.rank), "decoded_token": token_str(t)}
+                    for t, lp in _alternatives(e)})
+    return out
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], k: int, token_str: Callable[[int], str]) -> dict[str, Any]:
+    """The chat layout: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] * k}]}."""
+
+    def item(t: int, lp: float) -> dict[str, Any]:
+        text = token_str(t)
+        return {"token": text, "logprob": _floor(lp), "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top[:k]]}
+                        for e in entries]}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -28,11 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], *, timeout_s: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
-    """Start a server process on a free loopback port; return it once /health answers 200."""
+def start_server(args: list[str], *, timeout_s: float = 30.0,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server process on a free loopback port (`env`: added to this process's environment); return it once
+    /health answers 200."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, *args, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from deepinfer_bench.server import ServerConfig, create_app
 from engine.sampler import SamplingParams
-from tests.fake_runner import BOS, EOS, OFFSET, ByteTokenizer, byte_engine, byte_greedy
+from tests.fake_runner import BOS, EOS, OFFSET, ByteTokenizer, FakeRunner, byte_engine, byte_greedy
 from tests.fake_runner import BYTE_VOCAB as VOCAB
 
 __all__ = ["BOS", "EOS", "OFFSET", "SERVED", "VOCAB", "ByteTokenizer", "make_engine", "make_fake_app",
@@ -60,3 +60,65 @@ def make_slow_process_app():
 
 def make_auth_app():
     return make_fake_app(api_key="sekrit")
+
+
+# ---- logprobs and chat --------------------------------------------------------------------------------------------
+IDS_VOCAB = 97
+
+
+def make_ids_app(**engine_kw: object):
+    """The real engine over `FakeRunner` (random logits after every prefix: logprobs are worth comparing), token ids
+    only (no tokenizer: logprob tokens are "token_id:ID"). `app.state.engine_loop.engine.runner` has the reference."""
+    from engine.llm import LLMEngine
+    from tests.fake_runner import fake_config
+
+    kw = {"max_num_seqs": 8, "budget": 16, "num_kv_blocks": 64, "block_size": 8, "max_model_len": 128, **engine_kw}
+    cfg = fake_config(kw["max_num_seqs"], kw["budget"], kw["num_kv_blocks"], kw["block_size"], kw["max_model_len"],
+                      vocab_size=IDS_VOCAB)
+    runner = FakeRunner(kw["max_num_seqs"], kw["num_kv_blocks"], kw["block_size"], kw["max_model_len"], IDS_VOCAB)
+    engine = LLMEngine(cfg, runner, tokenizer=None)
+    scfg = ServerConfig(served_model_name=SERVED, model_root=str(Path(__file__).parent.resolve()),
+                        max_model_len=kw["max_model_len"], vocab_size=IDS_VOCAB)
+    return create_app(engine, None, scfg, make_sampling_params=SamplingParams)
+
+
+TINY = Path(__file__).resolve().parents[2] / "golden" / "tiny"
+
+
+class ScriptRunner(FakeRunner):
+    """A 'model' that answers every prompt with `script` (token ids) and then EOS; records each prompt it saw."""
+
+    def __init__(self, script: list[int], eos: int, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.script, self.eos = script, eos
+        self.prompts: dict[str, list[int]] = {}
+
+    def execute(self, batch: list, full_logits=()):
+        for seq, _ in batch:
+            self.prompts[seq.seq_id] = list(seq.prompt_token_ids)
+        return super().execute(batch, full_logits)
+
+    def logits_for(self, seq, end: int, h: int):
+        import torch
+
+        i = end - seq.num_prompt_tokens
+        out = torch.full((self.vocab_size,), -5.0)  # [V]: logprob of the script's token -log(1 + 1023 e^-5)
+        out[self.script[i] if 0 <= i < len(self.script) else self.eos] = 0.0
+        return out
+
+
+def make_chat_app(script_text: str):
+    """The real engine over `ScriptRunner` answering `script_text` (tokenized by the tiny model's tokenizer, which
+    has DeepSeek-V4's chat special tokens) with that tokenizer: chat rendering and parsing end to end."""
+    from engine.llm import LLMEngine
+    from engine.tokenizer import load_tokenizer
+    from tests.fake_runner import fake_config
+
+    tok = load_tokenizer(TINY)
+    vocab, eos = 1024, tok.eos_token_id
+    cfg = fake_config(4, 512, 128, 16, 1024, vocab_size=vocab, eos_token_id=eos)
+    runner = ScriptRunner(tok.encode(script_text, add_special_tokens=False), eos, max_num_seqs=4, num_kv_blocks=128,
+                          block_size=16, max_model_len=1024, vocab_size=vocab)
+    engine = LLMEngine(cfg, runner, tokenizer=tok)
+    scfg = ServerConfig(served_model_name=SERVED, model_root=str(TINY), max_model_len=1024, vocab_size=vocab)
+    return create_app(engine, tok, scfg, make_sampling_params=SamplingParams)

@@ -243,7 +243,10 @@ def test_sampling_seed_reproducible(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 1}, "logprobs"), ({"best_of": 3}, "best_of"),
+    ({"n": 0}, "n"), ({"n": -1}, "n"), ({"echo": "yes"}, "echo"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": 99}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"), ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"), ({"suffix": "x"}, "suffix"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"), ({"prompt": 5}, "prompt"),
