@@ -60,6 +60,11 @@ def generate_cmd(
     engine: EngineArgs,
     prompt: Annotated[str | None, typer.Option(help="Text prompt (needs a tokenizer in the model dir).")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids, e.g. 1,2,3.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="--prompt is a user message: render it with DeepSeek-V4's "
+                                                      "chat encoding (as /v1/chat/completions does), parse the reply.")
+                    ] = False,
+    thinking: Annotated[bool, typer.Option("--thinking", help="With --chat: thinking mode (the reply starts with "
+                                                              "its reasoning).")] = False,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -70,11 +75,15 @@ def generate_cmd(
                                                            "weight bytes, peak RSS) under this folder.")] = None,
 ) -> None:
     """One-off generation through the full engine (scheduler, KV pool, sampler)."""
-    from deepinfer_bench.generate import checkpoint_bytes, engine_settings, generate
+    from deepinfer_bench.generate import chat_prompt_ids, checkpoint_bytes, engine_settings, generate
+    from engine.chat_encoding import parse_completion
+    from engine.llm import check_token_ids
     from engine.sampler import SamplingParams
 
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of --prompt or --prompt-ids")
+    if (chat or thinking) and prompt is None:
+        raise typer.BadParameter("--chat / --thinking take the user message as --prompt")
     ids = None
     if prompt_ids is not None:
         try:
@@ -83,6 +92,11 @@ def generate_cmd(
             raise typer.BadParameter(f"--prompt-ids {prompt_ids!r}: expected comma-separated integers") from None
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
     cfg = engine.model_config()
+    if ids is not None:
+        ids = check_token_ids(ids, cfg.vocab_size)  # before any engine is built: one line, exit 2
+    mode = "thinking" if thinking else "chat"
+    if chat or thinking:
+        ids, prompt = chat_prompt_ids(engine.model_dir, prompt, mode), None
     config = engine.config(cfg, **engine_settings(cfg, prompt, ids, max_tokens, engine.cp or 1))
     result = generate(config, prompt if prompt is not None else ids, params)
     if out is not None:
@@ -98,6 +112,13 @@ def generate_cmd(
         err_console.print(f"peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB = {row['peak_rss_over_checkpoint']:.2f}"
                           f" x the checkpoint ({ckpt / 2**30:.2f} GiB); resident weights "
                           f"{row['resident_weight_bytes'] / 2**30:.2f} GiB  ->  {path}")
+    if chat or thinking:
+        parsed = parse_completion(result["text"], thinking_mode=mode, tools=False)
+        result["message"] = {"role": "assistant", "reasoning_content": parsed.reasoning_content,
+                             "content": parsed.content}
+        if parsed.reasoning_content and not as_json:
+            err_console.print(parsed.reasoning_content, style="dim", markup=False, highlight=False)
+        result["text"] = parsed.content
     if as_json:
         typer.echo(json.dumps(result))
     else:

@@ -17,6 +17,18 @@ def engine_settings(cfg: Any, prompt: str | None, prompt_ids: list[int] | None, 
             "max_num_batched_tokens": max(512, n_prompt)}
 
 
+def chat_prompt_ids(model_dir: Any, message: str, thinking_mode: str) -> list[int]:
+    """A user message as DeepSeek-V4 chat prompt ids (the encoder /v1/chat/completions uses); ValueError if the
+    model directory has no tokenizer or one without the chat special tokens."""
+    from engine.chat_encoding import encode_chat, encode_messages
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if tok is None:
+        raise ValueError(f"--chat needs a tokenizer: {model_dir} has no tokenizer.json")
+    return encode_chat(tok, encode_messages([{"role": "user", "content": message}], thinking_mode=thinking_mode))
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (Linux reports KiB)."""
     import resource
