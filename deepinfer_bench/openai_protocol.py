@@ -223,10 +223,10 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
 
-def prompt_logprobs_layout(entries: Sequence[TokenLogprobs | None],
+def prompt_logprobs_layout(entries: Sequence[TokenLogprobs | None], k: int,
                            token_str: Callable[[int], str]) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the token and the top-k."""
+    decoded_token}} for the token and the top k."""
     out: list[dict[str, dict[str, Any]] | None] = []
     for e in entries:
         if e is None:
@@ -234,7 +234,7 @@ def prompt_logprobs_layout(entries: Sequence[TokenLogprobs | None],
             continue
         ranks = {e.token_id: e.rank, **{t: r for r, (t, _) in enumerate(e.top, 1)}}
         out.append({str(t): {"logprob": _floor(lp), "rank": ranks.get(t, e.rank), "decoded_token": token_str(t)}
-                    for t, lp in _alternatives(e)})
+                    for t, lp in _alternatives(e)[:k + 1]})
     return out
 
 

@@ -195,7 +195,7 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
         reasons = [(f'{{model_name="{model}",finished_reason="{r}"}}', n)
                    for r, n in sorted(counters.requests.items())]
         metric("request_success_total", "counter", "Finished requests by finish reason.", reasons)
-        metric("requests_total", "counter", "Completion requests admitted (one per prompt).",
+        metric("requests_total", "counter", "Engine requests admitted (one per prompt and sample).",
                [(label, counters.admitted)])
         metric("time_to_first_token_seconds", "summary", "Server-side TTFT: request received -> first token.",
                [(f"_sum{label}", counters.ttft_s_sum), (f"_count{label}", counters.ttft_count)])

@@ -87,6 +87,11 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
+def token_id_str(tid: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` spelling of a token in logprobs."""
+    return f"token_id:{tid}"
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -270,7 +275,7 @@ class Generation:
     def token_str(self, tid: int) -> str:
         """A token's text in logprobs (vLLM: the token decoded alone); "token_id:ID" without a tokenizer."""
         if self.tokenizer is None:
-            return f"token_id:{tid}"
+            return token_id_str(tid)
         text = self.token_text.get(tid)
         if text is None:
             text = self.token_text[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
@@ -356,6 +361,7 @@ class Generation:
         head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.config.served_model_name}
         k_lp = req.logprobs
+        tstr = token_id_str if req.return_tokens_as_token_ids else self.token_str
 
         def piece(ch: Choice, text: str, ids: list[int], entries: list[Any]) -> tuple[str, list[int], list[Any]]:
             """Echo: the prompt (text, ids, prompt logprobs) before what was generated; echo_only: the prompt alone."""
@@ -386,9 +392,10 @@ class Generation:
                     c: dict[str, Any] = {"index": len(choices), "text": text, "logprobs": None,
                                          "finish_reason": reason, "stop_reason": stop_reason}
                     if k_lp is not None:
-                        c["logprobs"] = completion_logprobs(ids, entries, k_lp, self.token_str)
+                        c["logprobs"] = completion_logprobs(ids, entries, k_lp, tstr)
                     if req.prompt_logprobs is not None:
-                        c["prompt_logprobs"] = prompt_logprobs_layout(ch.prompt_logprobs or [None], self.token_str)
+                        c["prompt_logprobs"] = prompt_logprobs_layout(ch.prompt_logprobs or [None],
+                                                                      req.prompt_logprobs, tstr)
                     if req.return_token_ids:
                         c["token_ids"] = [] if echo_only else ch.token_ids
                         c["prompt_token_ids"] = ch.prompt_ids
@@ -420,8 +427,7 @@ class Generation:
                     choice = {"index": ch.index, "text": text, "logprobs": None, "finish_reason": reason,
                               "stop_reason": stop_reason}
                     if k_lp is not None:  # offsets run on over the chunks, so they add up to the non-streamed
-                        lp = choice["logprobs"] = completion_logprobs(ids, entries, k_lp, self.token_str,
-                                                                      ch.text_offset)
+                        lp = choice["logprobs"] = completion_logprobs(ids, entries, k_lp, tstr, ch.text_offset)
                         ch.text_offset += sum(len(t) for t in lp["tokens"])
                     if req.return_token_ids:
                         choice["token_ids"] = [] if echo_only else list(out.new_token_ids)
@@ -456,6 +462,7 @@ class Generation:
         k_lp = (req.top_logprobs or 0) if req.logprobs else None
         if k_lp is not None:
             base["logprobs"] = k_lp
+        tstr = token_id_str if req.return_tokens_as_token_ids else self.token_str
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = Run(self.loop_runner, self.counters, t_arrival)
         await run.start([(Choice(j, f"{base_id}-{j}", ids), self.make_params(base, j)) for j in range(n)])
@@ -471,7 +478,7 @@ class Generation:
             for ch in run.choices:
                 parsed = chat.parse(prompt, ch.text)
                 choices.append({"index": ch.index, "message": chat.message(parsed),
-                                "logprobs": None if k_lp is None else chat_logprobs(ch.logprobs, k_lp, self.token_str),
+                                "logprobs": None if k_lp is None else chat_logprobs(ch.logprobs, k_lp, tstr),
                                 "finish_reason": "tool_calls" if parsed.tool_calls else ch.finish_reason,
                                 "stop_reason": ch.stop_reason})
             return JSONResponse({**head, "choices": choices, "usage": usage()})
@@ -500,7 +507,7 @@ class Generation:
                     choice = {"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": reason,
                               "stop_reason": ch.stop_reason if out.finished else None}
                     if k_lp is not None:
-                        choice["logprobs"] = chat_logprobs(list(out.logprobs or ()), k_lp, self.token_str)
+                        choice["logprobs"] = chat_logprobs(list(out.logprobs or ()), k_lp, tstr)
                     chunk = {**head, "choices": [choice]}
                     if continuous_usage:
                         chunk["usage"] = usage()

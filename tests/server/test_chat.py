@@ -116,6 +116,12 @@ def test_chat_logprobs_and_n() -> None:
     assert streamed == content
 
 
+def test_chat_logprob_tokens_as_token_ids() -> None:
+    body, _, _ = chat("Hi", logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)
+    ids = TOK.encode("Hi", add_special_tokens=False) + [TOK.eos_token_id]
+    assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in ids]
+
+
 @pytest.mark.parametrize(("body", "param", "contains"), [
     ({"messages": "hi"}, "messages", "valid list"),
     ({"messages": ["hi"]}, "messages.0", "valid dictionary"),

@@ -107,6 +107,10 @@ def test_prompt_logprobs_field_vllm_layout(client: TestClient) -> None:
     assert entry[str(PROMPT[5])]["rank"] == int((ref > ref[PROMPT[5]]).sum()) + 1
     top = ref.topk(2).indices.tolist()
     assert [entry[str(t)]["rank"] for t in top] == [1, 2] and entry[str(top[0])]["decoded_token"] == tok(top[0])
+    assert all(len(e) <= 3 for e in plp[1:])  # the token and the top 2
+    # prompt_logprobs=1 next to echo with logprobs=3: each field keeps its own k
+    (c,) = post(client, prompt_logprobs=1, echo=True, logprobs=3, max_tokens=1, temperature=0)["choices"]
+    assert all(len(e) <= 2 for e in c["prompt_logprobs"][1:]) and len(c["logprobs"]["top_logprobs"][5]) >= 3
 
 
 def test_n_samples_are_independent_with_seed_plus_index(client: TestClient) -> None:
