@@ -21,6 +21,9 @@ def main() -> None:
     import click
 
     from deepinfer_bench.options import user_errors
+    from engine.envs import pin_reproducible_math
+
+    pin_reproducible_math()  # before this process's first matmul (MKL reads it once): engine/envs.py
 
     try:
         with user_errors():  # commands without the engine options (kernels, bench serve, env) get the same rule

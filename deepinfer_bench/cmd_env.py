@@ -24,6 +24,7 @@ def env_cmd() -> None:
     st = probe()
     rows = [{"item": k, "value": str(v)} for k, v in st["versions"].items()]
     rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
+    rows += [{"item": f"host_math.{k}", "value": str(v)} for k, v in st["host_math"].items()]
     render_df(pd.DataFrame(rows), "Stack (torch / XLA / Neuron)")
     if st["neuron_ls"]:
         print(st["neuron_ls"])

@@ -50,8 +50,14 @@ def golden_cmd(
     toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"
     err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] (greedy tokens identical: {toks}, "
                       f"max |dlogit| {run.table['max_abs_dlogit'].max():.2e}, tol {run.table['logit_tol'].iloc[0]}; "
-                      f"{run.steps} engine steps, {run.meta['preemptions']} preemptions)  ->  {path}")
+                      f"{run.steps} engine steps, {run.meta['preemptions']} preemptions; host math "
+                      f"{_host_math(run.meta['host_math'])})  ->  {path}")
     raise typer.Exit(0 if run.ok else 1)
+
+
+def _host_math(m: dict) -> str:
+    """e.g. 'mkl AUTO,STRICT x2': the BLAS, MKL's reproducibility mode (engine/envs.py) and the thread count."""
+    return f"{m['blas']}{' ' + m['mkl_cbwr'] if m.get('mkl_cbwr') else ''} x{m['threads']}"
 
 
 @app.command("generate")

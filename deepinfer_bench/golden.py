@@ -163,6 +163,7 @@ def kernel_dispatches() -> list[dict[str, Any]]:
 def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> dict[str, Any]:
     """On rank 0: every prompt as a greedy request, with the logits each token was sampled from."""
     from engine.llm import greedy_with_logits
+    from engine.stack import blas_mode
     from nki_kernels import dispatch
 
     counters = _DeviceCounters(engine)
@@ -174,7 +175,7 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> di
             "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
             "region_launches": regions.launches if regions is not None else 0,
             "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
-            "kernels": kernel_dispatches(), "weights": _weight_summary(runner.model)}
+            "kernels": kernel_dispatches(), "weights": _weight_summary(runner.model), "host_math": blas_mode()}
 
 
 def _weight_summary(model: Any) -> dict[str, Any]:
@@ -221,7 +222,8 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None) -> Go
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference")},
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
-                "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"]}
+                "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
+                "host_math": res["host_math"]}
     return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
                      steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
 

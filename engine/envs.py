@@ -155,6 +155,27 @@ def neuron_worker_env(rank: int, *, world_size: int = 1, logical_nc_config: int 
     return env
 
 
+# Reproducible host math. x86 torch wheels do their fp32 GEMMs in MKL, which by default picks its code path, cache
+# blocking and thread scheduling per process (MKL's "conditional numerical reproducibility" (CNR) mode off): the
+# same model on the same inputs can round differently from one process to the next, and the golden verdict once
+# depended on that draw (1 process in 15). MKL reads these variables once, at its first call, so they are set
+# before any matmul: by the CLI entry point and by the engine's process setup (engine/backends/host.py), and rank
+# processes inherit them. AUTO: the best branch for this CPU with fixed cache sizes, deterministic reductions and
+# static scheduling; STRICT: ?gemm bitwise the same whatever the thread count (AVX2 / AVX-512 branches). A value
+# the user set is kept (e.g. MKL_CBWR=COMPATIBLE for the same results on every x86 CPU).
+REPRODUCIBLE_MATH_ENV = {"MKL_CBWR": "AUTO,STRICT", "MKL_DYNAMIC": "FALSE"}
+
+
+def pin_reproducible_math() -> dict[str, str]:
+    """Set `REPRODUCIBLE_MATH_ENV` in this process where the user has not; returns what was set. Effective only
+    before MKL's first call in the process (engine.stack.blas_mode() says whether it took)."""
+    added = {k: v for k, v in REPRODUCIBLE_MATH_ENV.items() if k not in os.environ}
+    if added:
+        os.environ.update(added)
+        get_envs.cache_clear()
+    return added
+
+
 def apply_env(updates: Mapping[str, str]) -> None:
     """Set variables for the Neuron runtime of this process (called before the runtime starts)."""
     os.environ.update(updates)

@@ -57,6 +57,37 @@ def check_nki_version(version: str | None) -> None:
                          f"nki_kernels/static_check.py); install nki {NKI_SUPPORTED[-1]}.x or run --kernels reference")
 
 
+_CBWR_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2", 9: "AVX",
+                  10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1", 14: "AVX512_E1"}
+_CBWR_STRICT = 0x10000
+
+
+def blas_mode() -> dict[str, Any]:
+    """The BLAS this process's torch computes fp32 GEMMs with and MKL's reproducibility (CNR) mode as MKL itself
+    reports it (`mkl_cbwr_get`, exported by x86 torch wheels as mkl_serv_cbwr_get): e.g. {"blas": "mkl",
+    "mkl_cbwr": "AUTO,STRICT", "threads": 2}. "OFF" means MKL chose its code path per process (engine/envs.py
+    `pin_reproducible_math` came too late or was overridden). No MKL (e.g. aarch64): {"blas": ..., "mkl_cbwr": None}."""
+    import ctypes
+    import os
+
+    import torch
+
+    out: dict[str, Any] = {"blas": "mkl" if torch.backends.mkl.is_available() else "other", "mkl_cbwr": None,
+                           "threads": torch.get_num_threads()}
+    if out["blas"] != "mkl":
+        return out
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        get = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return out
+    get.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+    mode = get(-1)  # MKL_CBWR_ALL: branch | strict flag
+    name = _CBWR_BRANCHES.get(mode & 0xFFFF, str(mode & 0xFFFF))
+    out["mkl_cbwr"] = name + (",STRICT" if mode & _CBWR_STRICT else "")
+    return out
+
+
 def _neuron_ls() -> str | None:
     exe = shutil.which("neuron-ls")
     if exe is None:
@@ -67,9 +98,14 @@ def _neuron_ls() -> str | None:
         return f"neuron-ls failed: {e}"
 
 
-@cache
 def probe() -> dict[str, Any]:
-    """The stack of this process (cached: the answer does not change while it runs)."""
+    """The stack of this process: `_installed()` and the host math mode (read now: it is set at process setup)."""
+    return {**_installed(), "host_math": blas_mode()}
+
+
+@cache
+def _installed() -> dict[str, Any]:
+    """Versions, PJRT device, LNC, neuron-ls (cached: the answer does not change while the process runs)."""
     rec = dict(get_envs().recorded)
     v = versions()
     return {"versions": v, "pjrt_device": rec.get("PJRT_DEVICE"), "logical_nc_config": logical_nc_config(),

@@ -83,7 +83,9 @@ def run_reference(tiny_dir: Path = TINY_DIR) -> tuple[list[dict], dict[str, torc
     from tokenizers import Tokenizer
 
     from deepinfer_bench.reference import build_hf_model, hf_greedy
+    from engine.backends.host import setup_host_process
 
+    setup_host_process()  # the engine's reproducible host math (MKL CNR mode, fixed threads) for the reference too
     torch.manual_seed(SEED)
     cfg = ModelConfig.from_json(tiny_dir / "config.json")
     tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
@@ -108,6 +110,8 @@ def make_golden(tiny_dir: Path = TINY_DIR, out_dir: Path = GOLDEN_DIR) -> dict:
     import transformers
     from safetensors.torch import save_file
 
+    from engine.stack import blas_mode
+
     entries, tensors = run_reference(tiny_dir)
     cfg = ModelConfig.from_json(tiny_dir / "config.json")
     worst = min(e["min_margin"] for e in entries)
@@ -126,6 +130,7 @@ def make_golden(tiny_dir: Path = TINY_DIR, out_dir: Path = GOLDEN_DIR) -> dict:
         "reference": "HF DeepseekV4ForCausalLM fp32 eager, dynamic cache, greedy (prefill + 1-token steps), no EOS",
         "model_dir": "golden/tiny",
         "min_logit_margin": worst,
+        "host_math": blas_mode(),
         "prompts": entries,
     }
     save_file(tensors, str(out_dir / "golden.safetensors"),

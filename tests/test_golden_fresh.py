@@ -1,6 +1,7 @@
 """The main job gives the same verdict in every fresh process: `deepinfer golden` (fp32, the README's first command)
-run in N new processes must print 12/12 every time. A BLAS code path chosen per process once made 1 run in 15 fail
-(see engine/backends/host.py `setup_host_process`); a fresh process is the only way to draw that choice again.
+run in N new processes must print 12/12 every time, under the pinned reproducible host math. A BLAS code path
+chosen per process once made 1 run in 15 fail (engine/envs.py `pin_reproducible_math`, engine/backends/host.py
+`setup_host_process`); a fresh process is the only way to draw that choice again.
 
 The default run starts 3 processes (~10 s); `python -m pytest -m slow tests/test_golden_fresh.py` starts 20."""
 
@@ -23,8 +24,13 @@ def _fresh_runs(n: int, tmp_path: Path) -> list[str]:
     for i in range(n):
         res = subprocess.run([sys.executable, "-m", "deepinfer_bench.cli", "golden", "--out", str(tmp_path / str(i))],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        m = re.search(r"(\d+)/(\d+) prompts match.*?max \|dlogit\| ([0-9.e+-]+)", res.stderr.replace("\n", " "))
+        text = res.stderr.replace("\n", " ")
+        m = re.search(r"(\d+)/(\d+) prompts match.*?max \|dlogit\| ([0-9.e+-]+)", text)
         assert m, f"run {i}: no verdict line (exit {res.returncode}):\n{res.stderr[-2000:]}"
+        math = re.search(r"host math (\S+)(?: (\S+))? x(\d+)\)", text)
+        assert math, f"run {i}: no host math in the verdict line:\n{res.stderr[-2000:]}"
+        if math.group(1) == "mkl":  # x86 torch: MKL must be in its reproducible mode, not the per-process draw
+            assert math.group(2) == "AUTO,STRICT", f"run {i}: MKL CNR mode {math.group(2)}, expected AUTO,STRICT"
         verdicts.append(f"{m.group(1)}/{m.group(2)} (max |dlogit| {m.group(3)}, exit {res.returncode})")
     return verdicts
 

@@ -33,9 +33,14 @@ def _raise_recompile_limit() -> None:
 
 
 def setup_host_process(threads: int | None = None) -> None:
-    """The one place the engine sets up a host process's math: intra-op threads (None or 0: torch's default)."""
-    if threads:
-        torch.set_num_threads(int(threads))
+    """The one place the engine sets up a host process's math, before its first matmul: MKL's reproducible mode
+    (engine/envs.py `pin_reproducible_math`) and a fixed intra-op thread count (None or 0: torch's default), set
+    explicitly even when it is the default, because `torch.set_num_threads` is also what turns MKL's dynamic
+    thread count off (`mkl_set_dynamic(0)`): CNR holds only for a fixed number of threads."""
+    from engine.envs import pin_reproducible_math
+
+    pin_reproducible_math()
+    torch.set_num_threads(int(threads) if threads else torch.get_num_threads())
 
 
 class HostBackend:
