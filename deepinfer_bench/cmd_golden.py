@@ -41,7 +41,7 @@ def golden_cmd(
         render_df(collectives_per_layer(run.collectives, run.steps), f"collectives per layer per step "
                                                                       f"({run.steps} engine steps)")
     if len(run.kernels):
-        render_df(run.kernels, f"NKI kernel dispatches inside the model (--kernels {config.kernels})")
+        render_df(run.kernels, f"Kernel dispatches inside the model (--kernels {config.kernels})")
     path = save_results(run.table, out, "golden", run.meta)
     if len(run.kernels):
         run.kernels.to_csv(path.parent / "golden_kernels.csv", index=False)

@@ -79,7 +79,8 @@ _OPTIONS: dict[str, Any] = {
     "backend": Annotated[Backend | None, _opt("--backend", help="host (CPU torch), xla (torch-xla device), neuron, "
                                               "or auto (default: DEEPINFER_BACKEND)")],
     "kernels": Annotated[Kernels | None, _opt("--kernels", help="Op implementation inside the model: torch "
-                                              "reference, NKI kernels on the NumPy stand-in, or NKI on Neuron.")],
+                                              "reference, NKI kernels on the NumPy stand-in, NKI on Neuron, or "
+                                              "host (native CPU GEMV kernels for the decode GEMMs).")],
     "weights": Annotated[Weights | None, _opt("--weights", help="FP8/FP4 weights as stored (the GEMMs read the "
                                               "checkpoint's bytes; default) or dequantised at load.")],
     "moe": Annotated[MoeMode | None, _opt("--moe", help="Routed experts in decode graphs: gather the chosen ones "

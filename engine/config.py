@@ -84,6 +84,7 @@ class Kernels(_Choice):
     REFERENCE = "reference"  # the torch formulation of every op (nki_kernels/reference.py)
     STAND_IN = "stand-in"  # the NKI kernels executed on the NumPy stand-in, inside the model (host only)
     NKI = "nki"  # the NKI kernels on a Neuron device
+    HOST = "host"  # native CPU GEMV kernels (engine/host_kernels: bf16/FP8/FP4 weights decoded in registers)
 
 
 class LoadFormat(_Choice):
@@ -273,6 +274,8 @@ class EngineConfig:
         if self.kernels is Kernels.STAND_IN and self.backend is not Backend.HOST:
             raise ValueError("kernels 'stand-in' execute the NKI kernels on the host's NumPy stand-in: use "
                              "--backend host (on a device: --kernels nki or reference)")
+        if self.kernels is Kernels.HOST and self.backend is not Backend.HOST:
+            raise ValueError("kernels 'host' are native CPU kernels: use --backend host")
         if self.kernels is Kernels.NKI and self.backend is Backend.HOST:
             raise ValueError("kernels 'nki' run on a Neuron device: use --backend neuron (or --kernels stand-in "
                              "to execute the NKI kernels on the NumPy stand-in on the host)")

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from engine.config import Backend, GraphMode, HostCompiler
@@ -44,6 +45,10 @@ class Envs:
         choices=KERNEL_EXECUTORS)
     DEEPINFER_NUM_THREADS: int = _flag(0, "torch intra-op threads on the host (0 = torch's default)")
     DEEPINFER_DIST_TIMEOUT_S: float = _flag(120.0, "Seconds a rank waits on a collective before the job fails")
+    DEEPINFER_HOST_CC: str = _flag("gcc", "C compiler that builds the native kernels of --kernels host")
+    DEEPINFER_HOST_KERNEL_CACHE: str = _flag(
+        "", "Directory of the compiled --kernels host libraries (empty: $XDG_CACHE_HOME/deepinfer/host_kernels, "
+        "else ~/.cache/deepinfer/host_kernels)")
     DEEPINFER_TRACEBACK: bool = _flag(False, "Show full Python tracebacks for user-facing errors (bad config, "
                                              "checkpoint, layout...) instead of one clear line")
     # Recorded, not interpreted: third-party variables that change what a Neuron run does.
@@ -121,6 +126,14 @@ def engine_defaults(envs: Envs) -> dict[str, Any]:
 @cache
 def get_envs() -> Envs:
     return read_envs(os.environ)
+
+
+def host_kernel_cache_dir(envs: Envs | None = None) -> Path:
+    """Where `--kernels host` keeps its compiled libraries: DEEPINFER_HOST_KERNEL_CACHE, else the XDG cache."""
+    envs = envs or get_envs()
+    if envs.DEEPINFER_HOST_KERNEL_CACHE:
+        return Path(envs.DEEPINFER_HOST_KERNEL_CACHE).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer" / "host_kernels"
 
 
 def environ() -> MutableMapping[str, str]:

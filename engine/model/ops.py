@@ -4,7 +4,9 @@
   against; compile-safe on a torch-xla device: uint8 weight inputs decoded arithmetically);
 * `stand-in`: the NKI kernels themselves, executed on the NumPy stand-in inside the model (host only), through
   nki_kernels/kernel_ops.py (same signatures; dispatch counters prove which path ran);
-* `nki`: the same kernel ops on a Neuron device (executor "neuron"; written, not run here).
+* `nki`: the same kernel ops on a Neuron device (executor "neuron"; written, not run here);
+* `host`: the reference table with `linear` / `fp8_linear` / `fp4_linear` on native CPU GEMV kernels
+  (engine/host_kernels; `attn_out_expand` calls the Linear module, so it follows).
 
 Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
 another). Besides the kernel ops, the table has one composite the model needs: `attn_out_expand`, the attention
@@ -37,10 +39,14 @@ REFERENCE = _table("reference")
 
 
 def ops_for(kernels: Any) -> types.SimpleNamespace:
-    """The op table of `--kernels reference | stand-in | nki`."""
+    """The op table of `--kernels reference | stand-in | nki | host`."""
     name = str(kernels)
     if name == "reference":
         return REFERENCE
+    if name == "host":
+        from engine import host_kernels
+
+        return host_kernels.ops_table(REFERENCE)
     from engine.stack import logical_nc_config
     from nki_kernels import dispatch
 
@@ -52,7 +58,7 @@ def ops_for(kernels: Any) -> types.SimpleNamespace:
 
         check_nki_version(versions()["nki"])
         return _table("neuron")
-    raise ValueError(f"kernels {name!r}: expected reference, stand-in or nki")
+    raise ValueError(f"kernels {name!r}: expected reference, stand-in, nki or host")
 
 
 class OpsUser:

@@ -1,0 +1,315 @@
+"""Native host GEMV kernels: the op table of `--kernels host` (engine/model/ops.py `ops_for("host")`).
+
+Batch-1 decode on the host is memory-bound, and the reference's stored-weight GEMMs decode FP8/FP4 bytes (and
+widen bf16 weights) through torch ops into fp32 chunks before a BLAS call. Here `gemv.c` (one C file, no torch
+headers) reads the stored bytes once and decodes them in registers:
+
+    op            weight                                      native when                dispatch key
+    linear        bf16 [N, K] with fp32 x (the V4 head, ...)   M <= MAX_M["linear"]       "host.linear"
+    fp8_linear    e4m3 bytes [N, K], UE8M0 [N/128, K/128]     M <= MAX_M["fp8"]          "host.fp8"
+    fp4_linear    e2m1 nibbles [N, K/2], UE8M0 [N, K/32]      M <= MAX_M["fp4"]          "host.fp4"
+
+M is the number of x rows (the product of x's leading dims). Every other case runs the reference function itself
+(`nki_kernels.reference`), counted by reason under "<key>.fallback" (`dispatch.fallbacks()`): "M > <max>"
+(prefill chunks: MKL on dequantised chunks is as fast or faster there), "same dtype" (linear with a weight of x's
+dtype: BLAS already reads it once), "dtype" (x not fp32/bf16, or a weight dtype the kernel does not take),
+"device", "autograd", "empty". Contracts are the reference's: same signature, leading batch dims, result in
+x.dtype (a bf16 x is widened to fp32 first, the fp32 result cast once), fp32 accumulation, the reference's
+ValueError on bad shapes. Weight values are decoded exactly as the reference dequantises them, so results differ
+by fp32 summation order only.
+
+Build: on first use `gcc -O3 -march=native -fPIC -shared -fopenmp` (compiler: DEEPINFER_HOST_CC) into
+`engine.envs.host_kernel_cache_dir()`, one file per (source sha256, compiler, flags, CPU flags), written atomically
+(concurrent ranks may build at once), loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to the
+libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also passes
+`torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
+one line, exit 2 at the CLI), never a silent fallback.
+
+The three ops are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
+graphs (`--graph-mode layer`) call them without a graph break; in eager mode the wrappers call the same
+implementation directly (no custom-op dispatch overhead on the decode hot path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+from nki_kernels import dispatch, reference
+
+__all__ = ["MAX_M", "SOURCE", "BASE_FLAGS", "HostKernelError", "HostLibrary", "load", "library", "ops_table"]
+
+SOURCE = Path(__file__).with_name("gemv.c")
+BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+# Largest x row count each native kernel takes; above it the reference (MKL on dequantised chunks) is as fast or
+# faster (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes: native / reference at M = 128: head 1.1x,
+# FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on both are FMA-bound;
+# the crossover is where the reference's one-off decode / widening of the weight stops paying for MKL's faster GEMM.
+MAX_M = {"linear": 128, "fp8": 128, "fp4": 256}
+EXECUTOR = "host"  # the executor column of the dispatch counters
+_ABI = 1
+
+
+class HostKernelError(ValueError):
+    """The native host kernels cannot be built or loaded (a user-facing error: one line, exit 2)."""
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (x86 `flags` / arm64 `Features` of /proc/cpuinfo), part of the build key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("flags", "Features"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
+def build_key(cc: str, flags: tuple[str, ...]) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (cc, " ".join(flags), cpu_flags()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:24]
+
+
+def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
+    """The compiled library for (source, cc, flags, CPU): from the cache, else compiled now."""
+    out = Path(cache_dir) / f"gemv-{build_key(cc, flags)}.so"
+    if out.exists():
+        return out
+    exe = shutil.which(cc)
+    if exe is None:
+        raise HostKernelError(f"--kernels host: C compiler {cc!r} not found (install gcc or set DEEPINFER_HOST_CC)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
+    try:
+        r = subprocess.run([exe, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
+            err = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit {r.returncode}")
+            raise HostKernelError(f"--kernels host: compiling {SOURCE.name} with {cc} failed: {err.strip()}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    except (OSError, subprocess.SubprocessError) as e:
+        raise HostKernelError(f"--kernels host: compiling {SOURCE.name} with {cc} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class HostLibrary:
+    """The loaded kernel library: ctypes functions with their argument types."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise HostKernelError(f"--kernels host: cannot load {path}: {e}") from None
+        if lib.dk_abi() != _ABI:
+            raise HostKernelError(f"--kernels host: {path} has ABI {lib.dk_abi()}, expected {_ABI}")
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.dk_bf16_linear.argtypes = [p, p, p, i64, i64, i64, i32]
+        lib.dk_fp8_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+        lib.dk_fp4_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+        for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_simd, lib.dk_max_threads,
+                  lib.dk_last_threads, lib.dk_abi):
+            f.restype = i32
+        self.lib = lib
+        self.simd = ("portable", "avx512", "avx512-vbmi")[lib.dk_simd()]
+
+    def max_threads(self) -> int:
+        """omp_get_max_threads() as the library sees it (equals torch's count when the runtime is shared)."""
+        return int(self.lib.dk_max_threads())
+
+    def last_threads(self) -> int:
+        """OpenMP threads the last kernel call ran with."""
+        return int(self.lib.dk_last_threads())
+
+    def gemv(self, fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor, m: int,
+             n: int, k: int) -> None:
+        """y [.., N] = x [.., K] @ W^T for M = m rows: all fp32 / uint8 / bf16 contiguous CPU tensors of the checked
+        shapes (the callers check: the C side trusts them)."""
+        nt = torch.get_num_threads()
+        if fmt == "bf16":
+            rc = self.lib.dk_bf16_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, nt)
+        elif fmt == "fp8":
+            rc = self.lib.dk_fp8_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
+        else:
+            rc = self.lib.dk_fp4_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
+        if rc != 0:
+            raise MemoryError(f"host kernel {fmt}: out of memory for x [{m}, {k}]")
+
+
+@functools.cache
+def load(cc: str = "gcc", extra_flags: tuple[str, ...] = (), cache_dir: str | None = None) -> HostLibrary:
+    """Build (or find) and load the library for `cc` and BASE_FLAGS + extra_flags (tests build the portable and
+    non-VBMI variants with e.g. ("-mno-avx512f",))."""
+    from engine.envs import host_kernel_cache_dir
+
+    cache = Path(cache_dir) if cache_dir is not None else host_kernel_cache_dir()
+    return HostLibrary(build(cc, (*BASE_FLAGS, *extra_flags), cache))
+
+
+def library() -> HostLibrary:
+    """The process's library (compiler: DEEPINFER_HOST_CC)."""
+    from engine.envs import get_envs
+
+    return load(get_envs().DEEPINFER_HOST_CC)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Implementations (run eagerly, and as the bodies of the custom ops inside compiled graphs)
+
+_lib: HostLibrary | None = None
+
+
+def _native() -> HostLibrary:
+    global _lib
+    if _lib is None:
+        _lib = library()
+    return _lib
+
+
+def _why_not(op: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None) -> str | None:
+    """Why the native kernel does not take this call (None: it does)."""
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        return "dtype"
+    if not (x.is_cpu and w.is_cpu and (s is None or s.is_cpu)):
+        return "device"
+    if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
+        return "autograd"
+    if x.numel() == 0 or w.numel() == 0:
+        return "empty"
+    if x.numel() // x.shape[-1] > MAX_M[op]:
+        return f"M > {MAX_M[op]}"
+    return None
+
+
+def _count(key: str) -> None:
+    dispatch.COUNTS[(key, EXECUTOR)] += 1
+
+
+def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: int) -> torch.Tensor:
+    k = x.shape[-1]
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    if s is not None and not s.is_contiguous():
+        s = s.contiguous()
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    _native().gemv(fmt, xf, w, s, y, xf.numel() // k, n, k)
+    return y if x.dtype is torch.float32 else y.to(x.dtype)
+
+
+def linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    why = _why_not("linear", x, weight)
+    if why is None and x.dtype != torch.float32:
+        why = "dtype"  # a bf16 weight with bf16 x is the same-dtype case below; bf16 x with another weight: ref
+    if why is None and weight.dtype != torch.bfloat16:
+        why = "same dtype" if weight.dtype == x.dtype else "dtype"
+    if why is not None:
+        return dispatch.fallback("host.linear", why, lambda: reference.linear(x, weight))
+    _count("host.linear")
+    return _run("bf16", x, weight, None, weight.shape[0])
+
+
+def fp8_linear_impl(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    why = _why_not("fp8", x, w_u8, scale_u8)
+    if why is None and (w_u8.dtype != torch.uint8 or scale_u8.dtype != torch.uint8):
+        why = "dtype"
+    if why is not None:
+        return dispatch.fallback("host.fp8", why, lambda: reference.fp8_linear(x, w_u8, scale_u8))
+    _count("host.fp8")
+    return _run("fp8", x, w_u8, scale_u8, w_u8.shape[0])
+
+
+def fp4_linear_impl(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    why = _why_not("fp4", x, packed_u8, scale_u8)
+    if why is None and (packed_u8.dtype != torch.uint8 or scale_u8.dtype != torch.uint8):
+        why = "dtype"
+    if why is not None:
+        return dispatch.fallback("host.fp4", why, lambda: reference.fp4_linear(x, packed_u8, scale_u8))
+    _count("host.fp4")
+    return _run("fp4", x, packed_u8, scale_u8, packed_u8.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Custom ops (what a compiled graph calls) and the op-table wrappers
+
+@torch.library.custom_op("deepinfer::host_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear_impl(x, weight)
+
+
+@torch.library.custom_op("deepinfer::host_fp8_linear", mutates_args=())
+def _fp8_op(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    return fp8_linear_impl(x, w_u8, scale_u8)
+
+
+@torch.library.custom_op("deepinfer::host_fp4_linear", mutates_args=())
+def _fp4_op(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    return fp4_linear_impl(x, packed_u8, scale_u8)
+
+
+def _fake(x: torch.Tensor, w: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+for _op in (_linear_op, _fp8_op, _fp4_op):
+    _op.register_fake(_fake)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`reference.linear` with a bf16 weight and fp32 x on the native kernel (see the module docstring)."""
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+        return reference.linear(x, weight)  # raises the reference's error
+    if weight.dtype == x.dtype:  # BLAS reads the weight once, as it is
+        if torch.compiler.is_compiling():
+            return reference.linear(x, weight)
+        return dispatch.fallback("host.linear", "same dtype", lambda: reference.linear(x, weight))
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_linear(x, weight)
+    return linear_impl(x, weight)
+
+
+def fp8_linear(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    """`reference.fp8_linear` on the native kernel (see the module docstring)."""
+    n, k = w_u8.shape
+    if tuple(scale_u8.shape) != (-(-n // 128), -(-k // 128)) or x.dim() == 0 or x.shape[-1] != k:
+        return reference.fp8_linear(x, w_u8, scale_u8)  # raises the reference's ValueError
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_fp8_linear(x, w_u8, scale_u8)
+    return fp8_linear_impl(x, w_u8, scale_u8)
+
+
+def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    """`reference.fp4_linear` on the native kernel (see the module docstring)."""
+    n, k = packed_u8.shape[0], packed_u8.shape[1] * 2
+    if k % 32 or tuple(scale_u8.shape) != (n, k // 32) or x.dim() == 0 or x.shape[-1] != k:
+        return reference.fp4_linear(x, packed_u8, scale_u8)  # raises the reference's ValueError
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_fp4_linear(x, packed_u8, scale_u8)
+    return fp4_linear_impl(x, packed_u8, scale_u8)
+
+
+def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
+    """`base` (the reference table) with the three GEMMs replaced; builds/loads the library now, so a missing
+    compiler fails here with one line, not at the first forward."""
+    _native()
+    return types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
+                                    "fp4_linear": fp4_linear, "kernels": "host"})

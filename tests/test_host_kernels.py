@@ -1,0 +1,332 @@
+"""`--kernels host`: the native GEMV kernels (engine/host_kernels) against the torch reference (nki_kernels/reference).
+
+Three builds of the one C file are checked on this machine: the default (-march=native: AVX-512 with VBMI here),
+AVX-512 without VBMI (-mno-avx512vbmi: the bit-arithmetic FP8 decoder) and the portable path (-mno-avx512f).
+
+Tolerances. Decoding is checked bit for bit: with one-hot x rows every output is one weight element times 1 plus
+exact zeros, so it must equal the reference's dequantised element exactly (every code in every lane position,
+extreme scales). Random x: both sides accumulate in fp32 in different orders; each side's error is at most
+gamma_K * sum_k |x_k||w_k| (gamma_K ~ K * u, u = 2^-24: the standard bound of a K-term fp32 dot product), so the
+check is |native - reference| <= 2 * K * u * sum_k |x_k||w_k| for every output (plus one bf16 rounding of the
+result, one bf16 ulp, for bf16 x). The bound cannot flake; typical errors are ~1e-3 of it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine import host_kernels as H
+from engine.envs import get_envs
+from nki_kernels import dispatch
+from nki_kernels import reference as R
+
+U = 2.0**-24
+VARIANTS = {"native": (), "no-vbmi": ("-mno-avx512vbmi",), "portable": ("-mno-avx512f",)}
+IS_X86 = sys.platform == "linux" and __import__("platform").machine() in ("x86_64", "AMD64")
+
+
+@pytest.fixture(scope="module")
+def cache_dir() -> str:
+    """The engine's own build cache (keyed by source hash, compiler, flags and CPU: a rerun compiles nothing)."""
+    from engine.envs import host_kernel_cache_dir
+
+    return str(host_kernel_cache_dir())
+
+
+@pytest.fixture(params=list(VARIANTS) if IS_X86 else ["native"])
+def lib(request: pytest.FixtureRequest, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> H.HostLibrary:
+    """Each build of gemv.c installed as the process's library for one test."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    built = H.load(cc, VARIANTS[request.param], cache_dir)
+    if request.param == "native":
+        assert built.simd in ("avx512-vbmi", "avx512", "portable")
+    else:
+        assert built.simd == {"no-vbmi": "avx512", "portable": "portable"}[request.param]
+    monkeypatch.setattr(H, "_lib", built)
+    return built
+
+
+def _fp8(n: int, k: int, g: torch.Generator, scales=(118, 125)) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    w[(w & 0x7F) == 0x7F] = 0x38  # no NaN code (tested apart)
+    s = torch.randint(*scales, (-(-n // 128), -(-k // 128)), dtype=torch.uint8, generator=g)
+    return w, s
+
+
+def _fp4(n: int, k: int, g: torch.Generator, scales=(118, 125)) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+            torch.randint(*scales, (n, k // 32), dtype=torch.uint8, generator=g))
+
+
+def _dense(op: str, *ws: torch.Tensor) -> torch.Tensor:
+    """The reference's own dequantised fp32 weight."""
+    if op == "linear":
+        return ws[0].float()
+    n = ws[0].shape[0]
+    return (R.fp8_dequant_rows if op == "fp8" else R.fp4_dequant_rows)(*ws, 0, n)
+
+
+NATIVE = {"linear": H.linear, "fp8": H.fp8_linear, "fp4": H.fp4_linear}
+REF = {"linear": R.linear, "fp8": R.fp8_linear, "fp4": R.fp4_linear}
+KEY = {"linear": "host.linear", "fp8": "host.fp8", "fp4": "host.fp4"}
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    k = x.shape[-1]
+    bound = (x.float().abs().reshape(-1, k) @ dense.abs().T).reshape(ref.shape)  # sum_k |x_k||w_k|
+    tol = 2 * k * U * bound
+    if y.dtype == torch.bfloat16:
+        tol = tol + 2.0**-7 * torch.maximum(y.float().abs(), ref.float().abs())  # one bf16 ulp: the two fp32
+        # results may straddle a rounding boundary
+    err = (y.float() - ref.float()).abs()
+    assert bool((err <= tol).all()), f"max err {err.max():.3e}, worst ratio {(err / tol.clamp_min(1e-38)).max():.3f}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding, bit for bit
+
+
+def _one_hot_columns(op: str, ws: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
+    """W[:, j] for every j, through the native op with one-hot x rows (16 columns per call)."""
+    cols = []
+    for j0 in range(0, k, 16):
+        j1 = min(k, j0 + 16)
+        x = torch.zeros(j1 - j0, k)
+        x[torch.arange(j1 - j0), torch.arange(j0, j1)] = 1.0
+        cols.append(NATIVE[op](x, *ws).T)
+    return torch.cat(cols, dim=1)
+
+
+def test_fp8_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary) -> None:
+    n, k = 130, 300  # neither a multiple of 128 (partial row and column blocks) nor of 64 (a K tail)
+    codes = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :]) % 256  # every code in every position
+    w = codes.to(torch.uint8)
+    w[(w & 0x7F) == 0x7F] = 0  # NaN codes: tested apart
+    # UE8M0 extremes: 2^-127 (an fp32 subnormal; products with subnormal e4m3 values are subnormal too), 2^-126,
+    # 1, 2^119 (448 * 2^119 is the largest finite product)
+    s = torch.tensor([[0, 1, 127], [246, 127, 1]], dtype=torch.uint8)
+    got = _one_hot_columns("fp8", (w, s), k)
+    assert torch.equal(got, R.fp8_dequant_rows(w, s, 0, n))
+
+
+def test_fp4_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary) -> None:
+    n, k = 40, 96  # K = 64 + a 32-element tail
+    w = ((torch.arange(n)[:, None] * 13 + torch.arange(k // 2)[None, :]) % 256).to(torch.uint8)
+    s = torch.tensor([0, 1, 127, 200, 252], dtype=torch.uint8)[torch.arange(n * 3) % 5].view(n, 3)
+    got = _one_hot_columns("fp4", (w, s), k)
+    assert torch.equal(got, R.fp4_dequant_rows(w, s, 0, n))
+
+
+def test_bf16_weight_decodes_exactly(lib: H.HostLibrary) -> None:
+    n, k = 33, 100
+    bits = torch.randint(0, 1 << 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    bits[(bits & 0x7F80) == 0x7F80] = 0x3F80  # no inf / NaN
+    w = bits.to(torch.int16).view(torch.bfloat16)
+    got = _one_hot_columns("linear", (w,), k)
+    assert torch.equal(got, w.float())
+
+
+def test_nan_codes_and_nan_scales_give_nan_where_the_reference_does(lib: H.HostLibrary) -> None:
+    g = torch.Generator().manual_seed(5)
+    w, s = _fp8(200, 256, g)
+    w[3, 17], w[150, 200] = 0x7F, 0xFF  # NaN codes
+    s[0, 1] = 255  # a NaN block scale: rows 0..127
+    x = torch.randn(2, 256, generator=g)
+    y, ref = H.fp8_linear(x, w, s), R.fp8_linear(x, w, s)
+    assert torch.equal(y.isnan(), ref.isnan()) and bool(y.isnan().any())
+    p, s4 = _fp4(64, 128, g)
+    s4[5, 2] = 255
+    x = torch.randn(3, 128, generator=g)
+    y, ref = H.fp4_linear(x, p, s4), R.fp4_linear(x, p, s4)
+    assert torch.equal(y.isnan(), ref.isnan()) and bool(y.isnan().any())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Random operands against the reference functions
+
+
+CASES = [  # (op, N, K)
+    ("fp8", 300, 1000), ("fp8", 129, 200), ("fp8", 256, 1024), ("fp8", 77, 96),
+    ("fp4", 300, 1024), ("fp4", 77, 96), ("fp4", 5, 32),
+    ("linear", 300, 1000), ("linear", 129, 200), ("linear", 64, 1024),
+]
+
+
+def _weights(op: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    if op == "fp8":
+        return _fp8(n, k, g)
+    if op == "fp4":
+        return _fp4(n, k, g)
+    return (torch.randn(n, k, generator=g).bfloat16(),)
+
+
+@pytest.mark.parametrize("op,n,k", CASES)
+def test_matches_reference_at_decode_sizes(lib: H.HostLibrary, op: str, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    ws = _weights(op, n, k, g)
+    dense = _dense(op, *ws)
+    for lead in ((1,), (3,), (16,), (2, 3, 2)):
+        for dtype in (torch.float32, torch.bfloat16):
+            if op == "linear" and dtype == torch.bfloat16:
+                continue  # bf16 x with a bf16 weight is the same-dtype (BLAS) case
+            x = torch.randn(*lead, k, generator=g).to(dtype)
+            dispatch.reset_counts()
+            y = NATIVE[op](x, *ws)
+            _assert_close(y, REF[op](x, *ws), x, dense)
+            assert dispatch.counts() == {(KEY[op], "host"): 1}
+
+
+@pytest.mark.parametrize("op", ["fp8", "fp4", "linear"])
+def test_above_the_threshold_the_reference_runs_counted(lib: H.HostLibrary, op: str) -> None:
+    g = torch.Generator().manual_seed(11)
+    ws = _weights(op, 96, 64, g)
+    m = H.MAX_M[op]
+    for rows, native in ((m, True), (m + 1, False)):
+        x = torch.randn(rows, 64, generator=g)
+        dispatch.reset_counts()
+        y = NATIVE[op](x, *ws)
+        _assert_close(y, REF[op](x, *ws), x, _dense(op, *ws))
+        if native:
+            assert dispatch.counts() == {(KEY[op], "host"): 1}
+        else:
+            assert dispatch.counts() == {(f"{KEY[op]}.fallback", "reference"): 1}
+            assert dispatch.fallbacks() == {(KEY[op], f"M > {m}"): 1}
+            assert torch.equal(y, REF[op](x, *ws))  # the reference itself
+
+
+def test_other_cases_run_the_reference_with_a_reason(lib: H.HostLibrary) -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=g)
+    x = torch.randn(2, 64, generator=g)
+    dispatch.reset_counts()
+    assert torch.equal(H.linear(x, w), R.linear(x, w))  # fp32 weight, fp32 x: BLAS reads it as it is
+    assert torch.equal(H.linear(x.bfloat16(), w.bfloat16()), R.linear(x.bfloat16(), w.bfloat16()))
+    assert torch.equal(H.linear(x.bfloat16(), w), R.linear(x.bfloat16(), w))  # the reference rounds w to bf16
+    w8, s8 = _fp8(40, 64, g)
+    assert torch.equal(H.fp8_linear(x.double(), w8, s8), R.fp8_linear(x.double(), w8, s8))
+    assert H.fp8_linear(x[:0], w8, s8).shape == (0, 40)
+    assert dispatch.fallbacks() == {("host.linear", "same dtype"): 2, ("host.linear", "dtype"): 1,
+                                    ("host.fp8", "dtype"): 1, ("host.fp8", "empty"): 1}
+
+
+def test_non_contiguous_inputs_and_stacked_expert_views(lib: H.HostLibrary) -> None:
+    g = torch.Generator().manual_seed(4)
+    stack = torch.stack([_fp4(64, 128, g)[0] for _ in range(3)])  # [E, N, K/2] like MoE.stack_w1
+    scales = torch.randint(118, 125, (3, 64, 4), dtype=torch.uint8, generator=g)
+    x = torch.randn(8, 256, generator=g)[:, ::2]  # non-contiguous [8, 128]
+    for e in range(3):
+        _assert_close(H.fp4_linear(x, stack[e], scales[e]), R.fp4_linear(x, stack[e], scales[e]), x,
+                      _dense("fp4", stack[e], scales[e]))
+
+
+def test_bad_shapes_raise_the_reference_errors(lib: H.HostLibrary) -> None:
+    g = torch.Generator().manual_seed(6)
+    w8, s8 = _fp8(130, 200, g)
+    with pytest.raises(ValueError, match="does not block w"):
+        H.fp8_linear(torch.randn(1, 200), w8, s8[:1])
+    with pytest.raises(ValueError, match="does not end in K=200"):
+        H.fp8_linear(torch.randn(1, 199), w8, s8)
+    p, s4 = _fp4(8, 64, g)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        H.fp4_linear(torch.randn(1, 64), p, s4[:, :1])
+    with pytest.raises(ValueError, match="does not end in K=64"):
+        H.fp4_linear(torch.randn(1, 32), p, s4)
+    with pytest.raises(RuntimeError):  # F.linear's own shape error, as the reference raises it
+        H.linear(torch.randn(1, 7), torch.randn(4, 8).bfloat16())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Threads, custom ops, build errors
+
+
+def test_thread_count_follows_torch_and_does_not_change_results(lib: H.HostLibrary) -> None:
+    g = torch.Generator().manual_seed(8)
+    w, s = _fp8(1024, 512, g)
+    x = torch.randn(4, 512, generator=g)
+    before = torch.get_num_threads()
+    try:
+        out = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert lib.max_threads() == t  # the library shares torch's OpenMP runtime (one libgomp.so.1)
+            out[t] = H.fp8_linear(x, w, s)
+            assert lib.last_threads() == t
+        assert torch.equal(out[1], out[2])  # each output is one thread's fixed-order sum
+        _assert_close(out[2], R.fp8_linear(x, w, s), x, _dense("fp8", w, s))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_custom_ops_trace_without_graph_breaks() -> None:
+    g = torch.Generator().manual_seed(9)
+    w8, s8 = _fp8(64, 128, g)
+    p, s4 = _fp4(64, 128, g)
+    wb = torch.randn(64, 128, generator=g).bfloat16()
+    x = torch.randn(2, 128, generator=g)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return H.fp8_linear(x, w8, s8) + H.fp4_linear(x, p, s4) + H.linear(x, wb)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break is an error
+    dispatch.reset_counts()
+    y = compiled(x)
+    assert torch.equal(y, f(x))
+    counts = dispatch.counts()
+    assert counts[("host.fp8", "host")] == 2 and counts[("host.fp4", "host")] == 2  # the graph called the ops
+    for op, args in ((torch.ops.deepinfer.host_fp8_linear, (x, w8, s8)),
+                     (torch.ops.deepinfer.host_fp4_linear, (x, p, s4)),
+                     (torch.ops.deepinfer.host_linear, (x, wb))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("cc,expect", [("no-such-cc-deepinfer", "C compiler 'no-such-cc-deepinfer' not found"),
+                                       ("false", "compiling gemv.c with false failed")])
+def test_a_missing_or_failing_compiler_is_one_clear_error(cc: str, expect: str, tmp_path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    from deepinfer_bench.cli import main
+    from engine.model.ops import ops_for
+
+    monkeypatch.setenv("DEEPINFER_HOST_CC", cc)
+    monkeypatch.setenv("DEEPINFER_HOST_KERNEL_CACHE", str(tmp_path))
+    get_envs.cache_clear()
+    monkeypatch.setattr(H, "_lib", None)
+    try:
+        with pytest.raises(H.HostKernelError, match=expect):
+            ops_for("host")
+        monkeypatch.setattr(sys, "argv", ["deepinfer", "golden", "--kernels", "host", "--out", str(tmp_path)])
+        with pytest.raises(SystemExit) as ex:
+            main()
+        assert ex.value.code == 2
+        err = capsys.readouterr().err
+        assert expect in err.replace("\n", " ") and "Traceback" not in err
+        assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+    finally:
+        monkeypatch.undo()
+        get_envs.cache_clear()
+
+
+def test_kernels_host_needs_the_host_backend() -> None:
+    from deepinfer_bench.golden import GOLDEN_DIR
+    from engine.config import EngineConfig, ModelConfig
+
+    with pytest.raises(ValueError, match="kernels 'host' are native CPU kernels"):
+        EngineConfig.from_model_config(ModelConfig.from_json(GOLDEN_DIR / "tiny"), kernels="host", backend="xla")
+
+
+@pytest.mark.slow
+def test_golden_with_host_kernels_matches() -> None:
+    """`deepinfer golden --kernels host`: every prompt matches, decode GEMMs on the native kernels (~10 s: slow, to
+    keep this file's default run short)."""
+    from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden
+
+    run = run_golden(golden_config(kernels="host"), GOLDEN_DIR)
+    assert run.ok, run.table.to_string()
+    assert (run.table["tokens_matched"] == run.table["tokens_total"]).all()
+    keys = set(run.kernels["dispatch_key"])
+    assert {"host.fp8", "host.fp4", "host.linear"} <= keys
