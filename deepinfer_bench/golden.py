@@ -115,16 +115,18 @@ def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | 
 
 
 class _DeviceCounters:
-    """Per-step device counters (a no-op on the host): compiles of the engine's graphs in decode steps whose graph
-    shapes were all seen before ("after warm-up"), CPU fallbacks in decode steps, device-to-host copies per decode
-    step."""
+    """Per-step device counters (a no-op on the host): XLA compiles in decode steps whose graph shapes were all seen
+    before ("after warm-up"; `compiles_after_warmup`: every compile, the engine's graphs and eager mode's per-op
+    ones; `graph_compiles_after_warmup`: the engine's graphs only), CPU fallbacks in decode steps, device-to-host
+    and host-to-device copies per decode step (to the device: the step's inputs, plus a freed slot's index)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.runner = engine, engine.runner
         self.last = self.runner.backend.metrics()
         self.graphs = self._graphs()
         self.prefill = engine.stats().num_prefill_tokens
-        self.decode_steps = self.after_warmup = self.fallbacks = self.to_host = 0
+        self.decode_steps = self.after_warmup = self.graph_after_warmup = self.fallbacks = 0
+        self.to_host = self.to_device = 0
 
     def _graphs(self) -> int:
         regions = getattr(self.runner, "regions", None)
@@ -136,8 +138,10 @@ class _DeviceCounters:
             self.decode_steps += 1
             self.fallbacks += now["fallbacks"] - self.last["fallbacks"]
             self.to_host += now["transfers_to_host"] - self.last["transfers_to_host"]
+            self.to_device += now["transfers_to_device"] - self.last["transfers_to_device"]
             if graphs == self.graphs:  # no new (region, bucket) shape: its graphs must all be cached
-                self.after_warmup += now["graph_compiles"] - self.last["graph_compiles"]
+                self.after_warmup += now["compiles"] - self.last["compiles"]
+                self.graph_after_warmup += now["graph_compiles"] - self.last["graph_compiles"]
         self.last, self.graphs, self.prefill = now, graphs, prefill
 
     def summary(self) -> dict[str, Any]:
@@ -145,8 +149,10 @@ class _DeviceCounters:
             return {"device": "cpu"}
         n = max(1, self.decode_steps)
         return {**{k: v for k, v in self.last.items() if k != "fallback_ops"}, "decode_steps": self.decode_steps,
-                "compiles_after_warmup": self.after_warmup, "fallbacks_per_decode_step": self.fallbacks / n,
-                "transfers_to_host_per_decode_step": self.to_host / n, "fallback_ops": self.last["fallback_ops"]}
+                "compiles_after_warmup": self.after_warmup, "graph_compiles_after_warmup": self.graph_after_warmup,
+                "fallbacks_per_decode_step": self.fallbacks / n,
+                "transfers_to_host_per_decode_step": self.to_host / n,
+                "transfers_to_device_per_decode_step": self.to_device / n, "fallback_ops": self.last["fallback_ops"]}
 
 
 KERNEL_COLUMNS = ["family", "dispatch_key", "executor", "calls"]

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.parallel import Parallel, init_from_env, launch, under_torchrun
+from engine.parallel import Parallel, barrier, init_from_env, launch, under_torchrun
 
 if TYPE_CHECKING:
     import torch
@@ -157,11 +157,10 @@ def _torchrun(config: EngineConfig, fn: Callable[..., Any], args: tuple, threads
     backend.setup_process(_threads(threads), int(dict(get_envs().recorded).get("RANK", "0")), world=world)
     par = init_from_env(backend.dist_backend)
     out = _engine_job(par, config, fn, args)
+    barrier(par)  # on the gloo control group (the xla group's barrier is a no-op)
     if par.rank != 0:
-        dist.barrier()
         dist.destroy_process_group()
         raise SystemExit(0)
-    dist.barrier()
     return out
 
 

@@ -145,6 +145,11 @@ def init_from_env(dist_backend: str = "gloo") -> Parallel:
     return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group())
 
 
+def barrier(par: Parallel) -> None:
+    """Wait for every rank, on the gloo control group: the "xla" process group's barrier does nothing."""
+    dist.barrier(group=par.control_group)
+
+
 def under_torchrun() -> bool:
     from engine.envs import get_envs
 
@@ -175,7 +180,7 @@ def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tup
         # with this process)
         results.put(("ok", rank, pickle.dumps(out) if rank == 0 else None))
         with contextlib.suppress(Exception):
-            dist.barrier()
+            barrier(par)
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - report every failure to the supervisor, then exit non-zero
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}"))

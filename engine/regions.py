@@ -182,8 +182,10 @@ class RegionRunner:
             packed[i, 3: 3 + len(bt)] = bt
         return packed.to(self.backend.device)
 
-    def decode_step(self, steps: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor:
-        """One decode step (every step n == 1) -> final streams [T, n, dim] in input_ids order."""
+    def decode_step(self, steps: list[SeqStep], input_ids: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        """One decode step (every step n == 1) -> final streams [T, n, dim] in input_ids order (`padded`: all Bp rows
+        of the batch bucket, the T real ones first - what the head graph takes, so that a batch that shrinks inside
+        its bucket compiles nothing new)."""
         timer = self.timer
         timed = timer is not None and timer.enabled
         region = timer.region if timed else None
@@ -212,7 +214,7 @@ class RegionRunner:
                 n_launch += 1
         self.launches += n_launch
         self.launches_last_step = n_launch
-        return x[: len(steps)]
+        return x if padded else x[: len(steps)]
 
 
 def region_summary(runner: Any) -> dict[str, Any]:

@@ -96,7 +96,8 @@ class ModelRunner:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
         self.num_steps += 1
         if self.regions is not None and self.batch_decode and steps and all(s.n == 1 for s in steps):
-            x = self.regions.decode_step(steps, input_ids)  # pure decode: region graphs, rows in step order
+            # pure decode: region graphs; rows in step order, then the bucket's padding rows
+            x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None
         else:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
@@ -105,11 +106,16 @@ class ModelRunner:
         if return_hidden:
             return x
         with self.timer.region("head"):
+            if last is None:  # the head graph over the whole bucket (one graph per bucket); rows cut on the host
+                logits = self.regions.head(x)
+                self.backend.step_end()
+                logits = self.backend.to_host(logits)
+                return logits[: len(steps)] if logit_index is None else logits[logit_index]
             if logit_index is not None:
                 x = x[logit_index.to(self.device)]
             elif last is not None and last != list(range(x.shape[0])):
                 x = x[torch.tensor(last, device=self.device)]
-            logits = self.model.logits(x) if last is not None else self.regions.head(x)
+            logits = self.model.logits(x)
             self.backend.step_end()
             return self.backend.to_host(logits)
 

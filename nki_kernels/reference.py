@@ -116,9 +116,17 @@ def ue8m0_decode(scale_u8: torch.Tensor) -> torch.Tensor:
     return torch.where(scale_u8 == 255, torch.full_like(out, float("nan")), out)
 
 
+_LUT_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def _lut(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     idx = codes.to(torch.int32).reshape(-1)
-    return torch.index_select(table.to(codes.device), 0, idx).view(codes.shape)
+    if codes.device != table.device:  # one copy per device, kept: not a host-to-device copy per call
+        key = (id(table), codes.device)
+        if key not in _LUT_ON_DEVICE:
+            _LUT_ON_DEVICE[key] = table.to(codes.device)
+        table = _LUT_ON_DEVICE[key]
+    return torch.index_select(table, 0, idx).view(codes.shape)
 
 
 def fp8_dequant_rows(w_u8: torch.Tensor, scale_u8: torch.Tensor, r0: int, r1: int) -> torch.Tensor:

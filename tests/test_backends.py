@@ -23,7 +23,8 @@ def envs(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setenv(k, v)
         engine.envs.get_envs.cache_clear()
 
-    for k in ("PJRT_DEVICE", "NEURON_LOGICAL_NC_CONFIG", "XLA_FLAGS", "WORLD_SIZE", "RANK"):
+    for k in ("PJRT_DEVICE", "NEURON_LOGICAL_NC_CONFIG", "XLA_FLAGS", "XLA_COMPILATION_CACHE_SIZE", "WORLD_SIZE",
+              "RANK"):
         monkeypatch.delenv(k, raising=False)
     engine.envs.get_envs.cache_clear()
     yield set_env
@@ -97,6 +98,15 @@ def test_xla_backend_sets_pjrt_cpu_and_refuses_ranks_there(fake_xla, envs, monke
     assert be.name == "xla" and be.dist_backend == "xla"
     be.setup_process(threads=None)
     assert applied["PJRT_DEVICE"] == "CPU" and "optimization_level=0" in applied["XLA_FLAGS"]
+    assert int(applied["XLA_COMPILATION_CACHE_SIZE"]) >= 65536  # eager per-op graphs must not evict the regions'
+    # `import torch_xla` sets XLA_FLAGS itself (--xla_cpu_enable_fast_math=false): -O0 is added to it, not skipped
+    envs(XLA_FLAGS="--xla_cpu_enable_fast_math=false", PJRT_DEVICE="CPU")
+    be.setup_process(threads=None)
+    assert applied["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_backend_optimization_level=0"
+    applied.clear()
+    envs(XLA_FLAGS="--xla_backend_optimization_level=2")  # the user's own level stands
+    be.setup_process(threads=None)
+    assert "XLA_FLAGS" not in applied
     assert be.device == "xla:0" and fake_xla.eager == [True]  # torch-xla's eager mode; regions via torch_xla.compile
     with pytest.raises(ValueError, match=r"cp=2 on --backend xla with PJRT_DEVICE=CPU.*#5005"):
         be.check_parallel(2)
@@ -114,7 +124,8 @@ def test_neuron_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch
     be = get_backend(fake_config(backend="neuron"))
     be.check_parallel(4)  # Neuron ranks are fine
     be.setup_process(threads=None, rank=1, world=2, master_port=29511)
-    env = applied[-1]
+    env = applied[-2]
+    assert applied[-1] == {"XLA_COMPILATION_CACHE_SIZE": "65536"}
     assert env["PJRT_DEVICE"] == "NEURON" and env["NEURON_RT_VISIBLE_CORES"] == "1"
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "1"  # LNC read once, from the environment
     assert (env["NEURON_PJRT_PROCESS_INDEX"], env["NEURON_PJRT_WORLD_SIZE"]) == ("1", "2")
@@ -123,7 +134,7 @@ def test_neuron_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch
     assert "TORCHELASTIC_RUN_ID" in env
     applied.clear()
     be.setup_process(threads=None, rank=0, world=2, master_port=None)  # under torchrun: its variables stand
-    assert "RANK" not in applied[-1] and applied[-1]["NEURON_PJRT_PROCESS_INDEX"] == "0"
+    assert "RANK" not in applied[-2] and applied[-2]["NEURON_PJRT_PROCESS_INDEX"] == "0"
 
 
 def test_xla_process_group_joins_over_xla_and_checks_world(fake_xla, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,3 +165,26 @@ def test_stack_probe_and_nki_version(envs) -> None:
     stack.check_nki_version("0.6.1")
     with pytest.raises(ValueError, match="nki 0.5.0 is installed.*written and checked for nki 0.6"):
         stack.check_nki_version("0.5.0")
+
+
+def test_torchrun_ranks_meet_on_the_gloo_control_group(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "xla" process group's barrier is a no-op: a rank's closing barrier must run on the gloo control group."""
+    from engine import launch
+    from engine.parallel import Parallel
+
+    monkeypatch.setattr(engine.envs, "apply_env", lambda updates: None)
+    barriers: list[dict] = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(k))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "_engine_job", lambda par, config, fn, args: "out")
+    for rank in (1, 0):
+        envs(WORLD_SIZE="2", RANK=str(rank))
+        monkeypatch.setattr(launch, "init_from_env", lambda backend, r=rank: Parallel(
+            rank=r, cp=2, group="xla-world", control_group="gloo-control"))
+        if rank:
+            with pytest.raises(SystemExit) as exit_info:
+                launch._torchrun(fake_config(backend="neuron"), lambda eng: None, (), None)
+            assert exit_info.value.code == 0
+        else:
+            assert launch._torchrun(fake_config(backend="neuron"), lambda eng: None, (), None) == "out"
+    assert barriers == [{"group": "gloo-control"}] * 2

@@ -50,19 +50,21 @@ from engine.config import EngineConfig, ModelConfig
 from engine.sampler import SamplingParams
 base = ModelConfig.from_json(sys.argv[1])
 cfg = ModelConfig(**{**base.__dict__, **json.loads(sys.argv[2])})
-config = EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer", load_format="dummy", max_num_seqs=2,
+config = EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer", load_format="dummy", max_num_seqs=4,
                                         num_kv_blocks=8, max_model_len=32)
 eng = engine.build(config)
 be = eng.runner.backend
-for p in ([5, 6, 7], [9, 10, 11, 12]):
-    eng.add_request(p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+# the last request finishes after 4 tokens: from the 4th decode step on the batch is 3, inside the same bucket (4)
+for p, n in (([5, 6, 7], 7), ([9, 10, 11, 12], 7), ([13, 14], 7), ([15, 16, 17], 4)):
+    eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 eng.step()  # prefill (eager ops)
 steps = []
 for _ in range(6):
     before = be.metrics()
-    eng.step()
+    outs = eng.step()
     after = be.metrics()
-    steps.append({k: after[k] - before[k] for k in ("graph_compiles", "compiles", "transfers_to_host", "fallbacks")})
+    keys = ("graph_compiles", "compiles", "transfers_to_host", "transfers_to_device", "fallbacks")
+    steps.append({**{k: after[k] - before[k] for k in keys}, "finished": sum(o.finished for o in outs)})
 print(json.dumps({"graphs": len(eng.runner.regions.compiled), "steps": steps}))
 """
 
@@ -87,8 +89,11 @@ def test_decode_graphs_do_not_grow_with_layers() -> None:
     assert g4 == g8 == 4  # layer graphs: (sliding, hash), (CSA, hash), (HCA), (CSA) x one bucket
     # twice the layers, the same compiled graphs (per-layer graphs would compile 4 more per new shape)
     assert sum(s["graph_compiles"] for s in steps8) == sum(s["graph_compiles"] for s in steps4) > 0
-    for s in steps4[3:] + steps8[3:]:  # after warm-up: nothing compiles, nothing falls back, one copy to the host
+    # after warm-up (also once the batch shrank inside its bucket): nothing compiles, nothing falls back, one copy to
+    # the host, one to the device (the step's packed inputs; plus the slot index of each sequence that finished)
+    for s in steps4[1:] + steps8[1:]:
         assert (s["compiles"], s["transfers_to_host"], s["fallbacks"]) == (0, 1, 0), (steps4, steps8)
+        assert s["transfers_to_device"] == 1 + s["finished"], (steps4, steps8)
 
 
 def test_compile_writes_hlo_per_graph(tmp_path: Path) -> None:
@@ -120,3 +125,4 @@ def test_regions_timing_on_xla(tmp_path: Path) -> None:
     s = pd.read_csv(next(tmp_path.iterdir()) / "regions_summary.csv").iloc[0]
     assert 0.9 <= s["stage_sum_over_step"] <= 1.1
     assert s["xla_compiles_per_step"] == 0 and s["fallbacks_per_step"] == 0 and s["d2h_per_step"] == 1
+    assert s["h2d_per_step"] == 1  # the step's packed inputs, nothing else (no per-call copy of a constant table)

@@ -32,6 +32,18 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 _INSTALL = "pip install torch==2.9.0 torch-xla==2.9.0 (a separate venv; PJRT_DEVICE=CPU on a CPU host)"
+# torch-xla keeps compiled graphs in an LRU of XLA_COMPILATION_CACHE_SIZE entries (default 2048). Eager mode compiles
+# one graph per op and shape: the golden's prefill alone makes ~6400, which evicted graphs compiled before it (the
+# slot reset; on a long-running server, the decode regions) and recompiled them after warm-up. Set before the
+# runtime starts, unless the environment sets it.
+COMPILATION_CACHE_SIZE = "65536"
+
+
+def _runtime_env() -> None:
+    from engine.envs import apply_env, get_envs
+
+    if "XLA_COMPILATION_CACHE_SIZE" not in dict(get_envs().recorded):
+        apply_env({"XLA_COMPILATION_CACHE_SIZE": COMPILATION_CACHE_SIZE})
 
 
 def _import_torch_xla() -> Any:
@@ -168,13 +180,15 @@ class XlaBackend:
         from engine.backends.host import setup_host_process
         from engine.envs import apply_env, get_envs
 
+        _runtime_env()
         rec = dict(get_envs().recorded)
         if "PJRT_DEVICE" not in rec:
             apply_env({"PJRT_DEVICE": "CPU"})  # torch-xla's own default, made explicit (and recorded in meta)
-        if dict(get_envs().recorded)["PJRT_DEVICE"] == "CPU" and "XLA_FLAGS" not in rec:
-            # PJRT CPU is the verification path: XLA's CPU compiler at -O0 compiles a decode region ~6x faster
-            # (measured 5.4 s -> 0.9 s on a 40-op chain); what runs is the same HLO. Set XLA_FLAGS to override.
-            apply_env({"XLA_FLAGS": "--xla_backend_optimization_level=0"})
+        flags = rec.get("XLA_FLAGS", "")  # `import torch_xla` itself puts --xla_cpu_enable_fast_math=false here
+        if dict(get_envs().recorded)["PJRT_DEVICE"] == "CPU" and "--xla_backend_optimization_level" not in flags:
+            # PJRT CPU is the verification path: XLA's CPU compiler at -O0 compiles a decode region ~2-6x faster
+            # (measured 5.4 s -> 0.9 s on a 40-op chain); what runs is the same HLO. Set the flag to override.
+            apply_env({"XLA_FLAGS": f"{flags} --xla_backend_optimization_level=0".strip()})
         setup_host_process(threads)  # the host side of the process (tracing, input packing)
 
 
@@ -202,6 +216,7 @@ class NeuronBackend(XlaBackend):
 
         apply_env(neuron_worker_env(rank, world_size=world, logical_nc_config=logical_nc_config(),
                                     master_port=master_port))
+        _runtime_env()
         from engine.backends.host import setup_host_process
 
         setup_host_process(threads)
