@@ -9,7 +9,7 @@ import typer
 
 from deepinfer_bench.app import bench_app
 from deepinfer_bench.options import EngineArgs, engine_options
-from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, measured_on, render_df, save_results
 
 
 @bench_app.command("matrix")
@@ -45,17 +45,19 @@ def matrix_cmd(
 
         df = run_matrix(spec, config, progress=progress)
 
+    where = measured_on(config.backend)
     for metric, title in (("ttft_ms_p50", "TTFT p50 ms"), ("tpot_ms_p50", "TPOT p50 ms")):
         for o, table in pivot(df, metric).items():
             table["batch_size"] = table["batch_size"].astype(str)  # rendered as a label, not a float
-            render_df(table, f"{title}, out={o}")
+            render_df(table, f"{title}, out={o} ({where})")
     skipped = df[df["status"] != "ok"]
     if len(skipped):
         render_df(skipped[["batch_size", "input_len", "output_len", "status", "skip_reason"]],
                   "Skipped / failed cells")
-    meta = {"matrix": spec.name, "matrix_path": str(path), "spec": spec.__dict__, "engine_config": config.to_dict()}
+    meta = {"matrix": spec.name, "matrix_path": str(path), "spec": spec.__dict__, "engine_config": config.to_dict(),
+            "measured_on": where, "backend": df.attrs.get("backend", {})}
     csv_path = save_results(df, out, f"matrix-{spec.name}", meta)
-    png = save_plot(df, csv_path.with_suffix(".png"), title=f"matrix {spec.name}")
+    png = save_plot(df, csv_path.with_suffix(".png"), title=f"matrix {spec.name} ({where})")
     err_console.print(f"wrote {csv_path}, {csv_path.parent / 'meta.json'} and {png}")
     if (df["status"] == "error").any():
         raise typer.Exit(1)

@@ -9,7 +9,7 @@ import typer
 
 from deepinfer_bench.app import app
 from deepinfer_bench.options import EngineArgs, engine_options
-from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, measured_on, render_df, save_results
 
 
 @app.command("regions")
@@ -57,11 +57,10 @@ def regions_cmd(
                        "distinct_graphs", "step_ms_p50", "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step",
                        "stage_sum_over_step"])
     if str(config.backend) != "host":
-        render_df(result.summary, f"device counters per timed decode step ({config.backend}; numbers on PJRT CPU "
-                                  "are not trn2 numbers)",
+        render_df(result.summary, f"device counters per timed decode step ({measured_on(config.backend)})",
                   columns=["xla_compiles_per_step", "xla_executions_per_step", "d2h_per_step", "h2d_per_step",
                            "fallbacks_per_step", "compiles_during_timing"])
-    path = save_results(result.per_layer, out, "regions", result.meta)
+    path = save_results(result.per_layer, out, "regions", {**result.meta, "measured_on": measured_on(config.backend)})
     result.summed.to_csv(path.parent / "regions_summed.csv", index=False)
     result.summary.to_csv(path.parent / "regions_summary.csv", index=False)
     if len(result.per_layer):

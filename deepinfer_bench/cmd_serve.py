@@ -13,7 +13,7 @@ import typer
 
 from deepinfer_bench.app import app, bench_app
 from deepinfer_bench.options import EngineArgs, engine_options
-from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, measured_on, render_df, save_results
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -145,7 +145,8 @@ def serve_cmd(
     except RuntimeError as e:  # the engine process could not build the engine (bad checkpoint, ...)
         err_console.print(f"[red]error:[/red] cannot start the engine: {e}")
         raise typer.Exit(2) from None
-    err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port}")
+    err_console.print(f"serving [bold]{server_app.state.config.served_model_name}[/bold] on http://{host}:{port} "
+                      f"({measured_on(config.backend)})")
     uvicorn.run(server_app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                 timeout_graceful_shutdown=10)
 

@@ -218,7 +218,10 @@ def _matrix_job(engine: LLMEngine, spec: MatrixSpec, progress: Progress | None) 
         rows.append(run_cell(engine, spec, b, i, o))
     if progress:
         progress(len(cells), len(cells), "")
-    return pd.DataFrame([asdict(r) for r in rows], columns=COLUMNS)
+    df = pd.DataFrame([asdict(r) for r in rows], columns=COLUMNS)
+    backend = getattr(engine.runner, "backend", None)  # device counters of the whole run (none on the host)
+    df.attrs["backend"] = backend.metrics() if backend is not None else {}
+    return df
 
 
 def run_matrix(spec: MatrixSpec, config: EngineConfig, *, runner: Any = None,

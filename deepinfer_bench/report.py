@@ -96,6 +96,20 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
+def measured_on(backend: Any) -> str:
+    """Where a run's numbers come from, for table titles, plots and meta.json: timings of the xla backend on PJRT
+    CPU are XLA's CPU backend running the device graphs, not trn2 numbers, and say so."""
+    from engine.envs import get_envs
+
+    name = str(backend)
+    if name == "host":
+        return "host CPU (torch)"
+    device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
+    if device == "CPU":
+        return f"{name} on PJRT CPU (not trn2 numbers)"
+    return f"{name} on PJRT {device}"
+
+
 def base_meta(**extra: Any) -> dict[str, Any]:
     from engine.envs import get_envs
     from engine.stack import probe

@@ -25,7 +25,7 @@ for pb in "$dir"/*.hlo.pb; do
     status=fail; fail=$((fail + 1))
     code=$(grep -oE 'NCC_[A-Z]+[0-9]+' "$log" | head -n 1)
   fi
-  secs=$(echo "$(date +%s.%N) - $t0" | bc)
+  secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }')
   echo "$name,$status,$secs,$code,$log" >> "$csv"
   echo "$name: $status (${secs}s) $code"
 done

@@ -126,11 +126,34 @@ def test_cli_matrix_builds_config_and_writes_results(tmp_path, monkeypatch):
     assert set(REQUIRED) <= set(df.columns) and len(df) == len(spec.cells)
     meta = json.loads((csv.parent / "meta.json").read_text())
     assert meta["matrix"] == "quick" and meta["engine_config"]["num_kv_blocks"] == 77
+    assert meta["measured_on"] == "host CPU (torch)"
     assert csv.with_suffix(".png").exists()
     assert "TTFT p50 ms, out=16" in res.output and "TPOT p50 ms, out=16" in res.output
     # A second run never overwrites the first.
     assert CliRunner().invoke(app, ["bench", "matrix", "--out", str(tmp_path / "out")]).exit_code == 0
     assert len(list((tmp_path / "out").glob("matrix-quick-*/matrix-quick.csv"))) == 2
+
+
+def test_cli_matrix_on_xla_is_labelled_pjrt_cpu(tmp_path, monkeypatch):
+    """Numbers of the xla backend on PJRT CPU say so in every table title, the plot and meta.json."""
+    import engine.envs
+    from deepinfer_bench.cli import app
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)  # the backend's default: PJRT CPU
+    engine.envs.get_envs.cache_clear()
+    monkeypatch.setattr(M, "run_matrix", lambda spec, config, *, runner=None, progress=None: _fake_df(spec))
+    res = CliRunner().invoke(app, ["bench", "matrix", "--backend", "xla", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    label = "xla on PJRT CPU (not trn2 numbers)"
+    assert f"TTFT p50 ms, out=16 ({label})" in " ".join(res.output.split())  # titles wrap
+    (csv,) = tmp_path.glob("matrix-quick-*/matrix-quick.csv")
+    assert json.loads((csv.parent / "meta.json").read_text())["measured_on"] == label
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    engine.envs.get_envs.cache_clear()
+    from deepinfer_bench.report import measured_on
+
+    assert measured_on("neuron") == "neuron on PJRT NEURON"
+    engine.envs.get_envs.cache_clear()
 
 
 def test_cli_matrix_unknown_matrix_is_a_clean_error(tmp_path):
