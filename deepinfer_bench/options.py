@@ -74,8 +74,8 @@ _OPTIONS: dict[str, Any] = {
     "dtype": Annotated[DType | None, _opt("--dtype", help="Compute dtype (float32: exact checks; bfloat16).")],
     "cp": Annotated[int | None, _opt("--cp", min=1, help="Context/expert-parallel ranks (processes here).")],
     "graph_mode": Annotated[GraphMode | None, _opt("--graph-mode", help="Decode as eager ops, region graphs (two "
-                                                   "per layer) or layer graphs "
-                                                   "(default: DEEPINFER_NEURON_GRAPH_MODE)")],
+                                                   "per layer) or layer graphs; auto: eager on the host, "
+                                                   "layer on xla/neuron (default: DEEPINFER_NEURON_GRAPH_MODE)")],
     "backend": Annotated[Backend | None, _opt("--backend", help="host (CPU torch), xla (torch-xla device), neuron, "
                                               "or auto (default: DEEPINFER_BACKEND)")],
     "kernels": Annotated[Kernels | None, _opt("--kernels", help="Op implementation inside the model: torch "

@@ -33,7 +33,7 @@ from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
            "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "MoeMode",
-           "ParallelConfig", "Weights", "check_layout", "default_block_size", "resolve_backend"]
+           "ParallelConfig", "Weights", "check_layout", "default_block_size", "resolve_backend", "resolve_graph_mode"]
 
 
 class _Choice(str, enum.Enum):
@@ -62,6 +62,7 @@ class Backend(_Choice):
 
 
 class GraphMode(_Choice):
+    AUTO = "auto"  # resolved by `resolve_graph_mode` when the config is built: eager on the host, layer on a device
     EAGER = "eager"  # no graphs
     REGIONS = "regions"  # two graphs per layer (attention half, MoE half)
     LAYER = "layer"  # one graph per layer
@@ -134,6 +135,16 @@ def default_block_size(cfg: ModelConfig, cp: int = 1) -> int:
             size = size * r // math.gcd(size, r)
     size *= cp
     return size * max(1, -(-16 // size))
+
+
+def resolve_graph_mode(requested: GraphMode | str, backend: Backend) -> GraphMode:
+    """The one place graph mode "auto" is resolved: eager ops on the host (no compile time; `layer` is the faster
+    compiled option there); `layer` graphs on a device backend (xla, neuron), where eager decode runs each op as its
+    own device graph and its data-dependent routing (nonzero, bincount) syncs with the host every step."""
+    mode = GraphMode.parse(requested, "graph mode")
+    if mode is not GraphMode.AUTO:
+        return mode
+    return GraphMode.EAGER if backend is Backend.HOST else GraphMode.LAYER
 
 
 def resolve_backend(requested: Backend | str) -> Backend:
@@ -258,6 +269,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", resolve_backend(self.backend))
+        if self.graph.mode is GraphMode.AUTO:
+            mode = resolve_graph_mode(self.graph.mode, self.backend)
+            object.__setattr__(self, "graph", dataclasses.replace(self.graph, mode=mode))
         object.__setattr__(self, "kernels", Kernels.parse(self.kernels, "kernels"))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")

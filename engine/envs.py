@@ -28,7 +28,8 @@ def _flag(default: Any, doc: str, *, graph: bool = False, choices: tuple[str, ..
 @dataclass(frozen=True)
 class Envs:
     DEEPINFER_NEURON_GRAPH_MODE: str = _flag(
-        "eager", "How the decode step is cut into compiled graphs: eager (none), regions (two per layer), layer (one)",
+        "auto", "How the decode step is cut into compiled graphs: eager (none), regions (two per layer), layer (one); "
+        "auto: eager on the host backend, layer on xla / neuron",
         graph=True, choices=GraphMode.values())
     DEEPINFER_NEURON_REGION_TIMING: bool = _flag(
         False, "Run each region stage by stage with a device sync and a timer at every split() boundary")

@@ -82,3 +82,17 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_json(tmp_path)
+
+
+def test_graph_mode_auto_resolves_by_backend():
+    """Graph mode "auto" (the DEEPINFER_NEURON_GRAPH_MODE default) is resolved when the config is built: eager ops
+    on the host, layer graphs on a device backend; an explicit mode is kept; a built config never holds "auto"."""
+    from pathlib import Path
+
+    from engine.config import EngineConfig, GraphMode
+
+    tiny = Path(__file__).resolve().parents[1] / "golden" / "tiny"
+    assert EngineConfig.from_model_dir(tiny, graph_mode="auto").graph.mode is GraphMode.EAGER
+    assert EngineConfig.from_model_dir(tiny, graph_mode="auto", backend="xla").graph.mode is GraphMode.LAYER
+    assert EngineConfig.from_model_dir(tiny, graph_mode="eager", backend="xla").graph.mode is GraphMode.EAGER
+    assert EngineConfig.from_model_dir(tiny, graph_mode="regions").graph.mode is GraphMode.REGIONS

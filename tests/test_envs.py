@@ -35,7 +35,7 @@ def test_read_envs_parses_types_and_defaults() -> None:
 
 
 @pytest.mark.parametrize("env,match", [
-    ({"DEEPINFER_NEURON_GRAPH_MODE": "graphs"}, "expected one of eager, regions, layer"),
+    ({"DEEPINFER_NEURON_GRAPH_MODE": "graphs"}, "expected one of auto, eager, regions, layer"),
     ({"DEEPINFER_NEURON_REGION_TIMING": "maybe"}, "expected 0/1"),
     ({"DEEPINFER_GRAPH_MODE": "eager"}, "unknown environment flag DEEPINFER_GRAPH_MODE"),
 ])
