@@ -18,14 +18,18 @@ _TORCH_TO_NP = {
 _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
-def to_np(t: torch.Tensor) -> np.ndarray:
-    """Contiguous CPU NumPy copy with the same bits (bf16 -> ml_dtypes.bfloat16)."""
+def to_np(t: torch.Tensor, *, copy: bool = True) -> np.ndarray:
+    """Contiguous CPU NumPy array with the same bits (bf16 -> ml_dtypes.bfloat16): a copy, or with `copy=False` a
+    read-only array that shares the memory of a contiguous CPU tensor (no copy; else of its contiguous CPU copy)."""
     t = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError("pass fp8 weights as trn2 e4m3 codes (uint8) via blockquant.to_trn2_fp8, not torch fp8")
-    return t.numpy().copy()
+    a = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+    if copy:
+        return a.copy()
+    a = a.view()  # a new array object: the read-only flag never touches an array someone else holds
+    a.flags.writeable = False
+    return a
 
 
 def from_np(a: np.ndarray) -> torch.Tensor:

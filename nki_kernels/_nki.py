@@ -116,7 +116,10 @@ class Kernel:
         return self._bound[kind]
 
     def run(self, executor: str, *args, lnc: int = 2):
-        """Run on `executor` ('stand-in' | 'simulator' | 'neuron') with NumPy array / compile-time arguments.
+        """Run on `executor` ('stand-in' | 'simulator' | 'neuron') with NumPy array / compile-time arguments, or
+        on 'neuron' also with torch tensors: the real `nki.jit` callable picks its integration from the argument
+        types (torch.Tensor: the PyTorch integration, the kernel inside the framework's graph on the device, torch
+        results; np.ndarray: a standalone run, NumPy results). Arguments are passed through unchanged.
 
         `lnc` > 1 launches `kernel[lnc]` on the real NKI (it must equal NEURON_LOGICAL_NC_CONFIG); the kernels do
         not split work by `nl.program_id`, so each core computes the whole (identical) result."""

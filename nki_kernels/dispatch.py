@@ -90,10 +90,17 @@ def default_lnc() -> int:
     return int(_default["lnc"])
 
 
+def resolve(executor: str | None) -> str:
+    """The executor a `dispatch(..., executor)` call runs on (None: the process default of `set_default`)."""
+    return resolve_executor(executor or _default["executor"], simulator=_default["simulator"])
+
+
 def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
              reference: Callable[[], Any] | None = None) -> tuple[str, Any]:
-    """Run kernel `name` on the resolved executor; returns (executor, raw result). Counts the call."""
-    ex = resolve_executor(executor or _default["executor"], simulator=_default["simulator"])
+    """Run kernel `name` on the resolved executor; returns (executor, raw result). Counts the call. `args` go to
+    `Kernel.run` as given: NumPy arrays for the host executors (and a standalone run on "neuron"), torch tensors
+    for the PyTorch integration of `nki.jit` on "neuron" (see `kernel_ops.KernelOps._run`)."""
+    ex = resolve(executor)
     COUNTS[(name, ex)] += 1
     if _RECORDER is not None and ex != "reference":
         _RECORDER.append((name, kernel, args))

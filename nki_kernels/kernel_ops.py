@@ -45,13 +45,41 @@ Explicit fallbacks to the reference (`dispatch.fallback`: counted as "<family>.f
     sparse_attn_partial "partial"       the kernel returns the normalised output only (no max / sum-exp), so the
                                         context-parallel merge inputs cannot come from it
 
-Weight layout conversions (transposes, `blockquant.to_trn2_fp8`, fp32 scales, NumPy copies) are made once per
-weight tensor and cached (`WeightCache`: keyed on the tensor object, invalidated when its version counter, data
-pointer, shape or dtype changes). Cached arrays are read-only, so a kernel can never write into them.
+Torch first. Every op prepares its kernel operands as torch tensors: activations stay on their device and every
+adapter above (widening, reshapes, transposes, padding, concatenation, the compress_pool interleave, the ones
+vector of `weight=None`, index_score's visible-key counts) is a torch op on that device. Weight layout conversions
+(transposes, dtype casts, fp32 scales, `blockquant.to_trn2_fp8`) are made once per weight tensor and cached as
+torch tensors on the weight's device (`WeightCache`: keyed on the tensor object, invalidated when its version
+counter, data pointer, shape or dtype changes; a weight already in the kernel's layout is cached without a copy;
+`to_trn2_fp8` and the UE8M0 scale decode run on the host once per weight, and the result is moved to the device
+once). `_run` makes non-contiguous operands contiguous with torch, on their device.
 
-This module imports torch, NumPy and the kernel modules (so the stand-in / `nki` resolution); `nki_kernels` never
-imports `engine`. Activations still travel as NumPy copies (`_convert.to_np`), which is the host (stand-in /
-simulator) contract of `Kernel.run`.
+The torch <-> NumPy boundary is in one place, `KernelOps._run`:
+    * "stand-in" / "simulator": every tensor operand becomes a bit-exact, read-only NumPy array (`_convert.to_np`
+      with copy=False: no copy of a contiguous CPU tensor, so a cached weight is not copied per call, and a kernel
+      can never write into a weight or an activation); the NumPy result comes back as torch (`_convert.from_np`) on
+      the device of the kernel's first operand (the activation);
+    * "neuron": the torch tensors go unchanged to the real `nki.jit` callable (`Kernel.run`). Called with torch
+      tensors, `nki.jit` takes its PyTorch integration (torch-neuronx / torch-xla): the kernel is a custom call on
+      the device tensors, with no host copy (NumPy arguments would select a standalone run, every operand copied
+      off the device and back). Its torch result is used as is; operands on more than one device are refused,
+      never moved.
+The per-kernel wrappers of the kernel modules (`deepinfer kernels`, the trn2 check) keep passing NumPy arrays: a
+standalone run, which is what those compare.
+
+Output convention (checked here against the source, not on a device): every kernel allocates its outputs with
+`nl.ndarray(..., buffer=nl.shared_hbm)` and returns them (rmsnorm, swiglu, the three blockquant GEMMs, hc_mixes'
+three, hc_collapse, hc_expand, hc_attn_out, compress_pool, index_score's scores + indices, sparse_attn); the stand-in's
+`run` refuses anything else. That is the convention under which `nki.jit` returns framework tensors when called with
+torch tensors. Not verified (nothing here runs on a Neuron device or with torch-neuronx): that each kernel compiles
+through the PyTorch integration with these operand dtypes (uint8 FP8 codes / FP4 nibbles, fp32 scales, bf16), that
+index_score's uint32 index output is accepted there (it is discarded), that `kernel[lnc]` launches through it, and
+how non-tensor arguments (ints, floats, bools: compile-time values) are specialised. `tests/kernels/
+test_kernel_ops_neuron_route.py` proves the calling convention with a fake real `nki` on the host (and on `xla:0`
+in the xla lane).
+
+This module imports torch and the kernel modules (so the stand-in / `nki` resolution; NumPy only through
+`_convert`, at the boundary); `nki_kernels` never imports `engine`.
 """
 
 from __future__ import annotations
@@ -61,7 +89,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -104,12 +131,6 @@ def _sig(t: torch.Tensor) -> tuple:
     return (id(t), version, t.data_ptr(), tuple(t.shape), t.dtype, str(t.device))
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.flags.writeable = False
-    return a
-
-
 class WeightCache:
     """Layout conversions of weights, made once per (weight tensor, tag): `get(tag, weight, make, *deps)` returns
     the cached value while `weight` (and `deps`, e.g. the scale of an FP8 weight) are unchanged, else calls
@@ -137,19 +158,23 @@ class WeightCache:
         return sum(len(v) for v in self._store.values())
 
 
+# ---- the torch <-> NumPy boundary ------------------------------------------------------------------------------
+def _to_host(a: Any) -> Any:
+    return _convert.to_np(a, copy=False) if isinstance(a, torch.Tensor) else a
+
+
+def _from_host(out: Any, device: torch.device) -> Any:
+    if isinstance(out, tuple):
+        return tuple(_from_host(o, device) for o in out)
+    return _convert.from_np(out).to(device)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """A weight as a contiguous fp32 tensor on its device (no copy when it is one already)."""
+    return t.detach().float().contiguous()
+
+
 # ---- the ops ---------------------------------------------------------------------------------------------------
-def _np(t: torch.Tensor) -> np.ndarray:
-    return _convert.to_np(t)
-
-
-def _torch(a: np.ndarray) -> torch.Tensor:
-    return _convert.from_np(a)
-
-
-def _fp32_np(t: torch.Tensor) -> np.ndarray:
-    return _frozen(_np(t.detach().float()))
-
-
 class KernelOps:
     """The kernel-backed ops on one executor, with one weight cache. `table()` is the engine's op table."""
 
@@ -160,13 +185,36 @@ class KernelOps:
         dispatch.resolve_executor(executor)  # fail early when the executor is unavailable here
         self.executor = executor
         self.cache = WeightCache()
-        self._ones: dict[int, np.ndarray] = {}
+        self._ones: dict[tuple[int, str], torch.Tensor] = {}
 
     def table(self) -> dict[str, Callable[..., Any]]:
         return {name: getattr(self, name) for name in KERNEL_OPS}
 
     def _run(self, name: str, kernel, args: tuple):
-        return dispatch.dispatch(name, kernel, args, self.executor)[1]
+        """Dispatch kernel `name` on torch operands (plus compile-time scalars); returns torch. The one torch <->
+        NumPy boundary of the kernel ops (module docstring): NumPy only for the host executors."""
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        device = tensors[0].device  # the activation (every kernel's first operand)
+        ex = dispatch.resolve(self.executor)
+        if ex != "neuron":  # stand-in / simulator: NumPy in, NumPy out
+            return _from_host(dispatch.dispatch(name, kernel, tuple(_to_host(a) for a in args), ex)[1], device)
+        others = {str(t.device) for t in tensors} - {str(device)}
+        if others:
+            raise ValueError(f"{name}: kernel operands on {str(device)} and {sorted(others)}; the weights must be on "
+                             "the activations' device (nothing is copied between devices here)")
+        out = dispatch.dispatch(name, kernel, args, ex)[1]  # the PyTorch integration of the real nki.jit
+        for o in out if isinstance(out, tuple) else (out,):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"{name}: nki.jit called with torch tensors returned {type(o).__name__}, not a "
+                                "torch.Tensor")
+        return out
+
+    def _ones_for(self, d: int, device: torch.device) -> torch.Tensor:
+        key = (d, str(device))
+        if key not in self._ones:
+            self._ones[key] = torch.ones(d, dtype=torch.float32, device=device)
+        return self._ones[key]
 
     # -- norms, activations --------------------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -178,14 +226,12 @@ class KernelOps:
         if d > _rms.MAX_D:
             return dispatch.fallback(_rms.NAME, "D > 8192", lambda: reference.rms_norm(x, weight, eps))
         if weight is None:
-            if d not in self._ones:
-                self._ones[d] = _frozen(np.ones(d, np.float32))
-            w = self._ones[d]
+            w = self._ones_for(d, x.device)
         else:
-            w = self.cache.get("fp32", weight, lambda: _fp32_np(weight))
+            w = self.cache.get("fp32", weight, lambda: _fp32(weight))
         xk = x if x.dtype in _NATIVE else x.float()  # the reference widens too; one rounding back below
-        out = self._run(_rms.NAME, _rms.rmsnorm_kernel, (_np(xk.reshape(-1, d)), w, float(eps)))
-        return _torch(out).reshape(x.shape).to(x.dtype)
+        out = self._run(_rms.NAME, _rms.rmsnorm_kernel, (xk.reshape(-1, d), w, float(eps)))
+        return out.reshape(x.shape).to(x.dtype)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         if gate.shape != up.shape:
@@ -195,8 +241,8 @@ class KernelOps:
         f = gate.shape[-1]
         # the reference widens both to fp32 and returns fp32: the kernel then runs in fp32 end to end
         g2, u2 = gate.float().reshape(-1, f), up.float().reshape(-1, f)
-        out = self._run(_swi.NAME, _swi.swiglu_kernel, (_np(g2), _np(u2), float(limit)))
-        return _torch(out).reshape(gate.shape)
+        out = self._run(_swi.NAME, _swi.swiglu_kernel, (g2, u2, float(limit)))
+        return out.reshape(gate.shape)
 
     # -- projections ---------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -207,10 +253,10 @@ class KernelOps:
         if x.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.dense", "dtype", lambda: reference.linear(x, weight))
         dt = x.dtype
-        wT = self.cache.get(f"T.{dt}", weight, lambda: _frozen(_np(weight.detach().to(dt).t().contiguous())))
+        wT = self.cache.get(f"T.{dt}", weight, lambda: weight.detach().to(dt).t().contiguous())
         k, n = weight.shape[1], weight.shape[0]
-        out = self._run("blockquant.dense", _bq.grouped_out_proj_kernel, (_np(x.reshape(-1, k)), wT, 1))
-        return _torch(out).reshape(*x.shape[:-1], n)
+        out = self._run("blockquant.dense", _bq.grouped_out_proj_kernel, (x.reshape(-1, k), wT, 1))
+        return out.reshape(*x.shape[:-1], n)
 
     def fp8_linear(self, x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
         n, k = w_u8.shape
@@ -223,13 +269,13 @@ class KernelOps:
         if x.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.fp8", "dtype", ref)
 
-        def convert():
+        def convert():  # on the host once per weight (NumPy e4m3 re-blocking), then to the weight's device once
             codes, sT = _bq.to_trn2_fp8(w_u8.detach().cpu().view(torch.float8_e4m3fn), scale_u8.detach().cpu())
-            return _frozen(codes), _frozen(sT)
+            return torch.from_numpy(codes).to(w_u8.device), torch.from_numpy(sT).to(w_u8.device)
 
         codes, sT = self.cache.get("trn2_fp8", w_u8, convert, scale_u8)
-        out = self._run("blockquant.fp8", _bq.fp8_gemm_kernel, (_np(x.reshape(-1, k)), codes, sT))
-        return _torch(out).reshape(*x.shape[:-1], n)
+        out = self._run("blockquant.fp8", _bq.fp8_gemm_kernel, (x.reshape(-1, k), codes, sT))
+        return out.reshape(*x.shape[:-1], n)
 
     def fp4_linear(self, x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
         n, k = packed_u8.shape[0], packed_u8.shape[1] * 2
@@ -242,15 +288,15 @@ class KernelOps:
         if x.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.fp4", "dtype", ref)
 
-        def convert():
+        def convert():  # the packed bytes as they are; the UE8M0 scales decoded on the host once, then moved once
             from nki_kernels import formats
 
-            packed = _frozen(packed_u8.detach().cpu().contiguous().numpy())
-            return packed, _frozen(formats.ue8m0_to_float(scale_u8.detach().cpu()).contiguous().numpy())
+            s32 = formats.ue8m0_to_float(scale_u8.detach().cpu()).contiguous()
+            return packed_u8.detach().contiguous(), s32.to(packed_u8.device)
 
         packed, s32 = self.cache.get("fp4", packed_u8, convert, scale_u8)
-        out = self._run("blockquant.fp4", _bq.fp4_gemm_kernel, (_np(x.reshape(-1, k)), packed, s32))
-        return _torch(out).reshape(*x.shape[:-1], n)
+        out = self._run("blockquant.fp4", _bq.fp4_gemm_kernel, (x.reshape(-1, k), packed, s32))
+        return out.reshape(*x.shape[:-1], n)
 
     def grouped_out_proj(self, o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
         t, hd = o.shape
@@ -265,12 +311,10 @@ class KernelOps:
         dt, kg, r = o.dtype, hd // groups, wo_a.shape[0] // groups
 
         def convert():
-            w = wo_a.detach().to(dt).view(groups, r, kg).transpose(1, 2).reshape(groups * kg, r)
-            return _frozen(_np(w.contiguous()))
+            return wo_a.detach().to(dt).view(groups, r, kg).transpose(1, 2).reshape(groups * kg, r).contiguous()
 
         woaT = self.cache.get(f"woaT.{dt}.{groups}", wo_a, convert)
-        out = self._run("blockquant.wo_a", _bq.grouped_out_proj_kernel, (_np(o), woaT, int(groups)))
-        return _torch(out)
+        return self._run("blockquant.wo_a", _bq.grouped_out_proj_kernel, (o, woaT, int(groups)))
 
     # -- mHC -----------------------------------------------------------------------------------------------------
     def hc_mixes(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
@@ -284,12 +328,12 @@ class KernelOps:
                          (iters < 1, "iters < 1")):
             if bad:
                 return dispatch.fallback(_hcm.NAME, why, ref)
-        fnT = self.cache.get("fnT", fn, lambda: _frozen(_np(fn.detach().float().t().contiguous())))
-        sc = self.cache.get("fp32", scale, lambda: _fp32_np(scale))
-        bs = self.cache.get("fp32", base, lambda: _fp32_np(base))
+        fnT = self.cache.get("fnT", fn, lambda: fn.detach().float().t().contiguous())
+        sc = self.cache.get("fp32", scale, lambda: _fp32(scale))
+        bs = self.cache.get("fp32", base, lambda: _fp32(base))
         xk = x if x.dtype in _NATIVE else x.float()
-        args = (_np(xk.reshape(x.shape[0], -1)), fnT, sc, bs, int(n), int(iters), float(hc_eps), float(norm_eps))
-        return tuple(_torch(a) for a in self._run(_hcm.NAME, _hcm.hc_mixes_kernel, args))
+        args = (xk.reshape(x.shape[0], -1), fnT, sc, bs, int(n), int(iters), float(hc_eps), float(norm_eps))
+        return tuple(self._run(_hcm.NAME, _hcm.hc_mixes_kernel, args))
 
     def hc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2]):
@@ -300,8 +344,7 @@ class KernelOps:
         if x.shape[1] > 16:
             return dispatch.fallback(_hcc.NAME, "n > 16", ref)
         xk = x if x.dtype in _NATIVE else x.float()
-        out = self._run(_hcc.NAME, _hcc.hc_collapse_kernel, (_np(xk), _np(pre.float())))
-        return _torch(out).to(x.dtype)
+        return self._run(_hcc.NAME, _hcc.hc_collapse_kernel, (xk, pre.float())).to(x.dtype)
 
     def hc_expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                   comb: torch.Tensor) -> torch.Tensor:
@@ -320,8 +363,7 @@ class KernelOps:
             yk, rk = y, residual
         else:  # the reference widens both; the kernel then rounds once to fp32 and the cast below once more
             yk, rk = y.float(), residual.float()
-        args = (_np(yk), _np(rk), _np(post.float()), _np(comb.float()))
-        return _torch(self._run(_hce.NAME, _hce.hc_expand_kernel, args)).to(y.dtype)
+        return self._run(_hce.NAME, _hce.hc_expand_kernel, (yk, rk, post.float(), comb.float())).to(y.dtype)
 
     def hc_attn_out(self, o: torch.Tensor, wo_b: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                     comb: torch.Tensor) -> torch.Tensor:
@@ -336,10 +378,9 @@ class KernelOps:
             if bad:
                 return dispatch.fallback(_hao.NAME, why, ref)
         dt = o.dtype
-        wT = self.cache.get(f"T.{dt}", wo_b, lambda: _frozen(_np(wo_b.detach().to(dt).t().contiguous())))
+        wT = self.cache.get(f"T.{dt}", wo_b, lambda: wo_b.detach().to(dt).t().contiguous())
         rk = residual if residual.dtype in _NATIVE else residual.float()  # loaded into fp32 tiles either way
-        args = (_np(o), wT, _np(rk), _np(post.float()), _np(comb.float()))
-        return _torch(self._run(_hao.NAME, _hao.hc_attn_out_kernel, args))
+        return self._run(_hao.NAME, _hao.hc_attn_out_kernel, (o, wT, rk, post.float(), comb.float()))
 
     # -- compressor, indexer, attention --------------------------------------------------------------------------
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
@@ -357,7 +398,7 @@ class KernelOps:
         *lead, w, m, c = kv.shape
         b = math.prod(lead)
         kv4, sc4 = kv.float().reshape(b, w, m, c), score.float().reshape(b, w, m, c)
-        absent_kv, absent_sc = torch.zeros(m, c), torch.full((m, c), _pool.NEG)
+        absent_kv, absent_sc = kv4.new_zeros(m, c), kv4.new_full((m, c), _pool.NEG)  # on the activations' device
         use_prev = overlap and prev_kv is not None
         if not overlap or b == 1:
             blocks_kv, blocks_sc = kv4.reshape(b * w, m, c), sc4.reshape(b * w, m, c)
@@ -371,9 +412,9 @@ class KernelOps:
             blocks_sc = torch.cat([ps, sc4], 1).reshape(b * (w + 1), m, c)
             pk, ps, keep = absent_kv, absent_sc, w + 1
         nb = blocks_kv.shape[0]
-        args = (_np(blocks_kv.reshape(nb * m, c).t().contiguous()), _np(blocks_sc.reshape(nb * m, c).t().contiguous()),
-                _np(pk.t().contiguous()), _np(ps.t().contiguous()), int(m), bool(overlap))
-        out = _torch(self._run(_pool.NAME, _pool.compress_pool_kernel, args)).t()  # [nb, d]
+        args = (blocks_kv.reshape(nb * m, c).t(), blocks_sc.reshape(nb * m, c).t(), pk.t(), ps.t(), int(m),
+                bool(overlap))  # [C, nb*m] layouts (made contiguous on the device by _run)
+        out = self._run(_pool.NAME, _pool.compress_pool_kernel, args).t()  # [nb, d]
         if keep is not None:
             out = out.reshape(b, keep, -1)[:, 1:]
         return out.reshape(*lead, w, -1).contiguous()
@@ -395,13 +436,13 @@ class KernelOps:
         npad = max(n, 8)  # max8 needs >= 8 entries: zero keys score exactly 0 and are cut off below
         if npad != n:
             kk = torch.cat([kk, kk.new_zeros(b, npad - n, di)], 1)
-        nvis = np.full((t, 1), float(npad), np.float32)
+        nvis = torch.full((t, 1), float(npad), dtype=torch.float32, device=q.device)
+        wk = weights.float()
         out = []
         for bi in range(b):
-            args = (_np(qk[bi].reshape(t, hi * di)), _np(kk[bi].t().contiguous()), _np(weights[bi].float()), nvis,
-                    int(hi), 1)
+            args = (qk[bi].reshape(t, hi * di), kk[bi].t(), wk[bi], nvis, int(hi), 1)
             s, _ = self._run(_idx.NAME, _idx.index_score_kernel, args)
-            out.append(_torch(s)[:, :n])
+            out.append(s[:, :n])
         return torch.stack(out)
 
     def sparse_attn(self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -420,12 +461,11 @@ class KernelOps:
             qk, kvk = q, kv
         else:  # the reference computes in fp32 from both
             qk, kvk = q.float(), kv.float()
-        sink_np = self.cache.get("sink", sink, lambda: _frozen(_np(sink.detach().float().reshape(h, 1))))
+        sink_t = self.cache.get("sink", sink, lambda: sink.detach().float().reshape(h, 1).contiguous())
         bias = torch.where(valid, 0.0, _sa.MASKED).float()
         out = []
         for bi in range(b):
-            args = (_np(qk[bi]), _np(kvk[bi]), _np(bias[bi]), sink_np, float(scale))
-            out.append(_torch(self._run(_sa.NAME, _sa.sparse_attn_kernel, args)))
+            out.append(self._run(_sa.NAME, _sa.sparse_attn_kernel, (qk[bi], kvk[bi], bias[bi], sink_t, float(scale))))
         return torch.stack(out).to(q.dtype)
 
     def sparse_attn_partial(self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,

@@ -7,6 +7,7 @@ import inspect
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -322,13 +323,24 @@ def test_cache_follows_in_place_updates_and_new_tensors():
 
 
 def test_cached_operands_are_read_only():
+    """The cache holds torch layouts on the weight's device; on the host every operand the kernel gets (the cached
+    weight without a per-call copy, and the activation) is read-only, so a kernel can never write into either."""
     ops = kernel_ops.KernelOps("stand-in")
     g = _gen("ro")
-    w = rnd(g, 8, 16)
-    ops.linear(rnd(g, 2, 16), w)
-    (arr,) = [v[1] for slot in ops.cache._store.values() for v in slot.values()]
-    with pytest.raises(ValueError):
-        arr[0, 0] = 1.0
+    w, x = rnd(g, 8, 16), rnd(g, 2, 16)
+    with dispatch.record() as calls:
+        ops.linear(x, w)
+        ops.linear(x, w)
+    (cached,) = [v[1] for slot in ops.cache._store.values() for v in slot.values()]
+    assert isinstance(cached, torch.Tensor) and cached.device == w.device and torch.equal(cached, w.t())
+    assert len(calls) == 2
+    for _, _, (xa, wa, _groups) in calls:
+        assert np.shares_memory(wa, cached.numpy())  # the cached layout itself, not a copy of it
+        for arr in (xa, wa):
+            assert isinstance(arr, np.ndarray)
+            with pytest.raises(ValueError):
+                arr[0, 0] = 1.0
+    assert torch.equal(cached, w.t()) and ops.cache.conversions["T.torch.float32"] == 1
 
 
 def test_parameters_and_inference_mode():
