@@ -192,6 +192,28 @@ def gather_entries(pool: torch.Tensor, tables: torch.Tensor, num: int) -> torch.
     return pool[tables[:, :nblk]].flatten(1, 2)[:, :num]
 
 
+# Prefill chunks on the host attend query tile by query tile over only the keys some query of the tile may see (a
+# window of `win` positions before the tile plus the entries): a 2048-token chunk otherwise scores every query
+# against all 2048 chunk positions + every entry, 90% of them masked (on V4-mid: 2.6x the prefill time). Exact: a
+# masked key contributes exp(-inf) = 0, so dropping it changes only the summation order.
+ATTN_Q_TILE = 128
+
+
+def _tiles(g: _Group) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(q, keys, valid) of `g` in query tiles with the keys no query of the tile sees dropped; the whole group in
+    one piece for decode groups (T = 1), short chunks, and device tensors (data-dependent shapes: one graph each)."""
+    keys = g.keys.to(g.q.dtype)
+    t = g.q.shape[1]
+    if t <= ATTN_Q_TILE or g.q.device.type != "cpu":
+        return [(g.q, keys, g.valid)]
+    out = []
+    for t0 in range(0, t, ATTN_Q_TILE):
+        valid = g.valid[:, t0: t0 + ATTN_Q_TILE]  # [B, t, N]
+        cols = valid.any(1).any(0).nonzero().squeeze(-1)
+        out.append((g.q[:, t0: t0 + ATTN_Q_TILE], keys[:, cols], valid[..., cols]))
+    return out
+
+
 @dataclass
 class _Group:
     """One attention problem of a step: B sequences x T queries over this rank's keys."""
@@ -320,11 +342,12 @@ class Attention(OpsUser, nn.Module):
     def _attend(self, groups: list[_Group]) -> list[torch.Tensor]:
         """Attention of every group over this rank's keys; under cp the shares are merged with ONE all-gather."""
         if self.par is None:
-            return [self.ops.sparse_attn(g.q, g.keys.to(g.q.dtype), g.valid, self.attn_sink, self.scale)
+            return [torch.cat([self.ops.sparse_attn(q, k, v, self.attn_sink, self.scale) for q, k, v in _tiles(g)], 1)
                     for g in groups]
         packed = []
         for g in groups:
-            acc, mx, den = self.ops.sparse_attn_partial(g.q, g.keys.to(g.q.dtype), g.valid, self.scale)
+            parts = [self.ops.sparse_attn_partial(q, k, v, self.scale) for q, k, v in _tiles(g)]
+            acc, mx, den = (torch.cat(t, 1) for t in zip(*parts, strict=True))
             packed.append(torch.cat([acc, mx.unsqueeze(-1), den.unsqueeze(-1)], -1).flatten(0, 1))  # [BT, H, D+2]
         gathered = self.par.all_gather(torch.cat(packed), f"L{self.layer_id}.attn.merge")
         parts = [(p[..., :-2], p[..., -2], p[..., -1]) for p in gathered]

@@ -86,3 +86,16 @@ def test_bf16_runs_and_stays_close(weights) -> None:
     b16 = _logits_by_chunks(_runner(weights, dtype="bfloat16"), ids, [40])
     assert b16.dtype == torch.float32
     assert (b16 - f32).abs().max() < 0.5  # bf16 activations/weights, fp32 reference: loose but bounded
+
+
+def test_query_tiled_prefill_attention_equals_untiled(weights, monkeypatch) -> None:
+    """Prefill attention in query tiles over only the keys a tile can see (attention.ATTN_Q_TILE) == one pass over
+    every key with the mask: a 70-token chunk in tiles of 8 (window 16, CSA and HCA entries, cp = 1)."""
+    from engine.model import attention
+
+    ids = torch.randint(2, TINY.vocab_size, (70,), generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(attention, "ATTN_Q_TILE", 10**9)
+    whole = _logits_by_chunks(_runner(weights), ids, [70])
+    monkeypatch.setattr(attention, "ATTN_Q_TILE", 8)
+    tiled = _logits_by_chunks(_runner(weights), ids, [70])
+    assert (tiled - whole).abs().max() < TOL
