@@ -126,3 +126,23 @@ def test_regions_timing_on_xla(tmp_path: Path) -> None:
     assert 0.9 <= s["stage_sum_over_step"] <= 1.1
     assert s["xla_compiles_per_step"] == 0 and s["fallbacks_per_step"] == 0 and s["d2h_per_step"] == 1
     assert s["h2d_per_step"] == 1  # the step's packed inputs, nothing else (no per-call copy of a constant table)
+
+
+def test_runtime_started_before_the_engine_is_named() -> None:
+    """A process that touched xla:0 before the engine's backend set the runtime's cache size gets a warning naming the
+    setting (the runtime reads it once; its 2048-graph default let eager per-op graphs evict the decode graphs)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch, torch_xla\n"
+            "torch.ones(2, device=torch_xla.device()).sum().item()\n"
+            "from engine.backends.xla import apply_runtime_env\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); apply_runtime_env()\n"
+            "print('|'.join(str(x.message) for x in w))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_COMPILATION_CACHE_SIZE"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**env, "PJRT_DEVICE": "CPU"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "XLA_COMPILATION_CACHE_SIZE=65536" in res.stdout and "before" in res.stdout

@@ -23,6 +23,8 @@ processes (pytorch/xla#5005, #9089), so cp > 1 is refused there (`setup_process`
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +41,19 @@ _INSTALL = "pip install torch==2.9.0 torch-xla==2.9.0 (a separate venv; PJRT_DEV
 COMPILATION_CACHE_SIZE = "65536"
 
 
-def _runtime_env() -> None:
+def apply_runtime_env() -> None:
+    """The PJRT runtime's settings (read once, when the runtime starts): call before anything in the process touches
+    an XLA device. The backend's setup_process does; a process that starts the runtime itself first keeps
+    torch-xla's defaults (a 2048-graph cache) for its whole life."""
     from engine.envs import apply_env, get_envs
 
     if "XLA_COMPILATION_CACHE_SIZE" not in dict(get_envs().recorded):
+        txla = sys.modules.get("torch_xla")
+        if txla is not None and txla._XLAC._xla_runtime_is_initialized():
+            warnings.warn("the PJRT runtime was started before the engine's backend set XLA_COMPILATION_CACHE_SIZE: "
+                          "torch-xla keeps its 2048-graph cache, so eager per-op graphs can evict the decode graphs "
+                          f"(recompiles after warm-up); set XLA_COMPILATION_CACHE_SIZE={COMPILATION_CACHE_SIZE} in the "
+                          "environment, or build the engine before touching an XLA device", stacklevel=2)
         apply_env({"XLA_COMPILATION_CACHE_SIZE": COMPILATION_CACHE_SIZE})
 
 
@@ -180,7 +191,7 @@ class XlaBackend:
         from engine.backends.host import setup_host_process
         from engine.envs import apply_env, get_envs
 
-        _runtime_env()
+        apply_runtime_env()
         rec = dict(get_envs().recorded)
         if "PJRT_DEVICE" not in rec:
             apply_env({"PJRT_DEVICE": "CPU"})  # torch-xla's own default, made explicit (and recorded in meta)
@@ -216,7 +227,7 @@ class NeuronBackend(XlaBackend):
 
         apply_env(neuron_worker_env(rank, world_size=world, logical_nc_config=logical_nc_config(),
                                     master_port=master_port))
-        _runtime_env()
+        apply_runtime_env()
         from engine.backends.host import setup_host_process
 
         setup_host_process(threads)
