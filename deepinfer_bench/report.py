@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
@@ -54,7 +55,7 @@ def render_df(df: pd.DataFrame, title: str, *, console: Console | None = None, s
     for row in df[cols].to_dict("records"):  # keeps each column's own type (iterrows would upcast ints)
         cells = []
         for c in cols:
-            text = _fmt(row[c])
+            text = escape(_fmt(row[c]))  # a value is data, not markup ('deepinfer[eager]' lost its '[eager]')
             if c in ("verdict", "status", "pass") and text in ("FAIL", "mismatch", "error", "no"):
                 text = f"[red]{text}[/red]"
             elif c in ("verdict", "status", "pass") and text in ("PASS", "match", "ok", "yes"):
