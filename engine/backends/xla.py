@@ -48,8 +48,9 @@ def apply_runtime_env() -> None:
     from engine.envs import apply_env, get_envs
 
     if "XLA_COMPILATION_CACHE_SIZE" not in dict(get_envs().recorded):
-        txla = sys.modules.get("torch_xla")
-        if txla is not None and txla._XLAC._xla_runtime_is_initialized():
+        # torch-xla's own check (torch_xla/runtime.py uses it); a private API, so absent -> no warning
+        started = getattr(getattr(sys.modules.get("torch_xla"), "_XLAC", None), "_xla_runtime_is_initialized", None)
+        if started is not None and started():
             warnings.warn("the PJRT runtime was started before the engine's backend set XLA_COMPILATION_CACHE_SIZE: "
                           "torch-xla keeps its 2048-graph cache, so eager per-op graphs can evict the decode graphs "
                           f"(recompiles after warm-up); set XLA_COMPILATION_CACHE_SIZE={COMPILATION_CACHE_SIZE} in the "
