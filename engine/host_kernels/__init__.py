@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -228,24 +229,24 @@ def linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _run("bf16", x, weight, None, weight.shape[0])
 
 
-def fp8_linear_impl(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
-    why = _why_not("fp8", x, w_u8, scale_u8)
+def _quant_linear(fmt: str, x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor,
+                  ref: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A stored-format GEMM (fmt fp8 | fp4: uint8 weight bytes + UE8M0 scale bytes) natively, else `ref`."""
+    why = _why_not(fmt, x, w_u8, scale_u8)
     if why is None and (w_u8.dtype != torch.uint8 or scale_u8.dtype != torch.uint8):
         why = "dtype"
     if why is not None:
-        return dispatch.fallback("host.fp8", why, lambda: reference.fp8_linear(x, w_u8, scale_u8))
-    _count("host.fp8")
-    return _run("fp8", x, w_u8, scale_u8, w_u8.shape[0])
+        return dispatch.fallback(f"host.{fmt}", why, lambda: ref(x, w_u8, scale_u8))
+    _count(f"host.{fmt}")
+    return _run(fmt, x, w_u8, scale_u8, w_u8.shape[0])
+
+
+def fp8_linear_impl(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    return _quant_linear("fp8", x, w_u8, scale_u8, reference.fp8_linear)
 
 
 def fp4_linear_impl(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
-    why = _why_not("fp4", x, packed_u8, scale_u8)
-    if why is None and (packed_u8.dtype != torch.uint8 or scale_u8.dtype != torch.uint8):
-        why = "dtype"
-    if why is not None:
-        return dispatch.fallback("host.fp4", why, lambda: reference.fp4_linear(x, packed_u8, scale_u8))
-    _count("host.fp4")
-    return _run("fp4", x, packed_u8, scale_u8, packed_u8.shape[0])
+    return _quant_linear("fp4", x, packed_u8, scale_u8, reference.fp4_linear)
 
 
 # ---------------------------------------------------------------------------------------------------------------
