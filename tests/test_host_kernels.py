@@ -285,7 +285,7 @@ def test_custom_ops_trace_without_graph_breaks() -> None:
 
 
 @pytest.mark.parametrize("cc,expect", [("no-such-cc-deepinfer", "C compiler 'no-such-cc-deepinfer' not found"),
-                                       ("false", "compiling gemv.c with false failed")])
+                                       ("false", "compiling gemv.c and mhc.c with false failed")])
 def test_a_missing_or_failing_compiler_is_one_clear_error(cc: str, expect: str, tmp_path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture) -> None:
@@ -319,14 +319,143 @@ def test_kernels_host_needs_the_host_backend() -> None:
         EngineConfig.from_model_config(ModelConfig.from_json(GOLDEN_DIR / "tiny"), kernels="host", backend="xla")
 
 
-@pytest.mark.slow
 def test_golden_with_host_kernels_matches() -> None:
-    """`deepinfer golden --kernels host`: every prompt matches, decode GEMMs on the native kernels (~10 s: slow, to
-    keep this file's default run short)."""
+    """`deepinfer golden --kernels host`: every prompt matches with the decode GEMMs and the small per-token ops on
+    the native kernels (~10 s)."""
     from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden
 
+    dispatch.reset_counts()
     run = run_golden(golden_config(kernels="host"), GOLDEN_DIR)
     assert run.ok, run.table.to_string()
     assert (run.table["tokens_matched"] == run.table["tokens_total"]).all()
+    counts = dispatch.counts()
+    for key in ("fp8", "fp4", "linear", "hc_mixes", "rms_norm", "hc_collapse", "hc_expand", "sparse_attn"):
+        assert counts.get((f"host.{key}", "host"), 0) > 0, key  # ran natively inside the model
     keys = set(run.kernels["dispatch_key"])
     assert {"host.fp8", "host.fp4", "host.linear"} <= keys
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The small per-token ops (mhc.c). Error bounds as above: fp32 sums of L terms in different orders differ by at most
+# 2 * L * u * (sum of |terms|) per output, plus a few roundings of the result (libm's expf / sqrtf vs torch's
+# vectorised ones are within 1-2 ulp).
+
+SMALL_SHAPES = [(1, 4, 128), (3, 4, 1024), (16, 4, 4096), (2, 2, 100)]  # (T, n, D): decode rows, odd sizes
+
+
+def _mhc_inputs(t: int, n: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    x = torch.randn(t, n, d, generator=g)
+    fn = torch.randn((2 + n) * n, n * d, generator=g) / (n * d) ** 0.5
+    scale = torch.rand(3, generator=g) + 0.5  # [0.5, 1.5)
+    base = torch.randn((2 + n) * n, generator=g)
+    return x, fn, scale, base
+
+
+def _hc_mixes_f64(x, fn, scale, base, n, iters, hc_eps, norm_eps):
+    """The formula of reference.hc_mixes (deepseek_v4.md, mHC) in float64: the yardstick for both fp32 sides."""
+    v, fn, scale, base = x.flatten(-2).double(), fn.double(), scale.double(), base.double()
+    mix = (v @ fn.T) * torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(scale[0] * mix[:, :n] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(scale[1] * mix[:, n:2 * n] + base[n:2 * n])
+    c = (scale[2] * mix[:, 2 * n:] + base[2 * n:]).view(-1, n, n).softmax(-1) + hc_eps
+    c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, c
+
+
+@pytest.mark.parametrize("t,n,d", SMALL_SHAPES)
+def test_hc_mixes_matches_reference(lib: H.HostLibrary, t: int, n: int, d: int) -> None:
+    g = torch.Generator().manual_seed(t * 1000 + d)
+    x, fn, scale, base = _mhc_inputs(t, n, d, g)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        dispatch.reset_counts()
+        got = H.hc_mixes(xd, fn, scale, base, n, 20, 1e-6, 1e-6)
+        assert dispatch.counts() == {("host.hc_mixes", "host"): 1}
+        ref = R.hc_mixes(xd, fn, scale, base, n, 20, 1e-6, 1e-6)
+        exact = _hc_mixes_f64(xd, fn, scale, base, n, 20, 1e-6, 1e-6)
+        # Both fp32 sides are measured against float64: the native one may be off by twice the reference's own
+        # error plus 2e-6 (outputs lie in [0, 2]; fp32 reordering of the K = n*D-term dots moves them by ~1e-7..1e-6
+        # here, measured over 20 seeds per shape: native <= 8.4e-7, at most 3.7x the reference's error). A wrong
+        # formula, eps, iteration count or stream order moves them by >= 1e-3.
+        ref_err = max(float((a.double() - b).abs().max()) for a, b in zip(ref, exact, strict=True))
+        for a, b, e in zip(got, ref, exact, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+            err = float((a.double() - e).abs().max())
+            assert err <= 2 * ref_err + 2e-6, f"max err {err:.3e} vs the reference's {ref_err:.3e}"
+        assert torch.allclose(got[2].sum(-2), torch.ones(t, n), atol=1e-4)  # doubly stochastic (columns last)
+
+
+@pytest.mark.parametrize("t,n,d", SMALL_SHAPES)
+def test_rms_norm_collapse_and_expand_match_reference(lib: H.HostLibrary, t: int, n: int, d: int) -> None:
+    g = torch.Generator().manual_seed(t * 7 + d)
+    x = torch.randn(t, n, d, generator=g)
+    w = torch.randn(d, generator=g)
+    pre, post = torch.rand(t, n, generator=g), 2 * torch.rand(t, n, generator=g)
+    comb = torch.rand(t, n, n, generator=g)
+    y = torch.randn(t, d, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 0.0  # one rounding of the result to bf16 (may straddle)
+        xd, yd = x.to(dtype), y.to(dtype)
+        dispatch.reset_counts()
+        for weight in (w, None):
+            got, ref = H.rms_norm(xd, weight, 1e-6), R.rms_norm(xd, weight, 1e-6)
+            assert got.shape == ref.shape and got.dtype == ref.dtype == dtype
+            tol = (2 * d * U + 8 * U + ulp) * ref.float().abs() + 1e-30
+            assert bool(((got.float() - ref.float()).abs() <= tol).all())
+        got, ref = H.hc_collapse(xd, pre), R.hc_collapse(xd, pre)
+        tol = (2 * n * U + ulp) * (pre.unsqueeze(-1) * xd.float()).abs().sum(-2) + ulp * ref.float().abs()
+        assert got.dtype == ref.dtype == dtype and bool(((got.float() - ref.float()).abs() <= tol).all())
+        got, ref = H.hc_expand(yd, xd, post, comb), R.hc_expand(yd, xd, post, comb)
+        terms = (post.unsqueeze(-1) * yd.float().unsqueeze(-2)).abs() + torch.einsum("tjk,tjd->tkd", comb,
+                                                                                      xd.float().abs())
+        tol = (2 * (n + 1) * U + ulp) * terms + ulp * ref.float().abs()
+        assert got.dtype == ref.dtype == dtype and bool(((got.float() - ref.float()).abs() <= tol).all())
+        assert dispatch.counts() == {("host.rms_norm", "host"): 2, ("host.hc_collapse", "host"): 1,
+                                     ("host.hc_expand", "host"): 1}
+
+
+@pytest.mark.parametrize("b,t,h,n,d", [(1, 1, 8, 130, 64), (4, 1, 16, 300, 128), (3, 2, 4, 17, 512),
+                                       (2, 3, 4, 0, 32)])
+def test_sparse_attn_matches_reference(lib: H.HostLibrary, b: int, t: int, h: int, n: int, d: int) -> None:
+    g = torch.Generator().manual_seed(b * 100 + n)
+    q, kv = torch.randn(b, t, h, d, generator=g), torch.randn(b, n, d, generator=g)
+    valid = torch.rand(b, t, n, generator=g) < 0.6
+    if n:
+        valid[0, 0] = False  # a query that sees no key: output 0 (only the sink)
+    sink, scale = torch.randn(h, generator=g), d**-0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        qd, kd = q.to(dtype), kv.to(dtype)
+        dispatch.reset_counts()
+        got, ref = H.sparse_attn(qd, kd, valid, sink, scale), R.sparse_attn(qd, kd, valid, sink, scale)
+        assert dispatch.counts() == {("host.sparse_attn", "host"): 1}
+        assert got.shape == ref.shape and got.dtype == ref.dtype == dtype
+        # each logit within 2 D u scale sum|q||k| of the other order; o is a convex combination of the keys (and 0
+        # for the sink), so a relative error delta of the weights moves o by <= 2 delta max|k|; + N-term sums, exp.
+        qa, ka = qd.float().abs(), kd.float().abs()
+        dot_err = (2 * d * U * scale * torch.einsum("bthd,bnd->bthn", qa, ka)).amax(-1, keepdim=True) if n else 0
+        kmax = ka.amax((1, 2)).view(b, 1, 1, 1) if n else torch.zeros(b, 1, 1, 1)
+        ulp = 2.0**-7 * ref.float().abs() if dtype == torch.bfloat16 else 0.0
+        tol = 2 * (2 * dot_err + (2 * n + 8) * U) * kmax + ulp
+        assert bool(((got.float() - ref.float()).abs() <= tol).all())
+        if n:
+            assert bool((got[0, 0] == 0).all())
+
+
+def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibrary) -> None:
+    g = torch.Generator().manual_seed(12)
+    m = H.MAX_M["mhc"]
+    x, fn, scale, base = _mhc_inputs(m + 1, 4, 32, g)
+    dispatch.reset_counts()
+    got = H.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, R.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6),
+                                                 strict=True))
+    assert torch.equal(H.rms_norm(x, None, 1e-6), R.rms_norm(x, None, 1e-6))  # (m+1) * 4 rows
+    assert torch.equal(H.rms_norm(x.double(), None, 1e-6), R.rms_norm(x.double(), None, 1e-6))
+    q, kv = torch.randn(1, 1, 2, 8, generator=g), torch.randn(1, 3, 8, generator=g).half()
+    valid, sink = torch.ones(1, 1, 3, dtype=torch.bool), torch.zeros(2)
+    assert torch.equal(H.sparse_attn(q, kv, valid, sink, 1.0), R.sparse_attn(q, kv, valid, sink, 1.0))  # fp16 keys
+    assert dispatch.fallbacks() == {("host.hc_mixes", f"M > {m}"): 1, ("host.rms_norm", f"M > {m}"): 1,
+                                    ("host.rms_norm", "dtype"): 1, ("host.sparse_attn", "dtype"): 1}

@@ -1,4 +1,4 @@
-"""Native host GEMV kernels: the op table of `--kernels host` (engine/model/ops.py `ops_for("host")`).
+"""Native host kernels: the op table of `--kernels host` (engine/model/ops.py `ops_for("host")`).
 
 Batch-1 decode on the host is memory-bound, and the reference's stored-weight GEMMs decode FP8/FP4 bytes (and
 widen bf16 weights) through torch ops into fp32 chunks before a BLAS call. Here `gemv.c` (one C file, no torch
@@ -18,16 +18,22 @@ x.dtype (a bf16 x is widened to fp32 first, the fp32 result cast once), fp32 acc
 ValueError on bad shapes. Weight values are decoded exactly as the reference dequantises them, so results differ
 by fp32 summation order only.
 
-Build: on first use `gcc -O3 -march=native -fPIC -shared -fopenmp` (compiler: DEEPINFER_HOST_CC) into
-`engine.envs.host_kernel_cache_dir()`, one file per (source sha256, compiler, flags, CPU flags), written atomically
-(concurrent ranks may build at once), loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to the
-libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also passes
-`torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
+`mhc.c` holds the small per-token ops of a decode step, which cost microseconds of arithmetic but tens to
+hundreds of microseconds as chains of torch ops (on the tiny model they were ~45% of an eager decode step):
+`hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
+fp32 / bf16 inputs of at most MAX_M["mhc"] token rows, else the reference (counted by reason, as above).
+
+Build: on first use `gcc -O3 -march=native -fPIC -shared -fopenmp gemv.c mhc.c` (compiler: DEEPINFER_HOST_CC)
+into `engine.envs.host_kernel_cache_dir()`, one file per (sources' sha256, compiler, flags, CPU flags), written
+atomically (concurrent ranks may build at once), loaded with ctypes. The library's libgomp.so.1 NEEDED entry
+resolves to the libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also
+passes `torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
 one line, exit 2 at the CLI), never a silent fallback.
 
-The three ops are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
+The three GEMMs are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
 graphs (`--graph-mode layer`) call them without a graph break; in eager mode the wrappers call the same
-implementation directly (no custom-op dispatch overhead on the decode hot path).
+implementation directly (no custom-op dispatch overhead on the decode hot path). Inside a compiled graph the small
+ops run the reference (the graph compiler fuses those itself).
 """
 
 from __future__ import annotations
@@ -48,15 +54,16 @@ import torch
 
 from nki_kernels import dispatch, reference
 
-__all__ = ["MAX_M", "SOURCE", "BASE_FLAGS", "HostKernelError", "HostLibrary", "load", "library", "ops_table"]
+__all__ = ["MAX_M", "SOURCES", "BASE_FLAGS", "HostKernelError", "HostLibrary", "load", "library", "ops_table"]
 
-SOURCE = Path(__file__).with_name("gemv.c")
+SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("mhc.c"))  # one library
+NAMES = " and ".join(src.name for src in SOURCES)
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # Largest x row count each native kernel takes; above it the reference (MKL on dequantised chunks) is as fast or
 # faster (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes: native / reference at M = 128: head 1.1x,
 # FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on both are FMA-bound;
 # the crossover is where the reference's one-off decode / widening of the weight stops paying for MKL's faster GEMM.
-MAX_M = {"linear": 128, "fp8": 128, "fp4": 256}
+MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 _ABI = 1
 
@@ -77,7 +84,9 @@ def cpu_flags() -> str:
 
 
 def build_key(cc: str, flags: tuple[str, ...]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes() + b"\0")
     for part in (cc, " ".join(flags), cpu_flags()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:24]
@@ -98,14 +107,15 @@ def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
     except OSError as e:
         raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
     try:
-        r = subprocess.run([exe, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([exe, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                           timeout=300)
         if r.returncode != 0:
             lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
             err = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit {r.returncode}")
-            raise HostKernelError(f"--kernels host: compiling {SOURCE.name} with {cc} failed: {err.strip()}")
+            raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {err.strip()}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
     except (OSError, subprocess.SubprocessError) as e:
-        raise HostKernelError(f"--kernels host: compiling {SOURCE.name} with {cc} failed: {e}") from None
+        raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -127,8 +137,15 @@ class HostLibrary:
         lib.dk_bf16_linear.argtypes = [p, p, p, i64, i64, i64, i32]
         lib.dk_fp8_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
         lib.dk_fp4_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+        f32 = ctypes.c_float
+        lib.dk_hc_mixes.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
+        lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
+        lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
+        lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
+        lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
         for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_simd, lib.dk_max_threads,
-                  lib.dk_last_threads, lib.dk_abi):
+                  lib.dk_last_threads, lib.dk_abi, lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse,
+                  lib.dk_hc_expand, lib.dk_sparse_attn):
             f.restype = i32
         self.lib = lib
         self.simd = ("portable", "avx512", "avx512-vbmi")[lib.dk_simd()]
@@ -308,9 +325,152 @@ def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor)
     return fp4_linear_impl(x, packed_u8, scale_u8)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The small per-token ops (mhc.c): mHC mixing weights, collapse and expand, RMSNorm. Native for CPU fp32 / bf16
+# inputs of at most MAX_M["mhc"] rows outside autograd; else the reference, counted by reason like the GEMMs.
+# Inside a compiled graph the reference runs (the graph compiler fuses these ops itself).
+
+
+def _why_not_small(rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
+    """Why the native small-op kernel does not take this call (None: it does); `rows`: x's token count."""
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        return "dtype"
+    if not x.is_cpu or any(t is not None and not t.is_cpu for t in others):
+        return "device"
+    if x.requires_grad and torch.is_grad_enabled():
+        return "autograd"
+    if x.numel() == 0:
+        return "empty"
+    if rows > MAX_M["mhc"]:
+        return f"M > {MAX_M['mhc']}"
+    return None
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+             iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.hc_mixes` natively (mhc.c); x [T, n, D]."""
+    def ref():
+        return reference.hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
+
+    if torch.compiler.is_compiling():
+        return ref()
+    why = _why_not_small(x.shape[0] if x.dim() else 0, x, fn, scale, base)
+    n = hc_mult
+    if why is None and (x.dim() != 3 or x.shape[1] != n or not 0 < n <= 16
+                        or tuple(fn.shape) != ((2 + n) * n, n * x.shape[2]) or scale.numel() < 3
+                        or base.numel() != (2 + n) * n):
+        why = "shape"
+    if why is not None:
+        return dispatch.fallback("host.hc_mixes", why, ref)
+    _count("host.hc_mixes")
+    t, _, d = x.shape
+    xf, fnf, sf, bf = _f32(x), _f32(fn), _f32(scale), _f32(base)
+    pre, post, comb = torch.empty(t, n), torch.empty(t, n), torch.empty(t, n, n)
+    _native().lib.dk_hc_mixes(xf.data_ptr(), fnf.data_ptr(), sf.data_ptr(), bf.data_ptr(), pre.data_ptr(),
+                              post.data_ptr(), comb.data_ptr(), t, n, d, iters, hc_eps, norm_eps,
+                              torch.get_num_threads())
+    return pre, post, comb
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`reference.rms_norm` natively (mhc.c)."""
+    if torch.compiler.is_compiling():
+        return reference.rms_norm(x, weight, eps)
+    if x.dim() == 0 or weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
+        return reference.rms_norm(x, weight, eps)  # the reference's behaviour (or error) for odd shapes
+    why = _why_not_small(x.numel() // max(1, x.shape[-1]), x, weight)
+    if why is not None:
+        return dispatch.fallback("host.rms_norm", why, lambda: reference.rms_norm(x, weight, eps))
+    _count("host.rms_norm")
+    d = x.shape[-1]
+    xf = _f32(x)
+    w = _f32(weight) if weight is not None else None
+    y = torch.empty(x.shape, dtype=torch.float32)
+    _native().lib.dk_rms_norm(xf.data_ptr(), w.data_ptr() if w is not None else None, y.data_ptr(),
+                              xf.numel() // d, d, eps, torch.get_num_threads())
+    return y if x.dtype is torch.float32 else y.to(x.dtype)
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """`reference.hc_collapse` natively (mhc.c); x [T, n, D], pre [T, n]."""
+    if torch.compiler.is_compiling():
+        return reference.hc_collapse(x, pre)
+    why = _why_not_small(x.shape[0] if x.dim() else 0, x, pre)
+    if why is None and (x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2])):
+        why = "shape"
+    if why is not None:
+        return dispatch.fallback("host.hc_collapse", why, lambda: reference.hc_collapse(x, pre))
+    _count("host.hc_collapse")
+    t, n, d = x.shape
+    xf, pf = _f32(x), _f32(pre)
+    y = torch.empty(t, d)
+    _native().lib.dk_hc_collapse(xf.data_ptr(), pf.data_ptr(), y.data_ptr(), t, n, d, torch.get_num_threads())
+    return y if x.dtype is torch.float32 else y.to(x.dtype)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`reference.hc_expand` natively (mhc.c); y [T, D], residual [T, n, D], post [T, n], comb [T, n, n]."""
+    if torch.compiler.is_compiling():
+        return reference.hc_expand(y, residual, post, comb)
+    why = _why_not_small(residual.shape[0] if residual.dim() else 0, residual, y, post, comb)
+    if why is None and y.dtype is not torch.float32 and y.dtype is not torch.bfloat16:
+        why = "dtype"
+    if why is None:
+        t, n, d = residual.shape if residual.dim() == 3 else (0, 0, 0)
+        if residual.dim() != 3 or tuple(y.shape) != (t, d) or tuple(post.shape) != (t, n) or \
+                tuple(comb.shape) != (t, n, n):
+            why = "shape"
+    if why is not None:
+        return dispatch.fallback("host.hc_expand", why, lambda: reference.hc_expand(y, residual, post, comb))
+    _count("host.hc_expand")
+    yf, xf, pf, cf = _f32(y), _f32(residual), _f32(post), _f32(comb)
+    out = torch.empty(t, n, d)
+    _native().lib.dk_hc_expand(yf.data_ptr(), xf.data_ptr(), pf.data_ptr(), cf.data_ptr(), out.data_ptr(), t, n, d,
+                               torch.get_num_threads())
+    return out if y.dtype is torch.float32 else out.to(y.dtype)
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """`reference.sparse_attn` natively (mhc.c); q [B, T, H, D], kv [B, N, D], valid [B, T, N], sink [H]."""
+    def ref():
+        return reference.sparse_attn(q, kv, valid, sink, scale)
+
+    if torch.compiler.is_compiling():
+        return ref()
+    why = _why_not_small(q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
+    if why is None and kv.dtype is not torch.float32 and kv.dtype is not torch.bfloat16:
+        why = "dtype"
+    if why is None:
+        b, t, h, d = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+        n = kv.shape[1] if kv.dim() == 3 else -1
+        if q.dim() != 4 or tuple(kv.shape) != (b, n, d) or tuple(valid.shape) != (b, t, n) or \
+                valid.dtype is not torch.bool or tuple(sink.shape) != (h,):
+            why = "shape"
+    if why is not None:
+        return dispatch.fallback("host.sparse_attn", why, ref)
+    _count("host.sparse_attn")
+    qf, kf, sf = _f32(q), _f32(kv), _f32(sink)
+    vb = valid.contiguous()
+    nt = torch.get_num_threads()
+    o = torch.empty(b, t, h, d)
+    scratch = torch.empty(max(1, nt * n))
+    _native().lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
+                                 scratch.data_ptr(), b, t, h, n, d, scale, nt)
+    return o if q.dtype is torch.float32 else o.to(q.dtype)
+
+
 def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
-    """`base` (the reference table) with the three GEMMs replaced; builds/loads the library now, so a missing
-    compiler fails here with one line, not at the first forward."""
+    """`base` (the reference table) with the GEMMs and the small per-token ops replaced; builds/loads the library
+    now, so a missing compiler fails here with one line, not at the first forward."""
     _native()
-    return types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
-                                    "fp4_linear": fp4_linear, "kernels": "host"})
+    ops = types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
+                                   "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
+                                   "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn,
+                                   "kernels": "host"})
+    ops.attn_out_expand = lambda o, wo_b, residual, post, comb: hc_expand(wo_b(o), residual, post, comb)
+    return ops

@@ -134,6 +134,10 @@ class MoE(OpsUser, nn.Module):
     def routed_local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over this process's experts of w_i * Expert_i(x): x [T, dim], weights/indices [T, K] -> fp32."""
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        if x.shape[0] == 1:  # one token (batch-1 decode): its experts directly, in expert order - the same sums
+            for e, k in sorted((e, k) for k, e in enumerate(indices[0].tolist()) if e in self.local):
+                y += self.experts[e](x, weights[:, k, None])
+            return y
         counts = torch.bincount(indices.flatten(), minlength=self.n_experts).tolist()
         for e in self.local:
             if counts[e] == 0:

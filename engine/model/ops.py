@@ -5,8 +5,9 @@
 * `stand-in`: the NKI kernels themselves, executed on the NumPy stand-in inside the model (host only), through
   nki_kernels/kernel_ops.py (same signatures; dispatch counters prove which path ran);
 * `nki`: the same kernel ops on a Neuron device (executor "neuron"; written, not run here);
-* `host`: the reference table with `linear` / `fp8_linear` / `fp4_linear` on native CPU GEMV kernels
-  (engine/host_kernels; `attn_out_expand` calls the Linear module, so it follows).
+* `host`: the reference table with `linear` / `fp8_linear` / `fp4_linear` on native CPU GEMV kernels and the small
+  per-token ops (`hc_mixes`, `hc_collapse`, `hc_expand`, `rms_norm`, `sparse_attn`) on native ones for decode-size
+  inputs (engine/host_kernels; `attn_out_expand` is wo_b's Linear then the native expand).
 
 Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
 another). Besides the kernel ops, the table has one composite the model needs: `attn_out_expand`, the attention
