@@ -284,6 +284,35 @@ def test_custom_ops_trace_without_graph_breaks() -> None:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_small_op_custom_ops_trace_without_graph_breaks() -> None:
+    g = torch.Generator().manual_seed(13)
+    x, fn, scale, base = _mhc_inputs(2, 4, 64, g)
+    w = torch.randn(64, generator=g)
+    valid = torch.rand(2, 1, 4, generator=g) < 0.7
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pre, post, comb = H.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+        h = H.rms_norm(H.hc_collapse(x, pre), w, 1e-6)
+        return H.hc_expand(h, x, post, comb), H.sparse_attn(x[:, None], x, valid, base[:4], 0.125)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    dispatch.reset_counts()
+    got = compiled(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, f(x), strict=True))
+    counts = dispatch.counts()
+    for key in ("hc_mixes", "rms_norm", "hc_collapse", "hc_expand", "sparse_attn"):
+        assert counts[(f"host.{key}", "host")] == 2, key  # once in the graph, once eagerly
+    comb = torch.rand(2, 4, 4, generator=g)
+    for op, args in ((torch.ops.deepinfer.host_hc_mixes, (x, fn, scale, base, 4, 20, 1e-6, 1e-6)),
+                     (torch.ops.deepinfer.host_rms_norm, (x, w, 1e-6)),
+                     (torch.ops.deepinfer.host_rms_norm, (x, None, 1e-6)),
+                     (torch.ops.deepinfer.host_hc_collapse, (x, comb[:, 0])),
+                     (torch.ops.deepinfer.host_hc_expand, (x[:, 0], x, comb[:, 0], comb)),
+                     (torch.ops.deepinfer.host_sparse_attn, (x[:, None], x, valid, base[:4], 0.125))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.parametrize("cc,expect", [("no-such-cc-deepinfer", "C compiler 'no-such-cc-deepinfer' not found"),
                                        ("false", "compiling gemv.c and mhc.c with false failed")])
 def test_a_missing_or_failing_compiler_is_one_clear_error(cc: str, expect: str, tmp_path,

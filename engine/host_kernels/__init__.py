@@ -30,10 +30,10 @@ resolves to the libgomp torch already loaded (same SONAME), so it shares torch's
 passes `torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
 one line, exit 2 at the CLI), never a silent fallback.
 
-The three GEMMs are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
+The GEMMs are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
 graphs (`--graph-mode layer`) call them without a graph break; in eager mode the wrappers call the same
-implementation directly (no custom-op dispatch overhead on the decode hot path). Inside a compiled graph the small
-ops run the reference (the graph compiler fuses those itself).
+implementation directly (no custom-op dispatch overhead on the decode hot path). The small ops are custom ops the
+same way.
 """
 
 from __future__ import annotations
@@ -326,9 +326,9 @@ def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The small per-token ops (mhc.c): mHC mixing weights, collapse and expand, RMSNorm. Native for CPU fp32 / bf16
-# inputs of at most MAX_M["mhc"] rows outside autograd; else the reference, counted by reason like the GEMMs.
-# Inside a compiled graph the reference runs (the graph compiler fuses these ops itself).
+# The small per-token ops (mhc.c): mHC mixing weights, collapse and expand, RMSNorm, sparse attention. Native for
+# CPU fp32 / bf16 inputs of at most MAX_M["mhc"] rows outside autograd; else the reference, counted by reason like
+# the GEMMs. Custom ops like the GEMMs, so compiled region graphs call the same native code.
 
 
 def _why_not_small(rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
@@ -350,14 +350,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-             iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_mixes_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+                  iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.hc_mixes` natively (mhc.c); x [T, n, D]."""
     def ref():
         return reference.hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
 
-    if torch.compiler.is_compiling():
-        return ref()
     why = _why_not_small(x.shape[0] if x.dim() else 0, x, fn, scale, base)
     n = hc_mult
     if why is None and (x.dim() != 3 or x.shape[1] != n or not 0 < n <= 16
@@ -376,10 +374,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     return pre, post, comb
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`reference.rms_norm` natively (mhc.c)."""
-    if torch.compiler.is_compiling():
-        return reference.rms_norm(x, weight, eps)
     if x.dim() == 0 or weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
         return reference.rms_norm(x, weight, eps)  # the reference's behaviour (or error) for odd shapes
     why = _why_not_small(x.numel() // max(1, x.shape[-1]), x, weight)
@@ -395,10 +391,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
-def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def hc_collapse_impl(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """`reference.hc_collapse` natively (mhc.c); x [T, n, D], pre [T, n]."""
-    if torch.compiler.is_compiling():
-        return reference.hc_collapse(x, pre)
     why = _why_not_small(x.shape[0] if x.dim() else 0, x, pre)
     if why is None and (x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2])):
         why = "shape"
@@ -412,10 +406,8 @@ def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
-def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_expand_impl(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """`reference.hc_expand` natively (mhc.c); y [T, D], residual [T, n, D], post [T, n], comb [T, n, n]."""
-    if torch.compiler.is_compiling():
-        return reference.hc_expand(y, residual, post, comb)
     why = _why_not_small(residual.shape[0] if residual.dim() else 0, residual, y, post, comb)
     if why is None and y.dtype is not torch.float32 and y.dtype is not torch.bfloat16:
         why = "dtype"
@@ -434,14 +426,12 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     return out if y.dtype is torch.float32 else out.to(y.dtype)
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """`reference.sparse_attn` natively (mhc.c); q [B, T, H, D], kv [B, N, D], valid [B, T, N], sink [H]."""
     def ref():
         return reference.sparse_attn(q, kv, valid, sink, scale)
 
-    if torch.compiler.is_compiling():
-        return ref()
     why = _why_not_small(q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
     if why is None and kv.dtype is not torch.float32 and kv.dtype is not torch.bfloat16:
         why = "dtype"
@@ -462,6 +452,83 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: to
     _native().lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
                                  scratch.data_ptr(), b, t, h, n, d, scale, nt)
     return o if q.dtype is torch.float32 else o.to(q.dtype)
+
+
+@torch.library.custom_op("deepinfer::host_hc_mixes", mutates_args=())
+def _hc_mixes_op(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+                 iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return hc_mixes_impl(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
+
+
+@_hc_mixes_op.register_fake
+def _(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps):
+    t, n = x.shape[0], hc_mult
+    return x.new_empty(t, n, dtype=torch.float32), x.new_empty(t, n, dtype=torch.float32), \
+        x.new_empty(t, n, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("deepinfer::host_rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return rms_norm_impl(x, weight, eps)
+
+
+@torch.library.custom_op("deepinfer::host_hc_collapse", mutates_args=())
+def _hc_collapse_op(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return hc_collapse_impl(x, pre)
+
+
+@torch.library.custom_op("deepinfer::host_hc_expand", mutates_args=())
+def _hc_expand_op(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    return hc_expand_impl(y, residual, post, comb)
+
+
+@torch.library.custom_op("deepinfer::host_sparse_attn", mutates_args=())
+def _sparse_attn_op(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    return sparse_attn_impl(q, kv, valid, sink, scale)
+
+
+_rms_norm_op.register_fake(lambda x, weight, eps: torch.empty_like(x))
+_hc_collapse_op.register_fake(lambda x, pre: x.new_empty(x.shape[0], x.shape[2]))
+_hc_expand_op.register_fake(lambda y, residual, post, comb: y.new_empty(residual.shape))
+_sparse_attn_op.register_fake(lambda q, kv, valid, sink, scale: torch.empty_like(q))
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int,
+             hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.hc_mixes` on the native kernel (see `hc_mixes_impl`); a custom op inside compiled graphs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
+    return hc_mixes_impl(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`reference.rms_norm` on the native kernel; a custom op inside compiled graphs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_rms_norm(x, weight, eps)
+    return rms_norm_impl(x, weight, eps)
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """`reference.hc_collapse` on the native kernel; a custom op inside compiled graphs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_hc_collapse(x, pre)
+    return hc_collapse_impl(x, pre)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`reference.hc_expand` on the native kernel; a custom op inside compiled graphs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_hc_expand(y, residual, post, comb)
+    return hc_expand_impl(y, residual, post, comb)
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """`reference.sparse_attn` on the native kernel; a custom op inside compiled graphs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_sparse_attn(q, kv, valid, sink, scale)
+    return sparse_attn_impl(q, kv, valid, sink, scale)
 
 
 def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
