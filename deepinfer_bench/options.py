@@ -83,8 +83,10 @@ _OPTIONS: dict[str, Any] = {
                                               "host (native CPU GEMV kernels for the decode GEMMs).")],
     "weights": Annotated[Weights | None, _opt("--weights", help="FP8/FP4 weights as stored (the GEMMs read the "
                                               "checkpoint's bytes; default) or dequantised at load.")],
-    "moe": Annotated[MoeMode | None, _opt("--moe", help="Routed experts in decode graphs: gather the chosen ones "
-                                          "(cost K per token), dense (every local expert), or auto.")],
+    "moe": Annotated[MoeMode | None, _opt("--moe", help="Routed experts in decode graphs: grouped (each chosen "
+                                          "expert once on its tokens, between graphs: host), gather the chosen ones "
+                                          "(cost K per token), dense (every local expert), or auto (gather while "
+                                          "T*K < local experts, else grouped on the host, dense on a device).")],
     "host_compiler": Annotated[HostCompiler | None, _opt("--host-compiler", help="torch.compile backend of region "
                                                          "graphs on the host (default: DEEPINFER_HOST_COMPILER)")],
     "max_num_seqs": Annotated[int | None, _opt("--max-num-seqs", min=1, help="Largest running batch (KV slots).")],

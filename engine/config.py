@@ -76,7 +76,8 @@ class HostCompiler(_Choice):
 
 
 class MoeMode(_Choice):
-    AUTO = "auto"  # decode regions gather the chosen experts while T*K < local experts, else dense
+    AUTO = "auto"  # decode regions: gather while T*K < local experts, else grouped on the host, dense on a device
+    GROUPED = "grouped"  # each chosen expert once on its tokens (routing-dependent shapes: between graphs, host)
     GATHER = "gather"  # per (token, k) pair, the chosen expert's weights gathered by index: cost K per token
     DENSE = "dense"  # every local expert on every token with a zero weight where not chosen (fine for small E_local)
 

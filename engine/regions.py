@@ -100,7 +100,9 @@ class Region(nn.Module):
         """This layer's tensors the region reads (the inputs of a shared graph)."""
         if self._params is None:
             tensors = [*self.named_parameters(), *self.named_buffers()]
-            self._params = {k: v for k, v in tensors if k.startswith(self.prefixes)}
+            # stacked experts run through the stacks (MoE.expert): their per-expert views are not inputs
+            skip = ".ffn.experts." if self.blk.ffn._stacked else None
+            self._params = {k: v for k, v in tensors if k.startswith(self.prefixes) and not (skip and skip in k)}
         return self._params
 
     def forward(self, x: torch.Tensor, roots: dict[str, torch.Tensor], li: torch.Tensor,

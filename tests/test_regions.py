@@ -111,6 +111,16 @@ def test_compiled_graphs_do_not_grow_with_layers() -> None:
     assert g6 == g2 > 0, (g2, g6)
 
 
+@pytest.mark.parametrize("moe", ["grouped", "gather", "dense"])
+def test_every_routed_expert_path_of_compiled_graphs_matches_eager(eager_ref: tuple, moe: str) -> None:
+    """Through dynamo: the batch bucket 4 x K 2 = E 8 routed pairs, where `--moe auto` groups on the host (each
+    chosen expert once, between two graphs); gather and dense forced give the same tokens."""
+    outs, logits, runner = _run(_cfg(), _prompts(), NEW, graph_mode="layer", host_compiler="eager", moe=moe)
+    assert outs == eager_ref[0]
+    assert _dlogit(logits, eager_ref[1]) < 1e-4
+    assert runner.regions.launches_last_step == runner.cfg.n_layers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["regions", "layer"])
 def test_aot_eager_regions_match_eager(eager_ref: tuple, mode: str) -> None:

@@ -18,6 +18,11 @@ from engine.profiling import no_split
 from nki_kernels.reference import gate_scores, route
 
 
+def _between_graphs(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` run eagerly when called inside a graph being compiled on the host (torch.compile graph break)."""
+    return torch.compiler.disable(fn)
+
+
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -46,10 +51,16 @@ class Expert(OpsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim]; the routing weight [T, 1] multiplies before w2 (official order)."""
-        h = self.ops.swiglu(self.w1(x), self.w3(x), self.limit)  # [T, inter] fp32
-        if weights is not None:
-            h = h * weights
-        return self.w2(h.to(x.dtype)).float()
+        return expert_ffn(self.ops, lambda w, v: getattr(self, w)(v), x, weights, self.limit)
+
+
+def expert_ffn(ops, linear: Callable[[str, torch.Tensor], torch.Tensor], x: torch.Tensor,
+               weights: torch.Tensor | None, limit: float) -> torch.Tensor:
+    """One expert: w2(swiglu(w1 x, w3 x) * weights), fp32 result; `linear(name, v)` applies weight `name`."""
+    h = ops.swiglu(linear("w1", x), linear("w3", x), limit)  # [T, inter] fp32
+    if weights is not None:
+        h = h * weights
+    return linear("w2", h.to(x.dtype)).float()
 
 
 class MoE(OpsUser, nn.Module):
@@ -92,15 +103,27 @@ class MoE(OpsUser, nn.Module):
                     setattr(getattr(ex, w), attr, nn.Parameter(stack[i], requires_grad=False))
         self._stacked = True
 
-    def _gathered(self, w: str, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """x [1, in] @ the weight `w` of local expert e (a 1-element index tensor) -> [1, out]."""
+    def _stack_linear(self, w: str, i: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x @ the weight `w` of local expert i (0-based among the local ones) from the stacks: an int i is a view
+        (static), a 1-element index tensor gathers that expert's weight (a device index: no host sync)."""
         lin = getattr(self.experts[self.local.start], w)
-        weight = getattr(self, f"stack_{w}").index_select(0, e)[0]
+        stack = getattr(self, f"stack_{w}")
+        weight = stack[i] if isinstance(i, int) else stack.index_select(0, i)[0]
         if lin.fmt is None:
             return self.ops.linear(x, weight)
-        scale = getattr(self, f"stack_{w}_scale").index_select(0, e)[0]
+        scales = getattr(self, f"stack_{w}_scale")
+        scale = scales[i] if isinstance(i, int) else scales.index_select(0, i)[0]
         fn = self.ops.fp8_linear if lin.fmt == "fp8" else self.ops.fp4_linear
         return fn(x, weight, scale)
+
+    def expert(self, e: int, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed expert e (a local one) on x [T, dim] -> fp32 [T, dim]. Once stacked, through the stacks, so a
+        region graph's inputs are the three stacks, not every expert's tensors (fewer guards per launch)."""
+        if not self._stacked:
+            return self.experts[e](x, weights)
+        i = e - self.local.start
+        return expert_ffn(self.ops, lambda w, v: self._stack_linear(w, i, v), x, weights,
+                          self.experts[self.local.start].limit)
 
     def routed_gather(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """`routed_local` with static shapes whose cost is K experts per token: each (token, k) pair gathers its
@@ -112,21 +135,27 @@ class MoE(OpsUser, nn.Module):
         mine = (indices >= lo) & (indices < lo + n_local)
         sel = torch.where(mine, indices - lo, 0).flatten()  # [T*K] local expert ids
         wts = torch.where(mine, weights, 0.0).flatten()  # [T*K]
-        ex = self.experts[lo]
+        limit = self.experts[lo].limit
         out = []
         for p in range(t * k):  # static: T (a batch bucket) x K pairs
             xp, e = x[p // k: p // k + 1], sel[p: p + 1]
-            h = self.ops.swiglu(self._gathered("w1", xp, e), self._gathered("w3", xp, e), ex.limit) * wts[p]
-            out.append(self._gathered("w2", h.to(x.dtype), e).float())
+            out.append(expert_ffn(self.ops, lambda w, v, e=e: self._stack_linear(w, e, v), xp, wts[p], limit))
         return torch.cat(out, 0).view(t, k, -1).sum(1)
 
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The static routed-expert path of decode regions: gather (K experts' weights per token) while the batch
-        reads fewer expert weights than the dense path would (T*K < E_local), else dense (each local expert once);
-        `static_moe` forces one (the `--moe` option)."""
+        """The routed-expert path of decode regions: gather (K experts' weights per token) while the batch reads
+        fewer expert weights than the dense path would (T*K < E_local); else, on the host (CPU tensors), grouped -
+        `routed_local`, each chosen expert once on its tokens, run between two graphs (a graph break: its shapes
+        depend on the routing; on the host that costs a few Python frames, which is why small batches gather), and
+        on a device dense (each local expert once). `static_moe` forces one (the `--moe` option)."""
         mode = self.static_moe
         if mode == "auto":
-            mode = "gather" if indices.numel() < len(self.local) else "dense"
+            if indices.numel() < len(self.local):
+                mode = "gather"
+            else:
+                mode = "grouped" if x.device.type == "cpu" else "dense"
+        if mode == "grouped":
+            return _between_graphs(self.routed_local)(x, weights, indices)
         if mode == "gather" and self._stacked:
             return self.routed_gather(x, weights, indices)
         return self.routed_dense(x, weights, indices)
@@ -136,14 +165,14 @@ class MoE(OpsUser, nn.Module):
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         if x.shape[0] == 1:  # one token (batch-1 decode): its experts directly, in expert order - the same sums
             for e, k in sorted((e, k) for k, e in enumerate(indices[0].tolist()) if e in self.local):
-                y += self.experts[e](x, weights[:, k, None])
+                y += self.expert(e, x, weights[:, k, None])
             return y
         counts = torch.bincount(indices.flatten(), minlength=self.n_experts).tolist()
         for e in self.local:
             if counts[e] == 0:
                 continue
             tok, k = torch.where(indices == e)
-            y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, k, None]))
+            y.index_add_(0, tok, self.expert(e, x[tok], weights[tok, k, None]))
         return y
 
     def routed_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -152,7 +181,7 @@ class MoE(OpsUser, nn.Module):
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e in self.local:
             w = (weights * (indices == e)).sum(-1, keepdim=True)  # [T, 1]
-            y = y + self.experts[e](x, w)
+            y = y + self.expert(e, x, w)
         return y
 
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor,
@@ -176,7 +205,7 @@ class MoE(OpsUser, nn.Module):
         tok, wgt = tok[:-1].view(self.n_experts, cap), wgt[:-1].view(self.n_experts, cap)  # [E, C]
         y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         for e in self.local:
-            y.index_add_(0, tok[e], self.experts[e](x[tok[e]], wgt[e, :, None]))
+            y.index_add_(0, tok[e], self.expert(e, x[tok[e]], wgt[e, :, None]))
         return y, overflow
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
