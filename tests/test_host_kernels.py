@@ -488,3 +488,27 @@ def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibra
     assert torch.equal(H.sparse_attn(q, kv, valid, sink, 1.0), R.sparse_attn(q, kv, valid, sink, 1.0))  # fp16 keys
     assert dispatch.fallbacks() == {("host.hc_mixes", f"M > {m}"): 1, ("host.rms_norm", f"M > {m}"): 1,
                                     ("host.rms_norm", "dtype"): 1, ("host.sparse_attn", "dtype"): 1}
+
+
+def test_stack_linear_reads_the_chosen_expert_in_place(lib: H.HostLibrary) -> None:
+    """`ops.stack_linear` (the MoE gather path): the host table indexes the stack, the reference gathers a copy;
+    the same GEMM on the same weight either way, eagerly and inside a compiled graph (a custom op)."""
+    from engine.model.ops import REFERENCE
+
+    g = torch.Generator().manual_seed(14)
+    w8, s8 = zip(*[_fp8(64, 128, g) for _ in range(3)], strict=True)
+    w4, s4 = zip(*[_fp4(64, 128, g) for _ in range(3)], strict=True)
+    cases = [(torch.stack(w8), torch.stack(s8), "fp8"), (torch.stack(w4), torch.stack(s4), "fp4"),
+             (torch.randn(3, 64, 128, generator=g).bfloat16(), None, None)]
+    x, i = torch.randn(1, 128, generator=g), torch.tensor([2])
+    ops = H.ops_table(REFERENCE)
+    for stack, scales, fmt in cases:
+        want = REFERENCE.stack_linear(x, stack, scales, i, fmt)
+        assert torch.equal(ops.stack_linear(x, stack, scales, i, fmt),
+                           NATIVE[fmt or "linear"](x, stack[2], *(() if scales is None else (scales[2],))))
+        _assert_close(ops.stack_linear(x, stack, scales, i, fmt), want, x,
+                      _dense(fmt or "linear", stack[2], *(() if scales is None else (scales[2],))))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, i, s=stack, c=scales, f=fmt: ops.stack_linear(x, s, c, i, f),
+                                 backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(x, i), ops.stack_linear(x, stack, scales, i, fmt))

@@ -531,6 +531,33 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: to
     return sparse_attn_impl(q, kv, valid, sink, scale)
 
 
+def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
+                      fmt: str | None) -> torch.Tensor:
+    """The reference table's `stack_linear` (engine/model/ops.py) on the host's GEMMs, reading expert i's weight
+    where it lies in the stack (the index is a CPU tensor: reading it costs nothing) instead of gathering a copy."""
+    e = int(i.reshape(-1)[0])
+    if fmt is None:
+        return linear(x, stack[e])
+    return (fp8_linear if fmt == "fp8" else fp4_linear)(x, stack[e], scales[e])
+
+
+@torch.library.custom_op("deepinfer::host_stack_linear", mutates_args=())
+def _stack_linear_op(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
+                     fmt: str | None) -> torch.Tensor:
+    return stack_linear_impl(x, stack, scales, i, fmt)
+
+
+_stack_linear_op.register_fake(lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
+
+
+def stack_linear(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
+                 fmt: str | None) -> torch.Tensor:
+    """`stack_linear_impl`; a custom op inside compiled graphs (no gathered copy of the weight in the graph)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.deepinfer.host_stack_linear(x, stack, scales, i, fmt)
+    return stack_linear_impl(x, stack, scales, i, fmt)
+
+
 def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
     """`base` (the reference table) with the GEMMs and the small per-token ops replaced; builds/loads the library
     now, so a missing compiler fails here with one line, not at the first forward."""
@@ -538,6 +565,6 @@ def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
     ops = types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
                                    "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
                                    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn,
-                                   "kernels": "host"})
+                                   "stack_linear": stack_linear, "kernels": "host"})
     ops.attn_out_expand = lambda o, wo_b, residual, post, comb: hc_expand(wo_b(o), residual, post, comb)
     return ops

@@ -106,15 +106,13 @@ class MoE(OpsUser, nn.Module):
     def _stack_linear(self, w: str, i: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x @ the weight `w` of local expert i (0-based among the local ones) from the stacks: an int i is a view
         (static), a 1-element index tensor gathers that expert's weight (a device index: no host sync)."""
-        lin = getattr(self.experts[self.local.start], w)
-        stack = getattr(self, f"stack_{w}")
-        weight = stack[i] if isinstance(i, int) else stack.index_select(0, i)[0]
-        if lin.fmt is None:
-            return self.ops.linear(x, weight)
-        scales = getattr(self, f"stack_{w}_scale")
-        scale = scales[i] if isinstance(i, int) else scales.index_select(0, i)[0]
-        fn = self.ops.fp8_linear if lin.fmt == "fp8" else self.ops.fp4_linear
-        return fn(x, weight, scale)
+        fmt = getattr(self.experts[self.local.start], w).fmt
+        stack, scales = getattr(self, f"stack_{w}"), getattr(self, f"stack_{w}_scale", None)
+        if not isinstance(i, int):
+            return self.ops.stack_linear(x, stack, scales, i, fmt)
+        if fmt is None:
+            return self.ops.linear(x, stack[i])
+        return (self.ops.fp8_linear if fmt == "fp8" else self.ops.fp4_linear)(x, stack[i], scales[i])
 
     def expert(self, e: int, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Routed expert e (a local one) on x [T, dim] -> fp32 [T, dim]. Once stacked, through the stacks, so a
