@@ -113,12 +113,27 @@ def test_compiled_graphs_do_not_grow_with_layers() -> None:
 
 @pytest.mark.parametrize("moe", ["grouped", "gather", "dense"])
 def test_every_routed_expert_path_of_compiled_graphs_matches_eager(eager_ref: tuple, moe: str) -> None:
-    """Through dynamo: the batch bucket 4 x K 2 = E 8 routed pairs, where `--moe auto` groups on the host (each
-    chosen expert once, between two graphs); gather and dense forced give the same tokens."""
+    """Through dynamo, the batch bucket 4 x K 2 = E 8 routed pairs, each routed-expert path forced: grouped (each
+    chosen expert once, between two graphs), gather and dense give the same tokens."""
     outs, logits, runner = _run(_cfg(), _prompts(), NEW, graph_mode="layer", host_compiler="eager", moe=moe)
     assert outs == eager_ref[0]
     assert _dlogit(logits, eager_ref[1]) < 1e-4
     assert runner.regions.launches_last_step == runner.cfg.n_layers
+
+
+def test_auto_picks_the_routed_expert_path_by_work() -> None:
+    """`--moe auto`: gather while T*K < E_local; past that, grouped on the host when dense would do >= 2^24 extra
+    multiply-adds (a mid-size layer at batch 16), else dense (small experts; and always on a device)."""
+    from engine.model.moe import GROUPED_MIN_EXTRA_MACS
+
+    tiny = MoE(_cfg(), 2)  # E 8, K 2, dim 128, inter 64
+    assert [tiny.static_mode(t, "cpu") for t in (1, 3, 4, 16)] == ["gather", "gather", "dense", "dense"]
+    mid = MoE(_cfg(dim=1024, moe_inter_dim=512, n_routed_experts=32, n_activated_experts=4), 2)
+    assert [mid.static_mode(t, "cpu") for t in (7, 8, 16)] == ["gather", "grouped", "grouped"]
+    assert (32 - 4) * 8 * 3 * 1024 * 512 >= GROUPED_MIN_EXTRA_MACS > (8 - 2) * 16 * 3 * 128 * 64
+    assert [mid.static_mode(t, "xla") for t in (7, 16)] == ["gather", "dense"]
+    mid.static_moe = "grouped"
+    assert mid.static_mode(1, "xla") == "grouped"
 
 
 @pytest.mark.slow

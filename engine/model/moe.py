@@ -17,6 +17,11 @@ from engine.parallel import Parallel
 from engine.profiling import no_split
 from nki_kernels.reference import gate_scores, route
 
+# Grouped routed experts in host decode graphs pay a graph break (~0.3-1 ms: leaving and re-entering compiled code);
+# worth it when the dense path would do at least this many extra multiply-adds: (E_local - K) x T x 3 x dim x inter
+# (~0.3 ms at this 2-core box's ~60 GFLOP/s). The mid model at batch 16: 705 M (grouped); the tiny model: 2.4 M.
+GROUPED_MIN_EXTRA_MACS = 1 << 24
+
 
 def _between_graphs(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`fn` run eagerly when called inside a graph being compiled on the host (torch.compile graph break)."""
@@ -140,18 +145,25 @@ class MoE(OpsUser, nn.Module):
             out.append(expert_ffn(self.ops, lambda w, v, e=e: self._stack_linear(w, e, v), xp, wts[p], limit))
         return torch.cat(out, 0).view(t, k, -1).sum(1)
 
+    def static_mode(self, t: int, device_type: str) -> str:
+        """The routed-expert path `routed_static` takes for a decode batch of t tokens (see there)."""
+        if self.static_moe != "auto":
+            return self.static_moe
+        n_local, k = len(self.local), self.topk
+        if t * k < n_local:
+            return "gather"
+        ex = self.experts[self.local.start]
+        extra = (n_local - k) * t * 3 * ex.w1.in_features * ex.w1.out_features  # dense's extra multiply-adds
+        return "grouped" if device_type == "cpu" and extra >= GROUPED_MIN_EXTRA_MACS else "dense"
+
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed-expert path of decode regions: gather (K experts' weights per token) while the batch reads
         fewer expert weights than the dense path would (T*K < E_local); else, on the host (CPU tensors), grouped -
         `routed_local`, each chosen expert once on its tokens, run between two graphs (a graph break: its shapes
-        depend on the routing; on the host that costs a few Python frames, which is why small batches gather), and
-        on a device dense (each local expert once). `static_moe` forces one (the `--moe` option)."""
-        mode = self.static_moe
-        if mode == "auto":
-            if indices.numel() < len(self.local):
-                mode = "gather"
-            else:
-                mode = "grouped" if x.device.type == "cpu" else "dense"
+        depend on the routing; on the host that costs a few Python frames, which is why small batches gather) when
+        the dense path's extra expert work is worth more than that (GROUPED_MIN_EXTRA_MACS), and dense otherwise
+        (each local expert once: all a device graph can do). `static_moe` forces one (the `--moe` option)."""
+        mode = self.static_mode(indices.shape[0], x.device.type)
         if mode == "grouped":
             return _between_graphs(self.routed_local)(x, weights, indices)
         if mode == "gather" and self._stacked:
