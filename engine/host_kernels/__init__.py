@@ -49,6 +49,7 @@ import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -203,19 +204,30 @@ def _native() -> HostLibrary:
     return _lib
 
 
-def _why_not(op: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None) -> str | None:
-    """Why the native kernel does not take this call (None: it does)."""
+def _why_not_rows(key: str, rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
+    """Why a native kernel does not take this call (None: it does): x's dtype, every tensor's device, autograd, an
+    empty x, or more than MAX_M[key] rows (x's token / row count `rows`)."""
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         return "dtype"
-    if not (x.is_cpu and w.is_cpu and (s is None or s.is_cpu)):
+    if not x.is_cpu or any(t is not None and not t.is_cpu for t in others):
         return "device"
-    if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
         return "autograd"
-    if x.numel() == 0 or w.numel() == 0:
+    if x.numel() == 0:
         return "empty"
-    if x.numel() // x.shape[-1] > MAX_M[op]:
-        return f"M > {MAX_M[op]}"
+    if rows > MAX_M[key]:
+        return f"M > {MAX_M[key]}"
     return None
+
+
+def _why_not(op: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None) -> str | None:
+    """`_why_not_rows` for a GEMM (rows: the product of x's leading dims), and an empty weight."""
+    why = _why_not_rows(op, x.numel() // x.shape[-1] if x.numel() else 0, x, w, s)
+    return "empty" if why is None and w.numel() == 0 else why
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def _count(key: str) -> None:
@@ -224,7 +236,7 @@ def _count(key: str) -> None:
 
 def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: int) -> torch.Tensor:
     k = x.shape[-1]
-    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
+    xf = _f32(x)
     if not w.is_contiguous():
         w = w.contiguous()
     if s is not None and not s.is_contiguous():
@@ -331,32 +343,13 @@ def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor)
 # the GEMMs. Custom ops like the GEMMs, so compiled region graphs call the same native code.
 
 
-def _why_not_small(rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
-    """Why the native small-op kernel does not take this call (None: it does); `rows`: x's token count."""
-    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
-        return "dtype"
-    if not x.is_cpu or any(t is not None and not t.is_cpu for t in others):
-        return "device"
-    if x.requires_grad and torch.is_grad_enabled():
-        return "autograd"
-    if x.numel() == 0:
-        return "empty"
-    if rows > MAX_M["mhc"]:
-        return f"M > {MAX_M['mhc']}"
-    return None
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype is torch.float32 and t.is_contiguous() else t.float().contiguous()
-
-
 def hc_mixes_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
                   iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.hc_mixes` natively (mhc.c); x [T, n, D]."""
     def ref():
         return reference.hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
 
-    why = _why_not_small(x.shape[0] if x.dim() else 0, x, fn, scale, base)
+    why = _why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, fn, scale, base)
     n = hc_mult
     if why is None and (x.dim() != 3 or x.shape[1] != n or not 0 < n <= 16
                         or tuple(fn.shape) != ((2 + n) * n, n * x.shape[2]) or scale.numel() < 3
@@ -378,7 +371,7 @@ def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     """`reference.rms_norm` natively (mhc.c)."""
     if x.dim() == 0 or weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
         return reference.rms_norm(x, weight, eps)  # the reference's behaviour (or error) for odd shapes
-    why = _why_not_small(x.numel() // max(1, x.shape[-1]), x, weight)
+    why = _why_not_rows("mhc", x.numel() // max(1, x.shape[-1]), x, weight)
     if why is not None:
         return dispatch.fallback("host.rms_norm", why, lambda: reference.rms_norm(x, weight, eps))
     _count("host.rms_norm")
@@ -393,7 +386,7 @@ def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
 
 def hc_collapse_impl(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """`reference.hc_collapse` natively (mhc.c); x [T, n, D], pre [T, n]."""
-    why = _why_not_small(x.shape[0] if x.dim() else 0, x, pre)
+    why = _why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, pre)
     if why is None and (x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2])):
         why = "shape"
     if why is not None:
@@ -408,7 +401,7 @@ def hc_collapse_impl(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def hc_expand_impl(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """`reference.hc_expand` natively (mhc.c); y [T, D], residual [T, n, D], post [T, n], comb [T, n, n]."""
-    why = _why_not_small(residual.shape[0] if residual.dim() else 0, residual, y, post, comb)
+    why = _why_not_rows("mhc", residual.shape[0] if residual.dim() else 0, residual, y, post, comb)
     if why is None and y.dtype is not torch.float32 and y.dtype is not torch.bfloat16:
         why = "dtype"
     if why is None:
@@ -432,7 +425,7 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     def ref():
         return reference.sparse_attn(q, kv, valid, sink, scale)
 
-    why = _why_not_small(q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
+    why = _why_not_rows("mhc", q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
     if why is None and kv.dtype is not torch.float32 and kv.dtype is not torch.bfloat16:
         why = "dtype"
     if why is None:
@@ -454,83 +447,6 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     return o if q.dtype is torch.float32 else o.to(q.dtype)
 
 
-@torch.library.custom_op("deepinfer::host_hc_mixes", mutates_args=())
-def _hc_mixes_op(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-                 iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return hc_mixes_impl(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
-
-
-@_hc_mixes_op.register_fake
-def _(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps):
-    t, n = x.shape[0], hc_mult
-    return x.new_empty(t, n, dtype=torch.float32), x.new_empty(t, n, dtype=torch.float32), \
-        x.new_empty(t, n, n, dtype=torch.float32)
-
-
-@torch.library.custom_op("deepinfer::host_rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return rms_norm_impl(x, weight, eps)
-
-
-@torch.library.custom_op("deepinfer::host_hc_collapse", mutates_args=())
-def _hc_collapse_op(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return hc_collapse_impl(x, pre)
-
-
-@torch.library.custom_op("deepinfer::host_hc_expand", mutates_args=())
-def _hc_expand_op(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    return hc_expand_impl(y, residual, post, comb)
-
-
-@torch.library.custom_op("deepinfer::host_sparse_attn", mutates_args=())
-def _sparse_attn_op(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    return sparse_attn_impl(q, kv, valid, sink, scale)
-
-
-_rms_norm_op.register_fake(lambda x, weight, eps: torch.empty_like(x))
-_hc_collapse_op.register_fake(lambda x, pre: x.new_empty(x.shape[0], x.shape[2]))
-_hc_expand_op.register_fake(lambda y, residual, post, comb: y.new_empty(residual.shape))
-_sparse_attn_op.register_fake(lambda q, kv, valid, sink, scale: torch.empty_like(q))
-
-
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int,
-             hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`reference.hc_mixes` on the native kernel (see `hc_mixes_impl`); a custom op inside compiled graphs."""
-    if torch.compiler.is_compiling():
-        return torch.ops.deepinfer.host_hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
-    return hc_mixes_impl(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`reference.rms_norm` on the native kernel; a custom op inside compiled graphs."""
-    if torch.compiler.is_compiling():
-        return torch.ops.deepinfer.host_rms_norm(x, weight, eps)
-    return rms_norm_impl(x, weight, eps)
-
-
-def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """`reference.hc_collapse` on the native kernel; a custom op inside compiled graphs."""
-    if torch.compiler.is_compiling():
-        return torch.ops.deepinfer.host_hc_collapse(x, pre)
-    return hc_collapse_impl(x, pre)
-
-
-def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """`reference.hc_expand` on the native kernel; a custom op inside compiled graphs."""
-    if torch.compiler.is_compiling():
-        return torch.ops.deepinfer.host_hc_expand(y, residual, post, comb)
-    return hc_expand_impl(y, residual, post, comb)
-
-
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """`reference.sparse_attn` on the native kernel; a custom op inside compiled graphs."""
-    if torch.compiler.is_compiling():
-        return torch.ops.deepinfer.host_sparse_attn(q, kv, valid, sink, scale)
-    return sparse_attn_impl(q, kv, valid, sink, scale)
-
-
 def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
                       fmt: str | None) -> torch.Tensor:
     """The reference table's `stack_linear` (engine/model/ops.py) on the host's GEMMs, reading expert i's weight
@@ -541,30 +457,46 @@ def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor
     return (fp8_linear if fmt == "fp8" else fp4_linear)(x, stack[e], scales[e])
 
 
-@torch.library.custom_op("deepinfer::host_stack_linear", mutates_args=())
-def _stack_linear_op(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
-                     fmt: str | None) -> torch.Tensor:
-    return stack_linear_impl(x, stack, scales, i, fmt)
+def _native_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Callable[..., Any]:
+    """`impl` registered as the custom op `deepinfer::host_<name>` (shapes from `fake`), and the op table's entry
+    point: the custom op while torch.compile traces (compiled graphs call the same native code without a graph
+    break), `impl` itself otherwise (no custom-op dispatch on the eager decode path)."""
+    op = torch.library.custom_op(f"deepinfer::host_{name}", impl, mutates_args=())
+    op.register_fake(fake)
+
+    def call(*args: Any) -> Any:
+        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+    call.__name__, call.__doc__ = name, impl.__doc__
+    return call
 
 
-_stack_linear_op.register_fake(lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
+def _mixes_fake(x, fn, scale, base, hc_mult, *_):
+    t, n = x.shape[0], hc_mult
+    return x.new_empty(t, n, dtype=torch.float32), x.new_empty(t, n, dtype=torch.float32), \
+        x.new_empty(t, n, n, dtype=torch.float32)
 
 
-def stack_linear(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
-                 fmt: str | None) -> torch.Tensor:
-    """`stack_linear_impl`; a custom op inside compiled graphs (no gathered copy of the weight in the graph)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.deepinfer.host_stack_linear(x, stack, scales, i, fmt)
-    return stack_linear_impl(x, stack, scales, i, fmt)
+hc_mixes = _native_op("hc_mixes", hc_mixes_impl, _mixes_fake)
+rms_norm = _native_op("rms_norm", rms_norm_impl, lambda x, weight, eps: torch.empty_like(x))
+hc_collapse = _native_op("hc_collapse", hc_collapse_impl, lambda x, pre: x.new_empty(x.shape[0], x.shape[2]))
+hc_expand = _native_op("hc_expand", hc_expand_impl, lambda y, residual, post, comb: y.new_empty(residual.shape))
+sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, sink, scale: torch.empty_like(q))
+stack_linear = _native_op("stack_linear", stack_linear_impl,
+                          lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
 
 def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
-    """`base` (the reference table) with the GEMMs and the small per-token ops replaced; builds/loads the library
-    now, so a missing compiler fails here with one line, not at the first forward."""
+    """`base` (the reference table) with the GEMMs and the small per-token ops replaced, its composites rebuilt over
+    them and `stack_linear` reading in place; builds/loads the library now, so a missing compiler fails here with one
+    line, not at the first forward."""
+    from engine.model.ops import with_composites
+
     _native()
     ops = types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
                                    "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
                                    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn,
-                                   "stack_linear": stack_linear, "kernels": "host"})
-    ops.attn_out_expand = lambda o, wo_b, residual, post, comb: hc_expand(wo_b(o), residual, post, comb)
+                                   "kernels": "host"})
+    with_composites(ops, fused_attn_tail=False)
+    ops.stack_linear = stack_linear
     return ops

@@ -23,11 +23,6 @@ from nki_kernels.reference import gate_scores, route
 GROUPED_MIN_EXTRA_MACS = 1 << 24
 
 
-def _between_graphs(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` run eagerly when called inside a graph being compiled on the host (torch.compile graph break)."""
-    return torch.compiler.disable(fn)
-
-
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -165,10 +160,15 @@ class MoE(OpsUser, nn.Module):
         (each local expert once: all a device graph can do). `static_moe` forces one (the `--moe` option)."""
         mode = self.static_mode(indices.shape[0], x.device.type)
         if mode == "grouped":
-            return _between_graphs(self.routed_local)(x, weights, indices)
+            return self._routed_between_graphs(x, weights, indices)
         if mode == "gather" and self._stacked:
             return self.routed_gather(x, weights, indices)
         return self.routed_dense(x, weights, indices)
+
+    @torch.compiler.disable
+    def _routed_between_graphs(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`routed_local`, run eagerly when called inside a graph being compiled (a graph break)."""
+        return self.routed_local(x, weights, indices)
 
     def routed_local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over this process's experts of w_i * Expert_i(x): x [T, dim], weights/indices [T, K] -> fp32."""

@@ -7,13 +7,13 @@
 * `nki`: the same kernel ops on a Neuron device (executor "neuron"; written, not run here);
 * `host`: the reference table with `linear` / `fp8_linear` / `fp4_linear` on native CPU GEMV kernels and the small
   per-token ops (`hc_mixes`, `hc_collapse`, `hc_expand`, `rms_norm`, `sparse_attn`) on native ones for decode-size
-  inputs (engine/host_kernels; `attn_out_expand` is wo_b's Linear then the native expand; `stack_linear` reads the
-  chosen expert's weight in place instead of gathering a copy).
+  inputs (engine/host_kernels; its `stack_linear` reads the chosen expert's weight in place instead of gathering a
+  copy).
 
 Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
-another). Besides the kernel ops, the table has two composites the model needs: `attn_out_expand`, the attention
-tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused `hc_attn_out` kernel, and
-`stack_linear`, a GEMM with one expert's weight picked from a stack by a device index (`stack_linear`).
+another). Besides the kernel ops, the table has two composites the model needs (`with_composites`): `attn_out_expand`,
+the attention tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused
+`hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index.
 """
 
 from __future__ import annotations
@@ -25,34 +25,38 @@ import torch
 
 from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
 
-__all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for"]
+__all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for", "with_composites"]
 
 
-def stack_linear(ops: types.SimpleNamespace) -> Any:
-    """The table's `stack_linear(x, stack, scales, i, fmt)`: x @ stack[i]^T for a 1-element index tensor i (the
-    MoE gather path: a device index, no host sync), through the table's own GEMMs; fmt None | "fp8" | "fp4" (scales:
-    the matching stack of scale bytes, or None)."""
+def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.SimpleNamespace:
+    """`ops` with the composites the model needs, bound to `ops` itself (so a table built from another one, like
+    the host table, gets composites over its own ops):
+    * `attn_out_expand(o, wo_b, residual, post, comb)`: the attention tail hc_expand(wo_b(o), ...), or the fused
+      `hc_attn_out` kernel with `fused_attn_tail`;
+    * `stack_linear(x, stack, scales, i, fmt)`: x @ stack[i]^T for a 1-element index tensor i (the MoE gather path:
+      a device index, no host sync) through the table's own GEMMs; fmt None | "fp8" | "fp4" (scales: the matching
+      stack of scale bytes, or None)."""
 
-    def run(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
-            fmt: str | None) -> torch.Tensor:
+    def stack_linear(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
+                     fmt: str | None) -> torch.Tensor:
         weight = stack.index_select(0, i)[0]
         if fmt is None:
             return ops.linear(x, weight)
         fn = ops.fp8_linear if fmt == "fp8" else ops.fp4_linear
         return fn(x, weight, scales.index_select(0, i)[0])
 
-    return run
+    if fused_attn_tail:
+        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_attn_out(o, wo_b.dense(o.dtype), residual,
+                                                                                    post, comb)
+    else:
+        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
+    ops.stack_linear = stack_linear
+    return ops
 
 
 def _table(executor: str) -> types.SimpleNamespace:
-    ops = types.SimpleNamespace(**make_ops(executor), kernels=executor)
-    ops.stack_linear = stack_linear(ops)
-    if executor == "reference":
-        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
-    else:
-        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_attn_out(o, wo_b.dense(o.dtype), residual,
-                                                                                    post, comb)
-    return ops
+    return with_composites(types.SimpleNamespace(**make_ops(executor), kernels=executor),
+                           fused_attn_tail=executor != "reference")
 
 
 REFERENCE = _table("reference")
