@@ -12,10 +12,13 @@
 * `backend` (host | xla | neuron; "auto" is resolved here, in `resolve_backend`, and nowhere else) and `kernels`
   (which implementation of the kernel ops runs inside the model).
 
-`EngineConfig.from_model_dir(dir, **overrides)` is the constructor every command uses; overrides are flat names
-(`max_num_seqs=3`, `graph_mode="layer"`, `cp=4`; None = not given). Defaults come from the `DEEPINFER_*` flags
-(engine/envs.py `engine_defaults`), then from the model (block size, max_model_len). `replace(**overrides)` derives
-a new config with the same flat names. Choice lists are `str` Enums defined here once.
+`EngineConfig.from_model_dir(dir, workload=..., **overrides)` is the constructor every command uses; overrides are
+flat names (`max_num_seqs=3`, `graph_mode="layer"`, `cp=4`; None = not given). Defaults come from the `DEEPINFER_*`
+flags (engine/envs.py `engine_defaults`; under torchrun, cp is its WORLD_SIZE), then from the model. The engine's
+sizes are decided here and only here, once the rank count is known: the block size follows cp, and a command's
+`Workload` (how many sequences of what lengths it will run at once) becomes max_num_seqs, max_model_len,
+num_kv_blocks and max_num_batched_tokens for that block size, unless the user set them. `replace(**overrides)`
+derives a new config with the same flat names. The choice lists are `str` Enums in engine/choices.py.
 """
 
 from __future__ import annotations
@@ -29,79 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.choices import Backend, DType, GraphMode, HostCompiler, Kernels, LoadFormat, MoeMode, Weights
 from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
            "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "MoeMode",
-           "ParallelConfig", "Weights", "check_layout", "default_block_size", "resolve_backend", "resolve_graph_mode"]
-
-
-class _Choice(str, enum.Enum):
-    """A str Enum whose str() is its value (so it prints, formats and serialises as the plain choice)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: Any, what: str) -> Any:
-        try:
-            return cls(str(value.value if isinstance(value, enum.Enum) else value))
-        except ValueError:
-            raise ValueError(f"{what} {value!r}: expected one of {', '.join(m.value for m in cls)}") from None
-
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        return tuple(m.value for m in cls)
-
-
-class Backend(_Choice):
-    AUTO = "auto"  # resolved by `resolve_backend` when the config is built; a built config never holds it
-    HOST = "host"  # CPU torch
-    XLA = "xla"  # a torch-xla device (PJRT_DEVICE picks it: CPU here, the Neuron PJRT plugin on a trn2)
-    NEURON = "neuron"  # xla on the Neuron PJRT device, with the Neuron runtime environment
-
-
-class GraphMode(_Choice):
-    AUTO = "auto"  # resolved by `resolve_graph_mode` when the config is built: eager on the host, layer on a device
-    EAGER = "eager"  # no graphs
-    REGIONS = "regions"  # two graphs per layer (attention half, MoE half)
-    LAYER = "layer"  # one graph per layer
-
-
-class HostCompiler(_Choice):
-    INDUCTOR = "inductor"
-    AOT_EAGER = "aot_eager"
-    EAGER = "eager"  # dynamo capture only
-    NONE = "none"  # no torch.compile: the same static-shape code as plain Python
-
-
-class MoeMode(_Choice):
-    AUTO = "auto"  # decode regions: gather while T*K < local experts, else grouped on the host, dense on a device
-    GROUPED = "grouped"  # each chosen expert once on its tokens (routing-dependent shapes: between graphs, host)
-    GATHER = "gather"  # per (token, k) pair, the chosen expert's weights gathered by index: cost K per token
-    DENSE = "dense"  # every local expert on every token with a zero weight where not chosen (fine for small E_local)
-
-
-class Kernels(_Choice):
-    REFERENCE = "reference"  # the torch formulation of every op (nki_kernels/reference.py)
-    STAND_IN = "stand-in"  # the NKI kernels executed on the NumPy stand-in, inside the model (host only)
-    NKI = "nki"  # the NKI kernels on a Neuron device
-    HOST = "host"  # native CPU GEMV kernels (engine/host_kernels: bf16/FP8/FP4 weights decoded in registers)
-
-
-class LoadFormat(_Choice):
-    SAFETENSORS = "safetensors"
-    DUMMY = "dummy"  # random weights for the directory's config.json (engine/model/dummy.py)
-
-
-class Weights(_Choice):
-    STORED = "stored"  # FP8 / FP4 weights kept as the checkpoint's bytes; the GEMMs consume them
-    DEQUANT = "dequant"  # every weight dequantised to the compute dtype at load (A/B runs, the HF reference)
-
-
-class DType(_Choice):
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
+           "ParallelConfig", "Weights", "Workload", "check_layout", "default_block_size", "resolve_backend",
+           "resolve_graph_mode"]
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -136,6 +73,33 @@ def default_block_size(cfg: ModelConfig, cp: int = 1) -> int:
             size = size * r // math.gcd(size, r)
     size *= cp
     return size * max(1, -(-16 // size))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a job will run, in tokens: the engine's sizes follow from it once the block size (hence cp) is known.
+
+    `max_num_seqs` sequences at once, none longer than `max_model_len` (prompt + output); the KV pool must hold
+    `pool_tokens` token positions and every group of `pool` at once (a group: the lengths of sequences that run
+    together; each rounds up to whole blocks); one step should take `max_num_batched_tokens` tokens (0: one per
+    sequence)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    pool: tuple[tuple[int, ...], ...] = ()
+    pool_tokens: int = 0
+    max_num_batched_tokens: int = 0
+
+    def sizes(self, block_size: int, cfg: ModelConfig) -> dict[str, int]:
+        """The flat engine sizes for `block_size` (max_model_len capped by the model's max_position_embeddings)."""
+        def blocks(n: int) -> int:
+            return -(-int(n) // block_size)
+
+        need = max([blocks(self.pool_tokens), *(sum(blocks(n) for n in group) for group in self.pool)], default=0)
+        max_len = min(int(self.max_model_len), cfg.max_position_embeddings)
+        return {"max_num_seqs": int(self.max_num_seqs), "max_model_len": max_len,
+                "num_kv_blocks": max(1, need, blocks(max_len)),
+                "max_num_batched_tokens": max(int(self.max_num_batched_tokens), int(self.max_num_seqs))}
 
 
 def resolve_graph_mode(requested: GraphMode | str, backend: Backend) -> GraphMode:
@@ -286,32 +250,36 @@ class EngineConfig:
         if self.cache.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.cache.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        if self.kernels is Kernels.STAND_IN and self.backend is not Backend.HOST:
-            raise ValueError("kernels 'stand-in' execute the NKI kernels on the host's NumPy stand-in: use "
-                             "--backend host (on a device: --kernels nki or reference)")
-        if self.kernels is Kernels.HOST and self.backend is not Backend.HOST:
-            raise ValueError("kernels 'host' are native CPU kernels: use --backend host")
-        if self.kernels is Kernels.NKI and self.backend is Backend.HOST:
-            raise ValueError("kernels 'nki' run on a Neuron device: use --backend neuron (or --kernels stand-in "
-                             "to execute the NKI kernels on the NumPy stand-in on the host)")
 
     # ---- constructors -----------------------------------------------------------------------------------------
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, **overrides: Any) -> EngineConfig:
+    def from_model_dir(cls, model_dir: str | Path, *, workload: Workload | None = None, **overrides: Any,
+                       ) -> EngineConfig:
         """The engine config of the model in `model_dir` (config.json parsed once, here). `overrides` are flat
-        names (see OVERRIDES); None values are ignored; the DEEPINFER_* flags fill what is not given."""
-        return cls.from_model_config(ModelConfig.from_json(Path(model_dir)), model_dir=str(model_dir), **overrides)
+        names (see OVERRIDES); None values are ignored; the DEEPINFER_* flags fill what is not given; `workload`
+        sizes the engine (see the module docstring)."""
+        return cls.from_model_config(ModelConfig.from_json(Path(model_dir)), model_dir=str(model_dir),
+                                     workload=workload, **overrides)
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, *, model_dir: str | None = None, **overrides: Any) -> EngineConfig:
+    def from_model_config(cls, cfg: ModelConfig, *, model_dir: str | None = None, workload: Workload | None = None,
+                          **overrides: Any) -> EngineConfig:
         """As `from_model_dir`, for a ModelConfig at hand (weights then come from `engine.build(weights=...)`
         unless `model_dir` is given or load_format is dummy)."""
         from engine.envs import engine_defaults, get_envs
 
         given = _check_names({k: v for k, v in overrides.items() if v is not None})
-        flat = {**engine_defaults(get_envs()), **given}
+        defaults = engine_defaults(get_envs())
+        world = defaults.pop("world_size", None)
+        if world is not None and "cp" in given and int(given["cp"]) != world:
+            raise ValueError(f"cp={given['cp']} under torchrun with WORLD_SIZE={world}: the ranks are torchrun's "
+                             f"(drop --cp or give --cp {world})")
+        flat = {**defaults, **({"cp": world} if world is not None else {}), **given}
         cp = int(flat.get("cp", 1))
-        flat.setdefault("block_size", default_block_size(cfg, cp))
+        flat.setdefault("block_size", default_block_size(cfg, cp))  # the block size follows the rank count
+        if workload is not None:
+            for name, value in workload.sizes(int(flat["block_size"]), cfg).items():
+                flat.setdefault(name, value)
         flat.setdefault("max_model_len", min(CacheConfig.max_model_len, cfg.max_position_embeddings))
         return _assemble(ModelSpec(config=cfg, model_dir=model_dir), flat)
 

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from engine.config import Backend, GraphMode, HostCompiler
+from engine.choices import Backend, GraphMode, HostCompiler
 from nki_kernels.dispatch import KERNEL_EXECUTORS
 
 
@@ -117,11 +117,26 @@ def read_envs(environ: Mapping[str, str]) -> Envs:
 
 
 def engine_defaults(envs: Envs) -> dict[str, Any]:
-    """The engine settings these flags supply when a command does not set them (EngineConfig's flat names). Flags
-    only fill defaults: nothing below the config reads them."""
-    return {"graph_mode": envs.DEEPINFER_NEURON_GRAPH_MODE, "region_timing": envs.DEEPINFER_NEURON_REGION_TIMING,
-            "moe_capacity": envs.DEEPINFER_NEURON_MOE_CAPACITY, "host_compiler": envs.DEEPINFER_HOST_COMPILER,
-            "backend": envs.DEEPINFER_BACKEND}
+    """The engine settings these flags supply when a command does not set them (EngineConfig's flat names), plus
+    `world_size` under torchrun (WORLD_SIZE > 1: the job's ranks are torchrun's, so cp is that). Flags only fill
+    defaults: nothing below the config reads them."""
+    out: dict[str, Any] = {"graph_mode": envs.DEEPINFER_NEURON_GRAPH_MODE,
+                           "region_timing": envs.DEEPINFER_NEURON_REGION_TIMING,
+                           "moe_capacity": envs.DEEPINFER_NEURON_MOE_CAPACITY,
+                           "host_compiler": envs.DEEPINFER_HOST_COMPILER, "backend": envs.DEEPINFER_BACKEND}
+    world = torchrun_world_size(envs)
+    if world > 1:
+        out["world_size"] = world
+    return out
+
+
+def torchrun_world_size(envs: Envs | None = None) -> int:
+    """WORLD_SIZE as torchrun set it for this process (1 when not launched by torchrun)."""
+    raw = dict((envs or get_envs()).recorded).get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={raw!r}: expected an integer") from None
 
 
 @cache

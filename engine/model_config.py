@@ -60,6 +60,21 @@ _LAYER_TYPE_RATIO = {"sliding_attention": 0}
 _HF_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
+# The fields a config.json must give (after normalising either spelling): the sizes and layout that make one
+# DeepSeek-V4 model differ from another (Flash and Pro already differ in each, or the official config.json sets it
+# explicitly with no ModelArgs default worth trusting), so a missing one is an error naming it, never a V4-Flash
+# value taken silently. Every other field has a default that DeepSeek documents: the `ModelArgs` defaults the
+# official JSON leaves unset (n_mtp_layers=1, norm_eps=1e-6, hc_eps=1e-6), and the values both released configs
+# share (rope thetas and YaRN, hc_mult 4, 20 Sinkhorn iterations, one shared expert, sqrtsoftplus scoring,
+# swiglu_limit 10, max_position_embeddings 1M, bos 0 / eos 1, FP8 weights with FP4 experts).
+REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_hash_layers", "n_heads", "n_routed_experts",
+            "n_activated_experts", "route_scale", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
+            "o_lora_rank", "window_size", "compress_ratios", "index_n_heads", "index_head_dim", "index_topk")
+_OFFICIAL_TO_HF = {v: k for k, v in _HF_TO_OFFICIAL.items() if k != v}
+_OFFICIAL_TO_HF.update(compress_ratios="layer_types", rope_head_dim="qk_rope_head_dim or partial_rotary_factor",
+                       n_hash_layers="num_hash_layers or mlp_layer_types")
+
+
 class ConfigError(ValueError):
     """A config.json that cannot describe a DeepSeek-V4 model."""
 
@@ -236,8 +251,15 @@ class ModelConfig:
     # ---- constructors ---------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Normalise an HF or official config dict. Unknown keys or contradictory spellings raise ConfigError."""
-        return cls(**_normalise(dict(raw)))
+        """Normalise an HF or official config dict. Unknown keys, contradictory spellings and a missing REQUIRED
+        field raise ConfigError (naming the field in both spellings)."""
+        out = _normalise(dict(raw))
+        missing = [name for name in REQUIRED if name not in out]
+        if missing:
+            named = ", ".join(f"{m} (HF: {_OFFICIAL_TO_HF[m]})" if m in _OFFICIAL_TO_HF else m for m in missing)
+            raise ConfigError(f"missing required field{'s' if len(missing) > 1 else ''} {named}: DeepSeek-V4 models "
+                              "differ in these, so there is no default")
+        return cls(**out)
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:

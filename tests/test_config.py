@@ -76,6 +76,28 @@ def test_bad_configs_rejected(change, message):
         ModelConfig.from_dict({**FLASH_OFFICIAL, **change})
 
 
+@pytest.mark.parametrize("spelling", ["official", "hf"])
+def test_a_missing_size_is_named_not_defaulted(spelling, tmp_path):
+    """Every REQUIRED field, dropped from either spelling of the Flash config, is one error naming it (both names);
+    a field DeepSeek documents a default for (n_mtp_layers, norm_eps, hc_eps) may be left out."""
+    from engine.model_config import REQUIRED, _HF_TO_OFFICIAL
+
+    base = FLASH_OFFICIAL if spelling == "official" else FLASH_HF
+    to_hf = {v: k for k, v in _HF_TO_OFFICIAL.items()}
+    for name in REQUIRED:
+        keys = {name, to_hf.get(name, name)}
+        keys |= {"compress_ratios", "layer_types"} if name == "compress_ratios" else set()
+        keys |= {"qk_rope_head_dim", "partial_rotary_factor"} if name == "rope_head_dim" else set()
+        raw = {k: v for k, v in base.items() if k not in keys}
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(ConfigError, match=f"config.json: missing required field {name}\\b") as e:
+            ModelConfig.from_json(tmp_path)
+        assert len(str(e.value).splitlines()) == 1
+    relaxed = {k: v for k, v in FLASH_OFFICIAL.items()}
+    assert "n_mtp_layers" not in relaxed and "norm_eps" not in relaxed  # ModelArgs defaults: 1, 1e-6
+    assert ModelConfig.from_dict(relaxed).n_mtp_layers == 1
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         ModelConfig.from_json(tmp_path)

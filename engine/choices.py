@@ -1,0 +1,77 @@
+"""The engine's choice lists: one `str` Enum per option, defined once (a leaf module: the config, the env flags and
+the CLI options all take their choices from here)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+__all__ = ["Backend", "DType", "GraphMode", "HostCompiler", "Kernels", "LoadFormat", "MoeMode", "Weights"]
+
+
+class _Choice(str, enum.Enum):
+    """A str Enum whose str() is its value (so it prints, formats and serialises as the plain choice)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, what: str) -> Any:
+        try:
+            return cls(str(value.value if isinstance(value, enum.Enum) else value))
+        except ValueError:
+            raise ValueError(f"{what} {value!r}: expected one of {', '.join(m.value for m in cls)}") from None
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Backend(_Choice):
+    AUTO = "auto"  # resolved by `resolve_backend` when the config is built; a built config never holds it
+    HOST = "host"  # CPU torch
+    XLA = "xla"  # a torch-xla device (PJRT_DEVICE picks it: CPU here, the Neuron PJRT plugin on a trn2)
+    NEURON = "neuron"  # xla on the Neuron PJRT device, with the Neuron runtime environment
+
+
+class GraphMode(_Choice):
+    AUTO = "auto"  # resolved by `resolve_graph_mode` when the config is built: eager on the host, layer on a device
+    EAGER = "eager"  # no graphs
+    REGIONS = "regions"  # two graphs per layer (attention half, MoE half)
+    LAYER = "layer"  # one graph per layer
+
+
+class HostCompiler(_Choice):
+    INDUCTOR = "inductor"
+    AOT_EAGER = "aot_eager"
+    EAGER = "eager"  # dynamo capture only
+    NONE = "none"  # no torch.compile: the same static-shape code as plain Python
+
+
+class MoeMode(_Choice):
+    AUTO = "auto"  # decode regions: gather while T*K < local experts, else grouped on the host, dense on a device
+    GROUPED = "grouped"  # each chosen expert once on its tokens (routing-dependent shapes: between graphs, host)
+    GATHER = "gather"  # per (token, k) pair, the chosen expert's weights gathered by index: cost K per token
+    DENSE = "dense"  # every local expert on every token with a zero weight where not chosen (fine for small E_local)
+
+
+class Kernels(_Choice):
+    REFERENCE = "reference"  # the torch formulation of every op (nki_kernels/reference.py)
+    STAND_IN = "stand-in"  # the NKI kernels executed on the NumPy stand-in, inside the model (host only)
+    NKI = "nki"  # the NKI kernels on a Neuron device
+    HOST = "host"  # native CPU GEMV kernels (engine/host_kernels: bf16/FP8/FP4 weights decoded in registers)
+
+
+class LoadFormat(_Choice):
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"  # random weights for the directory's config.json (engine/model/dummy.py)
+
+
+class Weights(_Choice):
+    STORED = "stored"  # FP8 / FP4 weights kept as the checkpoint's bytes; the GEMMs consume them
+    DEQUANT = "dequant"  # every weight dequantised to the compute dtype at load (A/B runs, the HF reference)
+
+
+class DType(_Choice):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
