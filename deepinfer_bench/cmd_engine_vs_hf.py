@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
 import typer
 
 from deepinfer_bench.app import bench_app
@@ -31,40 +30,23 @@ def engine_vs_hf_cmd(
 ) -> None:
     """Decode (batch 1 and batch B) and prefill speed of the engine against HF transformers on the same weights,
     interleaved in one run; weight bytes read per decode step, achieved GB/s and the machine's memory roof."""
-    from deepinfer_bench.speed import engine_settings, run_speed
-    from engine.config import GraphMode
+    from deepinfer_bench.engine_vs_hf import run_engine_vs_hf, targets, workload
+    from engine.choices import GraphMode
 
     modes = tuple(str(GraphMode.parse(m.strip(), "--graph-modes")) for m in graph_modes.split(",") if m.strip())
     if (engine.cp or 1) != 1:
-        raise typer.BadParameter("engine-vs-hf times one process against HF: --cp must be 1", param_hint="--cp")
-    cfg = engine.model_config()
-    config = engine.config(cfg, **engine_settings(cfg, batch, prompt_len, steps, prefill_len))
+        raise ValueError("engine-vs-hf times one process against HF: --cp must be 1")
+    config = engine.config(workload=workload(batch, prompt_len, steps, prefill_len))
     err_console.print(f"[dim]timing {repeats} x {steps} decode steps after a {prompt_len}-token prefill; engine: "
                       f"{config.model.dtype}, weights {config.model.weights}, kernels {config.kernels}, moe "
                       f"{config.graph.moe}; {threads} thread(s) each side ...[/dim]")
-    df, pre, ratios = run_speed(config, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
-                                threads=threads, graph_modes=modes, prefill_len=prefill_len)
+    df, pre, ratios = run_engine_vs_hf(config, prompt_len=prompt_len, steps=steps, batch=batch, repeats=repeats,
+                                       threads=threads, graph_modes=modes, prefill_len=prefill_len)
     render_df(df, f"decode: deepinfer vs HF transformers ({config.model.dtype}, same weights, same run; memory "
                   f"roof {ratios['memory_bandwidth_gb_s']:.1f} GB/s)")
     if len(pre):
         render_df(pre, f"prefill: TTFT of one {prefill_len}-token prompt")
-    rows = []
-    for mode in modes:
-        b1 = ratios[f"{mode}:b1_ms_per_token_engine_over_hf"]
-        bk = ratios[f"{mode}:b{batch}_tok_s_over_b1"]
-        rows += [{"graph_mode": mode, "measure": "batch-1 ms/token, engine / HF", "value": b1,
-                  "target": f"<= {ratios['b1_target']}", "met": b1 <= ratios["b1_target"]},
-                 {"graph_mode": mode, "measure": f"batch-{batch} tok/s / batch-1 tok/s (engine)", "value": bk,
-                  "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]}]
-        if mode != modes[0]:
-            v = ratios[f"{mode}:b1_ms_per_token_over_eager"]
-            rows.append({"graph_mode": mode, "measure": f"batch-1 ms/token, {mode} / {modes[0]}", "value": v,
-                         "target": "<= 1", "met": v <= 1.0})
-    if "ttft_engine_over_hf" in ratios:
-        v = ratios["ttft_engine_over_hf"]
-        rows.append({"graph_mode": "eager", "measure": f"TTFT of {prefill_len} tokens, engine / HF", "value": v,
-                     "target": f"<= {ratios['ttft_target']}", "met": v <= ratios["ttft_target"]})
-    render_df(pd.DataFrame(rows), "targets")
+    render_df(targets(ratios, modes, batch, prefill_len), "targets")
     path = save_results(df, out, "engine_vs_hf", {"ratios": ratios, "engine_config": config.to_dict()})
     if len(pre):
         pre.to_csv(path.parent / "engine_vs_hf_prefill.csv", index=False)

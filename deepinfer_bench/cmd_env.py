@@ -1,8 +1,8 @@
-"""`deepinfer env`: the resolved DEEPINFER_* flags and recorded runtime variables."""
+"""`deepinfer env` (library: deepinfer_bench/environment.py)."""
 
 from __future__ import annotations
 
-import pandas as pd
+import typer
 
 from deepinfer_bench.app import app
 from deepinfer_bench.report import render_df
@@ -10,22 +10,12 @@ from deepinfer_bench.report import render_df
 
 @app.command("env")
 def env_cmd() -> None:
-    """Show every DEEPINFER_* flag (value, default, doc) and the recorded NEURON_*/NKI_* variables."""
-    from engine.envs import Envs, get_envs
+    """Show every DEEPINFER_* flag (value, default, doc), the recorded NEURON_*/NKI_* variables and the stack."""
+    from deepinfer_bench.environment import env_tables
 
-    envs = get_envs()
-    rows = [{"flag": name, "value": repr(getattr(envs, name)), "default": default, "type": typ, "doc": doc}
-            for name, typ, default, doc in Envs.describe()]
-    render_df(pd.DataFrame(rows), "DEEPINFER_* flags")
-    if envs.recorded:
-        render_df(pd.DataFrame([{"variable": k, "value": v} for k, v in envs.recorded]), "Recorded runtime variables")
-    from engine.stack import probe
-
-    st = probe()
-    rows = [{"item": k, "value": str(v)} for k, v in st["versions"].items()]
-    rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
-    rows += [{"item": f"host_math.{k}", "value": str(v)} for k, v in st["host_math"].items()]
-    render_df(pd.DataFrame(rows), "Stack (torch / XLA / Neuron)")
-    if st["neuron_ls"]:
-        print(st["neuron_ls"])
-    print(f"graph_hash: {envs.graph_hash()}")
+    tables, extras = env_tables()
+    for title, df in tables:
+        render_df(df, title)
+    if extras["neuron_ls"]:
+        typer.echo(extras["neuron_ls"])
+    typer.echo(f"graph_hash: {extras['graph_hash']}")

@@ -22,12 +22,12 @@ def matrix_cmd(
     = DEFAULT_OUT_DIR,
 ) -> None:
     """Time TTFT and TPOT over batch size x input length x output length; CSV + meta.json + PNG under --out."""
-    from deepinfer_bench.matrix import MatrixSpec, engine_settings, pivot, resolve_matrix, run_matrix, save_plot
+    from deepinfer_bench.matrix import MatrixSpec, engine_sizing, pivot, resolve_matrix, run_matrix, save_plot
 
     path = resolve_matrix(matrix)
     spec = MatrixSpec.from_toml(path)
-    cfg = engine.model_config()
-    config = engine.config(cfg, **engine_settings(spec, cfg, engine.cp or 1))
+    workload, fixed = engine_sizing(spec)
+    config = engine.config(workload=workload, **fixed)
     c = config.cache
     err_console.print(f"matrix [bold]{spec.name}[/bold] ({path}): {len(spec.cells)} cells, warmup {spec.warmup}, "
                       f"repeats {spec.repeats}; engine: max_num_seqs={c.max_num_seqs} num_kv_blocks={c.num_kv_blocks} "

@@ -9,7 +9,7 @@ import typer
 
 from deepinfer_bench.app import app
 from deepinfer_bench.options import EngineArgs, engine_options
-from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, measured_on, render_df, save_results
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
 
 
 @app.command("regions")
@@ -34,13 +34,13 @@ def regions_cmd(
 ) -> None:
     """Run decode steps through the region graphs; per region and stage: calls, p50/p90 ms, share of the step, per
     layer and summed over layers; graph launches per step; the measured step time. CSV + meta.json + PNG."""
-    from deepinfer_bench.regions import RegionsSpec, engine_settings, run_regions, save_plot, timing_overhead
+    from deepinfer_bench.regions import RegionsSpec, run_regions, save_plot, timing_overhead, workload
+    from engine.backends import measured_on
     from engine.envs import get_envs
 
     spec = RegionsSpec(batch=batch, context=context, steps=steps, warmup=warmup)
-    cfg = engine.model_config()
     timing = timing or get_envs().DEEPINFER_NEURON_REGION_TIMING
-    config = engine.config(cfg, **engine_settings(spec, cfg, engine.cp or 1, timing))
+    config = engine.config(workload=workload(spec), region_timing=timing)
     mode = config.graph.mode
     if overhead and (config.cp != 1 or str(mode) == "eager"):
         raise typer.BadParameter("--overhead needs --cp 1 and --graph-mode regions or layer")
@@ -56,11 +56,12 @@ def regions_cmd(
               columns=["backend", "graph_mode", "batch_size", "context_len", "cp", "steps", "graph_launches_per_step",
                        "distinct_graphs", "step_ms_p50", "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step",
                        "stage_sum_over_step"])
+    where = measured_on(config.backend)
     if str(config.backend) != "host":
-        render_df(result.summary, f"device counters per timed decode step ({measured_on(config.backend)})",
+        render_df(result.summary, f"device counters per timed decode step ({where})",
                   columns=["xla_compiles_per_step", "xla_executions_per_step", "d2h_per_step", "h2d_per_step",
                            "fallbacks_per_step", "compiles_during_timing"])
-    path = save_results(result.per_layer, out, "regions", {**result.meta, "measured_on": measured_on(config.backend)})
+    path = save_results(result.per_layer, out, "regions", {**result.meta, "measured_on": where})
     result.summed.to_csv(path.parent / "regions_summed.csv", index=False)
     result.summary.to_csv(path.parent / "regions_summary.csv", index=False)
     if len(result.per_layer):

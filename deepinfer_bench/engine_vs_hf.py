@@ -2,8 +2,11 @@
 the same weights. Returns data; the CLI renders it.
 
 Measured, interleaved (engine, HF, engine, HF, ...; medians), with the same torch thread count on both sides:
-* batch-1 greedy decode, ms per token, for every engine graph mode and for HF; the engine's batch-B decode;
-* prefill: TTFT of one `prefill_len`-token prompt (engine: one prefill step; HF: one forward, last logits);
+* batch-1 greedy decode, ms per token, for every engine graph mode and for HF; the engine's batch-B decode (the
+  engine through its own step - scheduler, runner, sampler - as every command drives it: deepinfer_bench/batch_run.py;
+  HF: one forward with its cache and an argmax);
+* prefill: TTFT of one `prefill_len`-token prompt (engine: queueing to the first token; HF: one forward, last
+  logits);
 * bytes: the weight bytes a decode step reads (the engine's as held in memory - FP8/FP4 bytes under
   `--weights stored`; HF's at its dtype; routed experts: min(local experts, B x K) per layer, the embedding B rows),
   the achieved GB/s they imply, and the machine's own read bandwidth from a copy probe run in this process, so the
@@ -19,6 +22,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from deepinfer_bench.batch_run import random_prompts, run_batch
+from engine.config import Workload
 from engine.profiling import quantiles
 
 COLUMNS = ["system", "weights", "dtype", "batch_size", "prompt_len", "decode_steps", "ms_per_step_p50",
@@ -78,40 +83,15 @@ def hf_read_bytes(cfg: Any, element_size: int, batch: int) -> int:
     return total + cfg.n_layers * k * per_expert
 
 
-@torch.inference_mode()
-def _engine_decode_times(runner, batch: int, prompt_len: int, steps: int, seed: int) -> list[float]:
-    from engine.model.cache import SeqStep
-
-    g = torch.Generator().manual_seed(seed)
-    per_seq = -(-(prompt_len + steps + 1) // runner.block_size)
-    tables = [torch.arange(i * per_seq, (i + 1) * per_seq) for i in range(batch)]
-    for slot in range(batch):
-        runner.free_slot(slot)
-    prefill = [SeqStep(slot=i, start=0, n=prompt_len, token_start=i * prompt_len, block_table=tables[i])
-               for i in range(batch)]
-    logits = runner.forward(prefill, torch.randint(2, runner.cfg.vocab_size, (batch * prompt_len,), generator=g))
-    times = []
-    for t in range(steps):
-        ids = logits.argmax(-1)  # [B] greedy
-        step = [SeqStep(slot=i, start=prompt_len + t, n=1, token_start=i, block_table=tables[i]) for i in range(batch)]
-        t0 = time.perf_counter()
-        logits = runner.forward(step, ids)
-        times.append(time.perf_counter() - t0)
-    return times
+def _engine_decode_times(engine: Any, batch: int, prompt_len: int, steps: int, seed: int) -> list[float]:
+    """Seconds of each of `steps` decode steps of `batch` greedy requests through the engine's own step."""
+    prompts = random_prompts(engine.vocab_size, batch, prompt_len, seed)
+    return run_batch(engine, prompts, steps + 1).decode_steps_s[:steps]
 
 
-@torch.inference_mode()
-def _engine_ttft(runner, prompt_len: int, seed: int) -> float:
-    from engine.model.cache import SeqStep
-
-    g = torch.Generator().manual_seed(seed)
-    runner.free_slot(0)
-    step = [SeqStep(slot=0, start=0, n=prompt_len, token_start=0,
-                    block_table=torch.arange(-(-prompt_len // runner.block_size)))]
-    ids = torch.randint(2, runner.cfg.vocab_size, (prompt_len,), generator=g)
-    t0 = time.perf_counter()
-    runner.forward(step, ids).argmax(-1)
-    return time.perf_counter() - t0
+def _engine_ttft(engine: Any, prompt_len: int, seed: int) -> float:
+    """Seconds from queueing one `prompt_len`-token request to its first token (prefill + first sample)."""
+    return run_batch(engine, random_prompts(engine.vocab_size, 1, prompt_len, seed), 1).ttft_s
 
 
 @torch.no_grad()
@@ -138,18 +118,15 @@ def _hf_ttft(model, prompt_len: int, seed: int, vocab: int) -> float:
     return time.perf_counter() - t0
 
 
-def engine_settings(cfg: Any, batch: int, prompt_len: int, steps: int, prefill_len: int = 0) -> dict[str, Any]:
-    """Engine sizes for the run: `batch` slots, the context of prefill + decode (or the long prefill), a pool twice
-    that, and a step budget for the long prompt in one step."""
-    from engine.config import default_block_size
-
+def workload(batch: int, prompt_len: int, steps: int, prefill_len: int = 0) -> Workload:
+    """`batch` slots, the context of prefill + decode (or the long prefill), and a step budget for the long prompt
+    (or every prompt of the batch) in one step."""
     max_len = max(prompt_len + steps + 1, prefill_len)
-    per_seq = -(-max_len // default_block_size(cfg))
-    return {"max_num_seqs": batch, "num_kv_blocks": batch * per_seq * 2, "max_model_len": max_len,
-            "max_num_batched_tokens": max(512, batch * prompt_len, prefill_len)}
+    return Workload(max_num_seqs=batch, max_model_len=max_len, pool=((max_len,) * batch,),
+                    max_num_batched_tokens=max(512, batch * prompt_len, prefill_len))
 
 
-def run_speed(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int = 32, repeats: int = 3,
+def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int = 32, repeats: int = 3,
               threads: int = 1, graph_modes: tuple[str, ...] = ("eager", "layer"), prefill_len: int = 0,
               ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
     """Returns (decode table, prefill table, ratios). `prefill_len` 0: no prefill measurement. Graph modes other
@@ -165,28 +142,29 @@ def run_speed(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int 
     bandwidth = memory_bandwidth_gb_s()
     hf = build_hf_model(cfg, load_weights(config, stored=False), dtype=dtype)
     state = load_weights(config)
-    runners = {mode: engine_pkg.build(config.replace(graph_mode=mode), weights=state, threads=threads).runner
+    engines = {mode: engine_pkg.build(config.replace(graph_mode=mode), weights=state, threads=threads)
                for mode in graph_modes}
     del state
     samples: dict[tuple[str, int], list[float]] = {}
     ttft: dict[str, list[float]] = {}
-    for runner in runners.values():  # warm up (and compile) every shape that is timed
-        _engine_decode_times(runner, 1, prompt_len, 2, 0)
-        _engine_decode_times(runner, batch, prompt_len, 2, 0)
+    for eng in engines.values():  # warm up (and compile) every shape that is timed
+        _engine_decode_times(eng, 1, prompt_len, 2, 0)
+        _engine_decode_times(eng, batch, prompt_len, 2, 0)
     _hf_decode_times(hf, prompt_len, 2, 0, cfg.vocab_size)
     for r in range(repeats):
-        for mode, runner in runners.items():
+        for mode, eng in engines.items():
             samples.setdefault((f"deepinfer[{mode}]", 1), []).extend(
-                _engine_decode_times(runner, 1, prompt_len, steps, r))
+                _engine_decode_times(eng, 1, prompt_len, steps, r))
         samples.setdefault(("hf-transformers", 1), []).extend(
             _hf_decode_times(hf, prompt_len, steps, r, cfg.vocab_size))
-        for mode, runner in runners.items():
+        for mode, eng in engines.items():
             samples.setdefault((f"deepinfer[{mode}]", batch), []).extend(
-                _engine_decode_times(runner, batch, prompt_len, steps, r))
+                _engine_decode_times(eng, batch, prompt_len, steps, r))
         if prefill_len:
-            ttft.setdefault("deepinfer[eager]", []).append(_engine_ttft(next(iter(runners.values())), prefill_len, r))
+            first = next(iter(engines))
+            ttft.setdefault(f"deepinfer[{first}]", []).append(_engine_ttft(engines[first], prefill_len, r))
             ttft.setdefault("hf-transformers", []).append(_hf_ttft(hf, prefill_len, r, cfg.vocab_size))
-    model = next(iter(runners.values())).model
+    model = next(iter(engines.values())).runner.model
     rows = []
     for (system, b), times in samples.items():
         p50, p90 = quantiles(times, 50, 90)
@@ -218,3 +196,24 @@ def run_speed(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int 
     if len(pre) == 2:
         ratios["ttft_engine_over_hf"] = float(pre.ttft_ms_p50.iloc[0] / pre.ttft_ms_p50.iloc[1])
     return df, pre, ratios
+
+
+def targets(ratios: dict[str, float], graph_modes: tuple[str, ...], batch: int, prefill_len: int) -> pd.DataFrame:
+    """The run's ratios against their targets, one row per (graph mode, measure)."""
+    rows = []
+    for mode in graph_modes:
+        b1 = ratios[f"{mode}:b1_ms_per_token_engine_over_hf"]
+        bk = ratios[f"{mode}:b{batch}_tok_s_over_b1"]
+        rows += [{"graph_mode": mode, "measure": "batch-1 ms/token, engine / HF", "value": b1,
+                  "target": f"<= {ratios['b1_target']}", "met": b1 <= ratios["b1_target"]},
+                 {"graph_mode": mode, "measure": f"batch-{batch} tok/s / batch-1 tok/s (engine)", "value": bk,
+                  "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]}]
+        if mode != graph_modes[0]:
+            v = ratios[f"{mode}:b1_ms_per_token_over_eager"]
+            rows.append({"graph_mode": mode, "measure": f"batch-1 ms/token, {mode} / {graph_modes[0]}", "value": v,
+                         "target": "<= 1", "met": v <= 1.0})
+    if "ttft_engine_over_hf" in ratios:
+        v = ratios["ttft_engine_over_hf"]
+        rows.append({"graph_mode": graph_modes[0], "measure": f"TTFT of {prefill_len} tokens, engine / HF",
+                     "value": v, "target": f"<= {ratios['ttft_target']}", "met": v <= ratios["ttft_target"]})
+    return pd.DataFrame(rows, columns=["graph_mode", "measure", "value", "target", "met"])

@@ -1,20 +1,57 @@
-"""`deepinfer generate`: one prompt through the full engine (scheduler, KV pool, sampler), on 1 or cp ranks."""
+"""`deepinfer generate`: one prompt through the full engine (scheduler, KV pool, sampler), on 1 or cp ranks.
+
+`run_generate(args, prompt, params)` does the whole job for the command: checks the prompt before any engine is
+built (ids against the vocabulary, chat needs a tokenizer with the chat tokens), renders a chat message with
+DeepSeek-V4's chat encoding, sizes the engine for the one request, generates, parses a chat reply, and optionally
+writes generate.csv + meta.json (timing, resident weight bytes, peak RSS)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from engine.config import Workload
 
-def engine_settings(cfg: Any, prompt: str | None, prompt_ids: list[int] | None, max_tokens: int,
-                    cp: int = 1) -> dict[str, Any]:
-    """Engine sizes for one request: one slot, its whole context, its prefill in one step."""
-    from engine.config import default_block_size
 
-    # a byte-level tokenizer yields at most one token per byte (+ BOS): a safe bound before tokenising
-    n_prompt = len(prompt_ids) if prompt_ids is not None else len((prompt or "").encode()) + 2
-    max_len = min(cfg.max_position_embeddings, n_prompt + max_tokens)
-    return {"max_num_seqs": 1, "max_model_len": max_len, "num_kv_blocks": -(-max_len // default_block_size(cfg, cp)),
-            "max_num_batched_tokens": max(512, n_prompt)}
+@dataclass(frozen=True)
+class Prompt:
+    """What the user asked to generate from: text, token ids, or a chat message (text rendered with the chat
+    encoding; `thinking`: thinking mode)."""
+
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    chat: bool = False
+    thinking: bool = False
+
+    @classmethod
+    def parse(cls, text: str | None, ids: str | None, chat: bool = False, thinking: bool = False) -> Prompt:
+        """From the command line: exactly one of `text` / `ids` ("1,2,3"); --chat / --thinking take text."""
+        if (text is None) == (ids is None):
+            raise ValueError("give exactly one of --prompt or --prompt-ids")
+        if (chat or thinking) and text is None:
+            raise ValueError("--chat / --thinking take the user message as --prompt")
+        parsed = None
+        if ids is not None:
+            try:
+                parsed = tuple(int(x) for x in ids.split(",") if x.strip())
+            except ValueError:
+                raise ValueError(f"--prompt-ids {ids!r}: expected comma-separated integers") from None
+            if not parsed:
+                raise ValueError("--prompt-ids is empty")
+        return cls(text=text, ids=parsed, chat=chat or thinking, thinking=thinking)
+
+    @property
+    def mode(self) -> str:
+        return "thinking" if self.thinking else "chat"
+
+
+def workload(cfg: Any, n_prompt: int, max_tokens: int) -> Workload:
+    """One request: one slot, its whole context, its prefill in one step."""
+    max_len = n_prompt + max_tokens
+    return Workload(max_num_seqs=1, max_model_len=max_len, pool_tokens=max_len,
+                    max_num_batched_tokens=max(512, n_prompt))
 
 
 def chat_prompt_ids(model_dir: Any, message: str, thinking_mode: str) -> list[int]:
@@ -38,14 +75,10 @@ def peak_rss_bytes() -> int:
 
 def checkpoint_bytes(model_dir: Any) -> int:
     """Bytes of the safetensors files of a model directory (what the checkpoint is on disk)."""
-    from pathlib import Path
-
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
 def _generate_job(engine: Any, prompt: str | list[int], params: Any) -> dict[str, Any]:
-    import time
-
     ids = engine.encode(prompt)
     engine.add_request(ids, params, request_id="generate")
     final, t0 = None, time.perf_counter()
@@ -62,7 +95,53 @@ def _generate_job(engine: Any, prompt: str | list[int], params: Any) -> dict[str
 
 
 def generate(config: Any, prompt: str | list[int], params: Any) -> dict[str, Any]:
-    """Returns {"prompt_ids", "output_ids", "text" (None without a tokenizer), "finish_reason"}."""
+    """Returns {"prompt_ids", "output_ids", "text" (None without a tokenizer), "finish_reason", ...}."""
     from engine import run_job
 
     return run_job(config, _generate_job, (prompt, params))
+
+
+def run_generate(args: Any, prompt: Prompt, params: Any, out: Path | None = None) -> dict[str, Any]:
+    """The `deepinfer generate` job for the command's engine options `args` (deepinfer_bench/options.py
+    EngineArgs). The result has "text" (the reply's content for a chat prompt, with "message" holding the parsed
+    reply), "output_ids", ...; with `out`, also "results" (the CSV path) and the resource row."""
+    from engine.llm import check_token_ids
+
+    cfg = args.model_config()
+    request: str | list[int]
+    if prompt.ids is not None:
+        request = check_token_ids(prompt.ids, cfg.vocab_size)  # before any engine is built: one line, exit 2
+    elif prompt.chat:
+        request = chat_prompt_ids(args.model_dir, prompt.text, prompt.mode)
+    else:
+        request = prompt.text
+    # a byte-level tokenizer yields at most one token per byte (+ BOS): a safe bound before tokenising
+    n_prompt = len(request) if isinstance(request, list) else len(request.encode()) + 2
+    config = args.config(cfg, workload=workload(cfg, n_prompt, params.max_tokens))
+    result = generate(config, request, params)
+    if out is not None:
+        result.update(_save(args, config, result, out))
+    if prompt.chat:
+        from engine.chat_encoding import parse_completion
+
+        parsed = parse_completion(result["text"], thinking_mode=prompt.mode, tools=False)
+        result["message"] = {"role": "assistant", "reasoning_content": parsed.reasoning_content,
+                             "content": parsed.content}
+        result["text"] = parsed.content
+    return result
+
+
+def _save(args: Any, config: Any, result: dict[str, Any], out: Path) -> dict[str, Any]:
+    import pandas as pd
+
+    from deepinfer_bench.report import save_results
+
+    ckpt = checkpoint_bytes(args.model_dir)
+    row = {"prompt_len": len(result["prompt_ids"]), "output_len": len(result["output_ids"]),
+           "seconds": result["seconds"], "weights": str(config.model.weights), "dtype": str(config.model.dtype),
+           "checkpoint_bytes": ckpt, "resident_weight_bytes": result["resident_weight_bytes"],
+           "kv_cache_bytes": result["kv_cache_bytes"], "peak_rss_bytes": result["peak_rss_bytes"],
+           "peak_rss_over_checkpoint": result["peak_rss_bytes"] / ckpt if ckpt else float("nan")}
+    path = save_results(pd.DataFrame([row]), out, "generate", {"engine_config": config.to_dict(), **row})
+    return {"results": str(path), "checkpoint_bytes": ckpt,
+            "peak_rss_over_checkpoint": row["peak_rss_over_checkpoint"]}

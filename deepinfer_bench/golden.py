@@ -9,7 +9,9 @@ the fp32 logits every token was sampled from; they are compared with the referen
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pandas as pd
 import torch
 
 from deepinfer_bench.report import REPO_ROOT
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, Workload
 
 GOLDEN_DIR = REPO_ROOT / "golden"
 MAGIC, FORMAT_VERSION = "deepinfer-golden", 1
@@ -90,69 +92,64 @@ def load_golden(golden_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Any], lis
     return meta, prompts
 
 
-def engine_settings(prompts: list[GoldenPrompt], cfg: ModelConfig, cp: int = 1) -> dict[str, Any]:
-    """Engine sizes under which every golden prompt runs at once: one slot each, the whole prefill in one step and
-    a pool that holds them all (`deepinfer golden --max-num-seqs 3 ...` overrides any of them)."""
-    from engine.config import default_block_size
-
-    bs = default_block_size(cfg, cp)
-    return {"max_num_seqs": len(prompts),
-            "max_num_batched_tokens": max(len(prompts), sum(len(p.prompt_ids) for p in prompts)),
-            "max_model_len": max(len(p.prompt_ids) + len(p.output_ids) for p in prompts),
-            "num_kv_blocks": sum(-(-(len(p.prompt_ids) + len(p.output_ids)) // bs) for p in prompts)}
+def workload(prompts: list[GoldenPrompt]) -> Workload:
+    """Every golden prompt at once: one slot each, the whole prefill in one step, a pool that holds them all
+    (`deepinfer golden --max-num-seqs 3 ...` overrides any of these sizes)."""
+    lens = tuple(len(p.prompt_ids) + len(p.output_ids) for p in prompts)
+    return Workload(max_num_seqs=len(prompts), max_model_len=max(lens), pool=(lens,),
+                    max_num_batched_tokens=sum(len(p.prompt_ids) for p in prompts))
 
 
 def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | None = None,
                   **overrides: Any) -> EngineConfig:
-    """The engine config `deepinfer golden` runs: `engine_settings` for the golden prompts, then `overrides` (flat
-    EngineConfig names, e.g. max_num_seqs=3, graph_mode="layer", cp=2)."""
+    """The engine config `deepinfer golden` runs: sized for the golden prompts, then `overrides` (flat EngineConfig
+    names, e.g. max_num_seqs=3, graph_mode="layer", cp=2)."""
     model_dir = Path(model_dir or GOLDEN_DIR / "tiny")
     cfg = ModelConfig.from_json(model_dir)
     _, prompts = load_golden(Path(golden_dir or GOLDEN_DIR), cfg)
-    given = {k: v for k, v in overrides.items() if v is not None}
-    settings = engine_settings(prompts, cfg, int(given.get("cp", 1)))
-    return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), **{**settings, **given})
+    return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), workload=workload(prompts), **overrides)
 
 
-class _DeviceCounters:
-    """Per-step device counters (a no-op on the host): XLA compiles in decode steps whose graph shapes were all seen
-    before ("after warm-up"; `compiles_after_warmup`: every compile, the engine's graphs and eager mode's per-op
-    ones; `graph_compiles_after_warmup`: the engine's graphs only), CPU fallbacks in decode steps, device-to-host
-    and host-to-device copies per decode step (to the device: the step's inputs, plus a freed slot's index)."""
+class _StepCounters:
+    """The backend's counters per decode step (engine/backends `Counters`, the same schema on every backend):
+    compiles in decode steps whose graph shapes were all seen before ("after warm-up"; `compiles_after_warmup`:
+    every compile - on xla also eager mode's per-op graphs; `graph_compiles_after_warmup`: the engine's graphs only),
+    fallbacks in decode steps, device-to-host and host-to-device copies per decode step (to the device: the step's
+    inputs, plus a freed slot's index)."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.runner = engine, engine.runner
-        self.last = self.runner.backend.metrics()
+        self.engine, self.backend = engine, engine.runner.backend
+        self.last = self.backend.counters()
         self.graphs = self._graphs()
         self.prefill = engine.stats().num_prefill_tokens
         self.decode_steps = self.after_warmup = self.graph_after_warmup = self.fallbacks = 0
         self.to_host = self.to_device = 0
 
     def _graphs(self) -> int:
-        regions = getattr(self.runner, "regions", None)
+        regions = getattr(self.engine.runner, "regions", None)
         return len(regions.compiled) if regions is not None else 0
 
     def __call__(self) -> None:
-        now, graphs, prefill = self.runner.backend.metrics(), self._graphs(), self.engine.stats().num_prefill_tokens
-        if now and prefill == self.prefill:  # a pure decode step on a device backend
+        now, graphs, prefill = self.backend.counters(), self._graphs(), self.engine.stats().num_prefill_tokens
+        if prefill == self.prefill:  # a pure decode step
+            d = now.minus(self.last)
             self.decode_steps += 1
-            self.fallbacks += now["fallbacks"] - self.last["fallbacks"]
-            self.to_host += now["transfers_to_host"] - self.last["transfers_to_host"]
-            self.to_device += now["transfers_to_device"] - self.last["transfers_to_device"]
+            self.fallbacks += d["fallbacks"]
+            self.to_host += d["transfers_to_host"]
+            self.to_device += d["transfers_to_device"]
             if graphs == self.graphs:  # no new (region, bucket) shape: its graphs must all be cached
-                self.after_warmup += now["compiles"] - self.last["compiles"]
-                self.graph_after_warmup += now["graph_compiles"] - self.last["graph_compiles"]
+                self.after_warmup += d["compiles"]
+                self.graph_after_warmup += d["graph_compiles"]
         self.last, self.graphs, self.prefill = now, graphs, prefill
 
     def summary(self) -> dict[str, Any]:
-        if not self.last:
-            return {"device": "cpu"}
         n = max(1, self.decode_steps)
-        return {**{k: v for k, v in self.last.items() if k != "fallback_ops"}, "decode_steps": self.decode_steps,
-                "compiles_after_warmup": self.after_warmup, "graph_compiles_after_warmup": self.graph_after_warmup,
+        return {**{k: v for k, v in self.last.to_dict().items() if k != "fallback_ops"},
+                "decode_steps": self.decode_steps, "compiles_after_warmup": self.after_warmup,
+                "graph_compiles_after_warmup": self.graph_after_warmup,
                 "fallbacks_per_decode_step": self.fallbacks / n,
                 "transfers_to_host_per_decode_step": self.to_host / n,
-                "transfers_to_device_per_decode_step": self.to_device / n, "fallback_ops": self.last["fallback_ops"]}
+                "transfers_to_device_per_decode_step": self.to_device / n, "fallback_ops": self.last.fallback_ops}
 
 
 KERNEL_COLUMNS = ["family", "dispatch_key", "executor", "calls"]
@@ -166,15 +163,21 @@ def kernel_dispatches() -> list[dict[str, Any]]:
             for (key, ex), n in sorted(dispatch.counts().items())]
 
 
-def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> dict[str, Any]:
-    """On rank 0: every prompt as a greedy request, with the logits each token was sampled from."""
+def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progress: bool) -> dict[str, Any]:
+    """On rank 0: every prompt as a greedy request, with the logits each token was sampled from (`progress`: a bar
+    of generated tokens on stderr)."""
     from engine.llm import greedy_with_logits
     from engine.stack import blas_mode
     from nki_kernels import dispatch
 
-    counters = _DeviceCounters(engine)
+    counters = _StepCounters(engine)
     dispatch.reset_counts()
-    outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=counters)
+    with _token_bar(progress, len(prompts), sum(max_new)) as advance:
+        def on_step() -> None:
+            counters()
+            advance(engine.stats().num_generated_tokens)
+
+        outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=on_step)
     runner, stats = engine.runner, engine.stats()
     regions = getattr(runner, "regions", None)
     return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
@@ -182,6 +185,22 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int]) -> di
             "region_launches": regions.launches if regions is not None else 0,
             "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
             "kernels": kernel_dispatches(), "weights": _weight_summary(runner.model), "host_math": blas_mode()}
+
+
+@contextlib.contextmanager
+def _token_bar(show: bool, prompts: int, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar of generated tokens on stderr (gone when done on a terminal); a no-op when not `show`."""
+    if not show:
+        yield lambda done: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from deepinfer_bench.report import err_console
+
+    with Progress(TextColumn(f"golden: {prompts} prompts, tokens"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task("tokens", total=total)
+        yield lambda done: bar.update(task, completed=done)
 
 
 def _weight_summary(model: Any) -> dict[str, Any]:
@@ -213,15 +232,18 @@ def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -
             "max_abs_dlogit": dlogit, "logit_tol": tol, "verdict": verdict}
 
 
-def run_golden(config: EngineConfig, golden_dir: str | Path | None = None) -> GoldenRun:
+def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progress: bool = False) -> GoldenRun:
     """Every golden prompt through an engine built from `config` (on its cp ranks); one row per prompt. The
-    config's model must be the one the golden was made for (checked by config hash)."""
+    config's model must be the one the golden was made for (checked by config hash). `progress`: a bar of the
+    generated tokens on stderr while it runs."""
     golden_dir = Path(golden_dir or GOLDEN_DIR)
     cfg = config.model.config
     meta, prompts = load_golden(golden_dir, cfg)
     from engine import run_job
+    from engine.backends import measured_on
 
-    res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts]))
+    res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts],
+                                        progress))
     dtype = str(config.model.dtype)
     rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, res["outs"], res["logits"], strict=True)]
     run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
@@ -229,7 +251,7 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None) -> Go
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
-                "host_math": res["host_math"]}
+                "host_math": res["host_math"], "measured_on": measured_on(config.backend)}
     return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
                      steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
 

@@ -70,6 +70,33 @@ def run_kernels(kernel: str | None = None, executor: str = "auto", *, simulator:
     return df.rename(columns={"pass_": "pass"})[COLUMNS]
 
 
+def resolve_run(kernel: str | None, executor: str) -> tuple[str, bool]:
+    """The (executor, simulator) a `deepinfer kernels` run uses: `kernel` checked against the families,
+    `executor` auto -> DEEPINFER_KERNEL_EXECUTOR, the NKI simulator when NKI_SIMULATOR=1 was recorded, the
+    process's LNC for every launch, the installed NKI version checked for the real executors. A request this
+    machine cannot serve (no real NKI, no Neuron device) is a ValueError naming what is missing."""
+    from engine.envs import get_envs
+    from engine.stack import check_nki_version, logical_nc_config, versions
+    from nki_kernels import dispatch
+    from nki_kernels.registry import KERNELS
+
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"--kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+    if executor not in dispatch.KERNEL_EXECUTORS:
+        raise ValueError(f"--executor {executor!r}: expected one of {', '.join(dispatch.KERNEL_EXECUTORS)}")
+    envs = get_envs()
+    if executor == "auto" and envs.DEEPINFER_KERNEL_EXECUTOR != "auto":
+        executor = envs.DEEPINFER_KERNEL_EXECUTOR
+    simulator = dict(envs.recorded).get("NKI_SIMULATOR", "") == "1"
+    dispatch.set_default(lnc=logical_nc_config())  # the same LNC as the engine's kernel launches
+    if executor in ("simulator", "neuron"):
+        check_nki_version(versions()["nki"])
+    try:
+        return dispatch.resolve_executor(executor, simulator=simulator), simulator
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
 def proves(executor: str) -> str:
     from nki_kernels.dispatch import PROVES
 

@@ -19,8 +19,6 @@ The library returns a DataFrame and prints nothing; the command renders it.
 from __future__ import annotations
 
 import math
-import random
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,11 +28,12 @@ import pandas as pd
 
 from deepinfer_bench import axes
 from deepinfer_bench.axes import MATRICES_DIR
-from engine.config import EngineConfig
-from engine.llm import LLMEngine, RequestRejected, SamplingParams
+from deepinfer_bench.batch_run import random_prompts, run_batch
+from engine.config import EngineConfig, Workload
+from engine.llm import LLMEngine, RequestRejected
 from engine.profiling import quantiles
 
-__all__ = ["COLUMNS", "MATRICES_DIR", "MatrixSpec", "Row", "engine_settings", "pivot", "resolve_matrix", "run_cell",
+__all__ = ["COLUMNS", "MATRICES_DIR", "MatrixSpec", "Row", "engine_sizing", "pivot", "resolve_matrix", "run_cell",
            "run_matrix", "save_plot", "skip_reason"]
 
 COLUMNS = [
@@ -89,20 +88,18 @@ def resolve_matrix(name_or_path: str | Path) -> Path:
     return axes.resolve(name_or_path)
 
 
-def engine_settings(spec: MatrixSpec, cfg: Any, cp: int = 1) -> dict[str, Any]:
-    """The engine sizes serving every cell: slots for the largest batch, context for the longest cell, a pool big
-    enough for the biggest cell and a prefill budget of the largest batch x input, unless the matrix sets them
-    (the command's --max-num-seqs etc. override these in turn)."""
-    from engine.config import default_block_size
-
-    block_size = spec.block_size or default_block_size(cfg, cp)
-    out: dict[str, Any] = dict(
-        dtype=spec.dtype, seed=spec.seed, max_num_seqs=max(spec.batch_size), block_size=block_size,
-        max_model_len=spec.max_model_len or max(i + o for _, i, o in spec.cells),
-        num_kv_blocks=spec.num_kv_blocks or max(b * -(-(i + o) // block_size) for b, i, o in spec.cells),
-        max_num_batched_tokens=spec.max_num_batched_tokens or max(max(b * i for b, i, _ in spec.cells),
-                                                                  max(spec.batch_size)))
-    return out
+def engine_sizing(spec: MatrixSpec) -> tuple[Workload, dict[str, Any]]:
+    """What the matrix runs - slots for the largest batch, context for the longest cell, a pool for the biggest cell,
+    a prefill budget of the largest batch x input - and the settings the matrix file fixes (dtype, seed, and any
+    engine size it sets). The command's --max-num-seqs etc. override both; the block size follows cp."""
+    cells = spec.cells
+    longest = max(i + o for _, i, o in cells)
+    work = Workload(max_num_seqs=max(spec.batch_size), max_model_len=spec.max_model_len or longest,
+                    pool=tuple((i + o,) * b for b, i, o in cells),
+                    max_num_batched_tokens=spec.max_num_batched_tokens or max(b * i for b, i, _ in cells))
+    fixed = {"dtype": spec.dtype, "seed": spec.seed, "block_size": spec.block_size, "num_kv_blocks": spec.num_kv_blocks,
+             "max_model_len": spec.max_model_len, "max_num_batched_tokens": spec.max_num_batched_tokens}
+    return work, {k: v for k, v in fixed.items() if v is not None}
 
 
 @dataclass
@@ -125,13 +122,6 @@ class Row:
     skip_reason: str = ""
 
 
-@dataclass
-class _Run:
-    ttft_s: float
-    e2e_s: float
-    decode_steps_s: list[float]
-
-
 def skip_reason(config: EngineConfig, batch_size: int, input_len: int, output_len: int) -> str:
     """Why this cell cannot run on an engine with `config` ("" if it can)."""
     c = config.cache
@@ -145,46 +135,23 @@ def skip_reason(config: EngineConfig, batch_size: int, input_len: int, output_le
     return ""
 
 
-def _run_once(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> _Run:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    rids = [engine.add_request(p, params) for p in prompts]
-    pending_first = set(rids)
-    ttft: float | None = None
-    decode_steps: list[float] = []
-    while engine.has_unfinished():
-        ts = time.perf_counter()
-        outs = engine.step()
-        te = time.perf_counter()
-        if ttft is not None:
-            decode_steps.append(te - ts)
-            continue
-        pending_first -= {o.request_id for o in outs if o.new_token_ids}
-        if not pending_first:
-            ttft = te - t0
-    e2e = time.perf_counter() - t0
-    return _Run(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, decode_steps_s=decode_steps)
-
-
 def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: int, output_len: int) -> Row:
     row = Row(batch_size, input_len, output_len)
     reason = skip_reason(engine.config, batch_size, input_len, output_len)
     if reason:
         row.status, row.skip_reason = "skipped", reason
         return row
-    rng = random.Random(f"{spec.seed}-{batch_size}-{input_len}-{output_len}")
-    vocab = engine.vocab_size
-    lo = 2 if vocab > 2 else 0  # keep clear of BOS/EOS-like low ids
 
-    def prompts() -> list[list[int]]:
-        return [[rng.randrange(lo, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+    def prompts(run: int) -> list[list[int]]:
+        return random_prompts(engine.vocab_size, batch_size, input_len,
+                              f"{spec.seed}-{batch_size}-{input_len}-{output_len}-{run}")
 
     try:
-        for _ in range(spec.warmup):
-            _run_once(engine, prompts(), min(output_len, spec.warmup_output_len))
+        for w in range(spec.warmup):
+            run_batch(engine, prompts(-1 - w), min(output_len, spec.warmup_output_len))
         engine.reset_peak_usage()
         preempt0 = engine.stats().num_preemptions
-        runs = [_run_once(engine, prompts(), output_len) for _ in range(spec.repeats)]
+        runs = [run_batch(engine, prompts(r), output_len) for r in range(spec.repeats)]
     except RequestRejected as e:
         row.status, row.skip_reason = "skipped", str(e)
         return row
@@ -219,8 +186,8 @@ def _matrix_job(engine: LLMEngine, spec: MatrixSpec, progress: Progress | None) 
     if progress:
         progress(len(cells), len(cells), "")
     df = pd.DataFrame([asdict(r) for r in rows], columns=COLUMNS)
-    backend = getattr(engine.runner, "backend", None)  # device counters of the whole run (none on the host)
-    df.attrs["backend"] = backend.metrics() if backend is not None else {}
+    backend = getattr(engine.runner, "backend", None)  # the backend's counters of the whole run
+    df.attrs["backend"] = backend.counters().to_dict() if backend is not None else {}
     return df
 
 

@@ -56,16 +56,15 @@ class EngineArgs:
 
         return ModelConfig.from_json(self.model_dir)
 
-    def config(self, model_config: Any = None, **suggested: Any) -> Any:
-        """The EngineConfig of this command: `suggested` settings, overridden by what the user gave. Under
-        torchrun, cp is torchrun's world size."""
+    def config(self, model_config: Any = None, *, workload: Any = None, **suggested: Any) -> Any:
+        """The EngineConfig of this command: `suggested` settings, overridden by what the user gave; the engine
+        sized for `workload` (engine.config.Workload) where neither set a size (EngineConfig.from_model_config:
+        after cp is known, torchrun's WORLD_SIZE under torchrun)."""
         from engine.config import EngineConfig
-        from engine.launch import effective_cp
 
-        given = self.overrides()
-        given["cp"] = effective_cp(given.get("cp", suggested.get("cp", 1)))
         cfg = model_config if model_config is not None else self.model_config()
-        return EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), **{**suggested, **given})
+        return EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), workload=workload,
+                                              **{**suggested, **self.overrides()})
 
 
 _OPTIONS: dict[str, Any] = {

@@ -1,11 +1,12 @@
 """`deepinfer regions`: decode steps through the region graphs, timed per region and stage. Returns DataFrames
 (no printing); the command renders and saves them (deepinfer_bench/cmd_regions.py).
 
-One run: build a runner (graph mode, timing, host compiler), prefill `batch` random prompts of `context` tokens
-(eager, one step), run `warmup` decode steps (compiles every region for the shapes that follow), reset the timer,
-then time `steps` decode steps: the wall time of each `ModelRunner.forward` (the measured step time) and, with
-timing on, every (region, stage, layer) between split() boundaries. Under `cp > 1` every rank runs the same steps
-(SPMD); rank 0's numbers are returned.
+One run: build an engine (graph mode, timing, host compiler), queue `batch` greedy requests of `context` random
+tokens and drive them with the engine's own step (deepinfer_bench/batch_run.py: prefill, then decode steps), run
+`warmup` decode steps (compiles every region for the shapes that follow), reset the timer, then time `steps` decode
+steps: the wall time of each engine step (the measured step time: scheduler, runner, sampler) and, with timing on,
+every (region, stage, layer) between split() boundaries. Under `cp > 1` every rank runs the same steps (SPMD); rank
+0's numbers are returned.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from deepinfer_bench.batch_run import random_prompts, run_batch
+from engine.config import Workload
 from engine.profiling import TIMING_COLUMNS, quantiles
 
 STAGE_COLUMNS = ["graph_mode", "region", "stage", "layer", "calls", "calls_per_step", "total_ms", "p50_ms", "p90_ms",
@@ -53,14 +56,10 @@ class RegionsSpec:
 OVERHEAD_ROUND_STEPS = 20
 
 
-def engine_settings(spec: RegionsSpec, cfg: Any, cp: int = 1, timing: bool = True) -> dict[str, Any]:
-    """Engine sizes for the run: one slot per sequence of the batch and the context it needs."""
-    from engine.config import default_block_size
-
-    bs = default_block_size(cfg, cp)
-    return {"max_num_seqs": spec.batch, "num_kv_blocks": spec.batch * -(-spec.max_len // bs),
-            "max_model_len": spec.max_len, "max_num_batched_tokens": max(512, spec.batch * spec.context),
-            "region_timing": timing}
+def workload(spec: RegionsSpec) -> Workload:
+    """One slot per sequence of the batch, the context it needs, the whole prefill in one step."""
+    return Workload(max_num_seqs=spec.batch, max_model_len=spec.max_len, pool=((spec.max_len,) * spec.batch,),
+                    max_num_batched_tokens=max(512, spec.batch * spec.context))
 
 
 @dataclass
@@ -71,39 +70,8 @@ class RegionsResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class _Decoder:
-    """`batch` sequences prefilled with random prompts, then decoded greedily one step at a time."""
-
-    def __init__(self, runner: Any, spec: RegionsSpec) -> None:
-        from engine.model.cache import SeqStep
-
-        self.runner, self.SeqStep = runner, SeqStep
-        g = torch.Generator().manual_seed(spec.seed)
-        vocab = runner.cfg.vocab_size
-        self.tokens = [torch.randint(2, vocab, (spec.context,), generator=g).tolist() for _ in range(spec.batch)]
-        per = -(-runner.max_model_len // runner.block_size)
-        self.tables = [torch.arange(i * per, (i + 1) * per) for i in range(spec.batch)]
-        for slot in range(spec.batch):
-            runner.free_slot(slot)
-        steps = [SeqStep(slot=i, start=0, n=spec.context, token_start=i * spec.context, block_table=self.tables[i])
-                 for i in range(spec.batch)]
-        ids = torch.tensor([t for seq in self.tokens for t in seq])
-        self._advance(runner.forward(steps, ids))
-
-    def _advance(self, logits: torch.Tensor) -> None:
-        for seq, row in zip(self.tokens, logits, strict=True):
-            seq.append(int(row.argmax()))
-
-    def step(self) -> float:
-        """One decode step; returns its wall time in ms."""
-        steps = [self.SeqStep(slot=i, start=len(s) - 1, n=1, token_start=i, block_table=self.tables[i])
-                 for i, s in enumerate(self.tokens)]
-        ids = torch.tensor([s[-1] for s in self.tokens])
-        t0 = time.perf_counter()
-        logits = self.runner.forward(steps, ids)
-        ms = (time.perf_counter() - t0) * 1e3
-        self._advance(logits)
-        return ms
+def _prompts(engine: Any, spec: RegionsSpec, round_: int = 0) -> list[list[int]]:
+    return random_prompts(engine.vocab_size, spec.batch, spec.context, f"{spec.seed}-{round_}")
 
 
 def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
@@ -112,24 +80,28 @@ def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
 
     torch.manual_seed(spec.seed)
     runner = engine.runner
-    dec = _Decoder(runner, spec)
-    for _ in range(spec.warmup):
-        dec.step()
-    runner.timer.reset()
-    shapes = len(runner.regions.compiled) if runner.regions is not None else 0
-    before = runner.backend.metrics()
-    step_ms = [dec.step() for _ in range(spec.steps)]
-    after = runner.backend.metrics()
+    state: dict[str, Any] = {"decode": 0, "step_ms": []}
+
+    def on_step(index: int, seconds: float, decoding: bool) -> None:
+        if not decoding:
+            return
+        state["decode"] += 1
+        if state["decode"] > spec.warmup:
+            state["step_ms"].append(seconds * 1e3)
+        if state["decode"] == spec.warmup:  # warmed up: what follows is measured
+            runner.timer.reset()
+            state["shapes"] = len(runner.regions.compiled) if runner.regions is not None else 0
+            state["before"] = runner.backend.counters()
+
+    run_batch(engine, _prompts(engine, spec), spec.warmup + spec.steps + 1, on_step=on_step)
+    after = runner.backend.counters()
     graph = region_summary(runner)
-    graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - shapes  # a new block bucket mid-run
-    if after:  # a device backend: its counters per timed decode step (after the warm-up)
-        n = spec.steps
-        graph["device"] = {k: after[k] for k in ("device", "pjrt_device")}
-        graph["per_step"] = {k: (after[k] - before[k]) / n for k in ("compiles", "graph_compiles", "executions",
-                                                                       "transfers_to_host", "transfers_to_device",
-                                                                       "fallbacks")}
-        graph["fallback_ops"] = after["fallback_ops"]
-    return {"step_ms": step_ms, "timing": [asdict(r) for r in runner.timer.rows()], "graph": graph,
+    graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - state["shapes"]  # a new block bucket
+    graph["device"] = after.device
+    n = len(state["step_ms"])
+    graph["per_step"] = {k: v / n for k, v in after.minus(state["before"]).items()}
+    graph["fallback_ops"] = after.fallback_ops
+    return {"step_ms": state["step_ms"], "timing": [asdict(r) for r in runner.timer.rows()], "graph": graph,
             "collectives": runner.par.report()}
 
 
@@ -212,22 +184,31 @@ def _overhead_job(engine: Any, spec: RegionsSpec, rounds: int) -> pd.DataFrame:
     disabled = runner.regions.timer
     enabled = RegionTimer(enabled=True, synchronize=runner.regions.backend.synchronize)
     variants = {"no_timer": None, "disabled": disabled, "enabled": enabled}
+    names = list(variants)
     samples: dict[str, list[float]] = {k: [] for k in variants}
     shapes = None
     for r in range(rounds + 1):  # round 0 compiles and warms every variant up and is dropped
-        dec = _Decoder(runner, spec)
-        for i in range(steps_per_round + (1 if r == 0 else 0)):
-            names = list(variants)
-            for name in names[i % 3:] + names[: i % 3]:  # rotate the order: no variant always runs first
-                runner.regions.timer = variants[name]
-                ms = dec.step()
+        state = {"i": 0, "current": names[0]}
+        runner.regions.timer = variants[names[0]]
+
+        def on_step(index: int, seconds: float, decoding: bool, r: int = r, state: dict = state) -> None:
+            if decoding:  # the step that just ran used state["current"]; pick the next one (rotating order)
                 if r:
-                    samples[name].append(ms)
+                    samples[state["current"]].append(seconds * 1e3)
+                state["i"] += 1
+            i = state["i"]
+            cycle = names[(i // 3) % 3:] + names[: (i // 3) % 3]  # no variant always runs first
+            state["current"] = cycle[i % 3]
+            runner.regions.timer = variants[state["current"]]
+
+        run_batch(engine, _prompts(engine, spec, r), 3 * steps_per_round + 1, on_step=on_step)
         if r == 0:
             shapes = len(runner.regions.compiled)
     runner.regions.timer = disabled
     if len(runner.regions.compiled) != shapes:
         raise RuntimeError("a new block bucket was compiled during the measured rounds; use a shorter run")
+    n = min(len(v) for v in samples.values())
+    samples = {k: v[:n] for k, v in samples.items()}
     base = samples["no_timer"]
     rows = [{"variant": k, "rounds": rounds, "steps_per_round": steps_per_round,
              "step_ms_median": quantiles(v, 50)[0], "step_ms_p10": quantiles(v, 10)[0],

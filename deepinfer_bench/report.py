@@ -46,23 +46,46 @@ def _fmt(value: Any) -> str:
 
 def render_df(df: pd.DataFrame, title: str, *, console: Console | None = None, styles: Mapping[str, str] | None = None,
               columns: list[str] | None = None) -> None:
-    """Print `df` as a rich table: numbers right-aligned, NaN as '-'."""
+    """Print `df` as rich table(s): numbers right-aligned, NaN as '-'. A value is never cut: on a terminal narrower
+    than the table, the columns are split over several tables (each repeating the first column, the row's key);
+    piped, the table is printed at its natural width (engine logs, CI)."""
+    console = console or out_console
     cols = columns or list(df.columns)
-    table = Table(title=title, header_style="bold", show_lines=False)
-    for c in cols:
-        numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
-        table.add_column(c, justify="right" if numeric else "left", style=(styles or {}).get(c))
-    for row in df[cols].to_dict("records"):  # keeps each column's own type (iterrows would upcast ints)
-        cells = []
-        for c in cols:
-            text = escape(_fmt(row[c]))  # a value is data, not markup ('deepinfer[eager]' lost its '[eager]')
-            if c in ("verdict", "status", "pass") and text in ("FAIL", "mismatch", "error", "no"):
-                text = f"[red]{text}[/red]"
-            elif c in ("verdict", "status", "pass") and text in ("PASS", "match", "ok", "yes"):
-                text = f"[green]{text}[/green]"
-            cells.append(text)
-        table.add_row(*cells)
-    print_table(table, console or out_console)
+    cells = {c: [escape(_fmt(v)) for v in df[c].tolist()] for c in cols}  # a value is data, not markup
+    width = console.width if console.is_terminal else None
+    chunks = _column_chunks(cols, cells, width)
+    for i, chunk in enumerate(chunks):
+        part = title if len(chunks) == 1 else f"{title} ({i + 1}/{len(chunks)})"
+        table = Table(title=part, header_style="bold", show_lines=False)
+        for c in chunk:
+            numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
+            table.add_column(c, justify="right" if numeric else "left", style=(styles or {}).get(c), overflow="fold")
+        for r in range(len(df)):
+            table.add_row(*(_styled(c, cells[c][r]) for c in chunk))
+        print_table(table, console)
+
+
+def _styled(column: str, text: str) -> str:
+    if column in ("verdict", "status", "pass") and text in ("FAIL", "mismatch", "error", "no"):
+        return f"[red]{text}[/red]"
+    if column in ("verdict", "status", "pass") and text in ("PASS", "match", "ok", "yes"):
+        return f"[green]{text}[/green]"
+    return text
+
+
+def _column_chunks(cols: list[str], cells: Mapping[str, list[str]], width: int | None) -> list[list[str]]:
+    """`cols` in groups whose tables fit `width` (None: one group), each group after the first led by cols[0]."""
+    need = {c: max([len(c), *(len(v) for v in cells[c])]) + 3 for c in cols}  # padding 2 + one border
+    if width is None or sum(need.values()) + 1 <= width or len(cols) < 2:
+        return [cols]
+    key, chunks, cur = cols[0], [], [cols[0]]
+    for c in cols[1:]:
+        if len(cur) > 1 and sum(need[x] for x in cur) + need[c] + 1 > width:
+            chunks.append(cur)
+            cur = [key]
+        cur.append(c)
+    chunks.append(cur)
+    return chunks
 
 
 def print_table(table: Table, console: Console) -> None:
@@ -98,17 +121,11 @@ def tool_versions() -> dict[str, str]:
 
 
 def measured_on(backend: Any) -> str:
-    """Where a run's numbers come from, for table titles, plots and meta.json: timings of the xla backend on PJRT
-    CPU are XLA's CPU backend running the device graphs, not trn2 numbers, and say so."""
-    from engine.envs import get_envs
+    """Where a run's numbers come from, for table titles, plots and meta.json: the backend says
+    (engine/backends `Backend.measured_on`; e.g. xla on PJRT CPU is not trn2 numbers)."""
+    from engine.backends import measured_on as backend_measured_on
 
-    name = str(backend)
-    if name == "host":
-        return "host CPU (torch)"
-    device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
-    if device == "CPU":
-        return f"{name} on PJRT CPU (not trn2 numbers)"
-    return f"{name} on PJRT {device}"
+    return backend_measured_on(backend)
 
 
 def base_meta(**extra: Any) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Building an engine, and running a function against it on 1 or cp ranks, the one way every command does.
 
-* `build(config)` -> `LLMEngine`: the process is set up by the config's backend (threads, reproducible math,
-  runtime variables), the weights are loaded (memory-mapped, only this rank's experts under expert parallelism) or
-  handed in, the model and its KV cache are built, and the engine (scheduler, sampler, tokenizer) wraps them.
+* `build(config)` -> `LLMEngine`, the one way to build an engine in a process: the config's backend is made once
+  (which checks the kernel table) and sets the process up (threads, reproducible math, runtime variables), the
+  weights are loaded (memory-mapped, only this rank's experts under expert parallelism) or handed in, the model and
+  its KV cache are built on the backend's device, and the engine (scheduler, sampler, tokenizer) wraps them.
 * `run_job(config, fn, args)` -> `fn(engine, *args)` on rank 0: with cp = 1 in this process; with cp > 1 on cp rank
   processes (or under torchrun, where this process is one rank), rank 0 owning the scheduler and a
   `DistributedRunner` whose steps the other ranks execute (`worker_loop`). Its return value comes back to the
@@ -15,11 +16,12 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.parallel import Parallel, barrier, init_from_env, launch, under_torchrun
+from engine.parallel import Parallel, barrier, launch, under_torchrun
 
 if TYPE_CHECKING:
     import torch
 
+    from engine.backends import Backend
     from engine.config import EngineConfig
     from engine.llm import LLMEngine
     from engine.runner import ModelRunner
@@ -58,16 +60,17 @@ def load_weights(config: EngineConfig, par: Parallel | None = None, stored: bool
 
 
 def build_runner(config: EngineConfig, par: Parallel | None = None,
-                 weights: dict[str, torch.Tensor] | None = None) -> ModelRunner:
-    """The model runner of `config` on this rank (`weights`: official-named tensors to use instead of loading;
-    stored FP8/FP4 bytes among them are held as stored)."""
+                 weights: dict[str, torch.Tensor] | None = None, backend: Backend | None = None) -> ModelRunner:
+    """The model runner of `config` on this rank, on `backend` (default: the one that joined `par`'s group, else a
+    new one) (`weights`: official-named tensors to use instead of loading; stored FP8/FP4 bytes among them are held
+    as stored). The process must be set up already (`build` / `run_job` do it)."""
     from engine.backends import get_backend
     from engine.model.model import Transformer, use_formats, use_ops
     from engine.model.ops import ops_for
     from engine.runner import ModelRunner, parse_dtype
 
     par = par or Parallel()
-    backend = get_backend(config)
+    backend = backend or par.backend or get_backend(config)
     ops = ops_for(config.kernels)
     state = weights if weights is not None else load_weights(config, par)
     stored = str(config.model.weights) == "stored"
@@ -75,7 +78,7 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
     wanted = model.state_dict(keep_vars=True).keys()
     formats = stored_formats(config) if weights is None else _formats_in(state, wanted)
     use_formats(model, {k: v for k, v in formats.items() if k in wanted})
-    use_ops(model, ops)
+    use_ops(model, ops, backend.capabilities)
     wanted = model.state_dict(keep_vars=True).keys()
     model.load_weights({k: v for k, v in state.items() if k in wanted}, parse_dtype(config.model.dtype),
                        keep_narrow=stored)
@@ -99,16 +102,19 @@ def _formats_in(state: dict[str, torch.Tensor], names: Any) -> dict[str, str]:
     return out
 
 
-def build(config: EngineConfig, *, weights: dict[str, torch.Tensor] | None = None, par: Parallel | None = None,
+def build(config: EngineConfig, *, weights: dict[str, torch.Tensor] | None = None,
           threads: int | None = None) -> LLMEngine:
-    """An `LLMEngine` for `config` in this process (one rank: use `run_job` for cp > 1). `threads`: torch intra-op
-    threads (default DEEPINFER_NUM_THREADS, else torch's)."""
+    """An `LLMEngine` for `config` in this process (one rank: use `run_job` for cp > 1): its backend is built once,
+    sets the process up, and runs the model. `threads`: torch intra-op threads (default DEEPINFER_NUM_THREADS, else
+    torch's)."""
     from engine.backends import get_backend
     from engine.llm import LLMEngine
 
-    if par is None:  # a rank process was set up by run_job already
-        get_backend(config).setup_process(_threads(threads))
-    return LLMEngine(config, build_runner(config, par, weights))
+    if config.cp > 1:
+        raise ValueError(f"engine.build makes a one-rank engine; cp={config.cp} runs through engine.run_job")
+    backend = get_backend(config)
+    backend.setup_process(_threads(threads))
+    return LLMEngine(config, build_runner(config, Parallel(), weights, backend))
 
 
 def _threads(threads: int | None) -> int | None:
@@ -119,12 +125,13 @@ def _threads(threads: int | None) -> int | None:
     return get_envs().DEEPINFER_NUM_THREADS or None
 
 
-def _setup_rank(config: EngineConfig, rank: int, cp: int, port: int, threads: int) -> str:
+def _setup_rank(config: EngineConfig, rank: int, cp: int, port: int, threads: int, timeout_s: float) -> Parallel:
+    """In rank process `rank`: its backend, built once, sets the process up and joins the job's group."""
     from engine.backends import get_backend
 
     backend = get_backend(config)
     backend.setup_process(threads, rank, world=cp, master_port=port)
-    return backend.dist_backend
+    return backend.join_group(rank, cp, port, timeout_s)
 
 
 def _engine_job(par: Parallel, config: EngineConfig, fn: Callable[..., Any], args: tuple) -> Any:
@@ -144,20 +151,19 @@ def _engine_job(par: Parallel, config: EngineConfig, fn: Callable[..., Any], arg
 
 
 def _torchrun(config: EngineConfig, fn: Callable[..., Any], args: tuple, threads: int | None) -> Any:
-    """Under torchrun this process is one rank: run the job; ranks > 0 then leave quietly (exit 0), so only rank 0
-    goes on to print results."""
+    """Under torchrun this process is one rank (the config's cp is torchrun's WORLD_SIZE): run the job; ranks > 0
+    then leave quietly (exit 0), so only rank 0 goes on to print results."""
     import torch.distributed as dist
 
     from engine.backends import get_backend
     from engine.envs import get_envs
 
     backend = get_backend(config)
-    world = int(dict(get_envs().recorded)["WORLD_SIZE"])
-    backend.check_parallel(world)
-    backend.setup_process(_threads(threads), int(dict(get_envs().recorded).get("RANK", "0")), world=world)
-    par = init_from_env(backend.dist_backend)
+    backend.check_parallel(config.cp)
+    backend.setup_process(_threads(threads), int(dict(get_envs().recorded).get("RANK", "0")), world=config.cp)
+    par = backend.join_group(0, config.cp, None, get_envs().DEEPINFER_DIST_TIMEOUT_S)
     out = _engine_job(par, config, fn, args)
-    barrier(par)  # on the gloo control group (the xla group's barrier is a no-op)
+    barrier(par)  # on the gloo control group (a device group's barrier may do nothing)
     if par.rank != 0:
         dist.destroy_process_group()
         raise SystemExit(0)
@@ -174,20 +180,11 @@ def run_job(config: EngineConfig, fn: Callable[..., Any], args: tuple = (), *, t
         return _torchrun(config, fn, args, threads)
     if config.parallel.cp <= 1:
         return fn(build(config, threads=threads), *args)
-    from engine.backends import get_backend
+    from engine.backends import backend_class
 
-    get_backend(config).check_parallel(config.parallel.cp)  # refuse up front what the ranks could not run
+    backend_class(config.backend).check_parallel(config.parallel.cp)  # refuse up front what ranks could not run
     import torch
 
     total = _threads(threads) or torch.get_num_threads()
     return launch(_engine_job, config.parallel.cp, (config, fn, args), timeout_s=timeout_s, kill_at=kill_at,
                   setup=functools.partial(_setup_rank, config), threads=max(1, total // config.parallel.cp))
-
-
-def effective_cp(cp: int) -> int:
-    """The rank count a job will really have: torchrun's WORLD_SIZE when launched by torchrun, else `cp`."""
-    if under_torchrun():
-        from engine.envs import get_envs
-
-        return int(dict(get_envs().recorded)["WORLD_SIZE"])
-    return cp

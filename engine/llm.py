@@ -1,9 +1,10 @@
-"""vLLM-shaped facade: `LLMEngine` (add_request / abort / step, for serving) and `LLM(config).generate(...)`.
+"""vLLM-shaped serving loop: `LLMEngine` (add_request / abort / step). `LLM(config).generate(...)` is in
+engine/offline.py.
 
 One `step()` = schedule (pure Python) -> reset released slots -> `runner.execute(batch)` -> one batched sampler
 call for the sequences whose chunk reached their last token -> stop checks (token ids, EOS, stop strings on the
-incrementally detokenised text: the engine is their one owner) -> free finished sequences. The runner comes from
-`engine.build(config)` / `engine.run_job` (engine/launch.py), or is passed in (tests pass a fake one).
+incrementally detokenised text: the engine is their one owner) -> free finished sequences. The runner is built
+with the engine by `engine.build(config)` / `engine.run_job` (engine/launch.py); tests pass a fake one.
 
 `on_logits(request_ids, logits)`, when set, sees the fp32 logits [B, V] every sampled token of a step is drawn
 from, before sampling (the golden check records them; logprobs are computed from the same rows).
@@ -34,7 +35,7 @@ from engine.tokenizer import Tokenizer, load_tokenizer
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams",
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams",
            "TokenLogprobs", "check_token_ids"]
 
 
@@ -108,8 +109,10 @@ class _Counters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None, *,
-                 tokenizer: Tokenizer | None = None) -> None:
+    """The serving loop over one runner. Built by `engine.build(config)` (engine/launch.py: the one way, which sets
+    the process up first) or by `engine.run_job` on cp ranks; tests hand in a fake runner."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunnerLike, *, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.model_config = config.model.config
         self.scheduler = Scheduler(config.cache)
@@ -118,33 +121,19 @@ class LLMEngine:
         self.eos_token_id = self.model_config.eos_token_id
         self.vocab_size = self.model_config.vocab_size
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
-        self._runner = None
-        if runner is not None:
-            self._bind_runner(runner)
-        self._requests: dict[str, Sequence] = {}
-        self._text: dict[str, TextState] = {}
-        self._ids = itertools.count()
-        self._rng = random.Random(config.seed)
-        self._c = _Counters()
-
-    # ---- runner ---------------------------------------------------------------------------------------------
-    @property
-    def runner(self) -> ModelRunnerLike:
-        if self._runner is None:
-            from engine.launch import build_runner
-
-            self._bind_runner(build_runner(self.config))
-        return self._runner  # type: ignore[return-value]
-
-    def _bind_runner(self, runner: ModelRunnerLike) -> None:
-        cache = self.config.cache
+        cache = config.cache
         for name in ("max_num_seqs", "num_kv_blocks", "max_model_len"):
             have = getattr(runner, name, None)
             if have is not None and have < getattr(cache, name):
                 raise ValueError(f"runner.{name}={have} < config.{name}={getattr(cache, name)}")
         if getattr(runner, "block_size", cache.block_size) != cache.block_size:
             raise ValueError(f"runner.block_size={runner.block_size} != config.block_size={cache.block_size}")
-        self._runner = runner
+        self.runner = runner
+        self._requests: dict[str, Sequence] = {}
+        self._text: dict[str, TextState] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._c = _Counters()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | SequenceABC[int]) -> list[int]:
@@ -303,10 +292,8 @@ class LLMEngine:
                              prompt_logprobs=prompt_logprobs)
 
     def _release_slots(self) -> None:
-        slots = self.scheduler.take_freed_slots()
-        if slots and self._runner is not None:
-            for slot in slots:
-                self._runner.free_slot(slot)
+        for slot in self.scheduler.take_freed_slots():
+            self.runner.free_slot(slot)
 
     # ---- metrics --------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -331,45 +318,6 @@ def _new_prompt_targets(seq: Sequence, start: int, n: int) -> tuple[int, int] | 
     first = max(start + 1, len(seq.prompt_logprobs) + 1)
     end = min(start + n + 1, seq.num_prompt_tokens)
     return (first, end) if first < end else None
-
-
-class LLM:
-    """Offline batch generation: `LLM(config).generate(prompts, params)` (vLLM's shape)."""
-
-    def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None, **overrides) -> None:
-        """`overrides`: flat engine settings applied to `config` (EngineConfig.replace)."""
-        if overrides:
-            config = config.replace(**overrides)
-        self.engine = LLMEngine(config, runner)
-
-    def generate(self, prompts: SequenceABC[str] | SequenceABC[SequenceABC[int]],
-                 params: SamplingParams | SequenceABC[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; returns the final output of each, in prompt order.
-
-        A list of ints is ONE prompt of token ids only inside the outer list: pass `[[1, 2, 3]]`, not `[1, 2, 3]`.
-        Every prompt is checked before any is queued, so a rejected one (RequestRejected) queues nothing.
-        """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        n = len(prompts)
-        plist = list(params) if isinstance(params, SequenceABC) else [params or SamplingParams()] * n
-        if len(plist) != n:
-            raise ValueError(f"{len(plist)} SamplingParams for {n} prompts")
-        eng = self.engine
-        ids = [eng.encode(p) for p in prompts]
-        for i, (toks, p) in enumerate(zip(ids, plist, strict=True)):
-            try:
-                eng.scheduler.check_request(len(toks), p.max_tokens)
-            except RequestRejected as e:
-                raise RequestRejected(f"prompt {i} rejected: {e}") from None
-        rids = [eng.add_request(toks, p) for toks, p in zip(ids, plist, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        want = set(rids)
-        while want - final.keys():
-            for out in eng.step():
-                if out.finished and out.request_id in want:
-                    final[out.request_id] = out
-        return [final[r] for r in rids]
 
 
 def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]],

@@ -14,7 +14,7 @@ Layout (cp ranks, the same `--cp N` for both):
 
 Rank launch: `launch(job, cp, ...)` spawns cp processes on this host (gloo) and supervises them: a rank that raises
 or dies ends the whole job within a bounded time, naming the rank and the error; no orphans. Under `torchrun`
-(WORLD_SIZE set) the current process is one rank and `init_from_env()` joins the group.
+(WORLD_SIZE set) the current process is one rank and its backend's `join_group` joins torchrun's group.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from engine.config import LayoutError, check_layout
 
-__all__ = ["LayoutError", "Parallel", "RankFailed", "check_layout", "init_from_env", "launch", "under_torchrun"]
+__all__ = ["LayoutError", "Parallel", "RankFailed", "barrier", "check_layout", "join_group", "launch", "under_torchrun"]
 
 
 class RankFailed(RuntimeError):
@@ -58,6 +58,7 @@ class Parallel:
     control_group: Any = None
     counts: Counter = field(default_factory=Counter)
     kill_at: int | None = None  # fault injection for tests: SIGKILL this rank at its n-th collective
+    backend: Any = None  # the engine backend that joined this group (engine/backends), for the rank's job
 
     @property
     def enabled(self) -> bool:
@@ -96,64 +97,36 @@ class Parallel:
 # Process groups
 
 
-def init_process_group(rank: int, cp: int, master_port: int, timeout_s: float, dist_backend: str = "gloo") -> Parallel:
-    """Join the job's process group: gloo over tcp:// on the host; on an XLA device the "xla" group through
-    torch-xla's `xla://` rendezvous (the rank's PJRT/torchrun variables were set by its backend's setup_process).
-    Step messages from rank 0 always travel on a gloo control group."""
+def join_group(dist_backend: str, init_method: str, world: int, timeout_s: float, rank: int | None = None,
+               backend: Any = None) -> Parallel:
+    """Join the job's process group (`dist_backend` over `init_method`; `rank` None: the rendezvous assigns it, as
+    torchrun's env:// and torch-xla's xla:// do) and make the gloo control group that rank 0's step messages travel
+    on. A group whose world size is not the job's (a runtime not configured for several processes reports 1, and
+    collectives would then silently reduce over one rank) is refused. The engine's backends call this from their
+    `join_group` (engine/backends); `backend` is kept on the returned Parallel for the rank's job."""
     timeout = _dt.timedelta(seconds=timeout_s)
-    if dist_backend == "xla":
-        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" process-group backend
-
-        dist.init_process_group("xla", init_method="xla://", timeout=timeout)
-        _check_world(cp)
-    else:
-        dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=cp,
-                                timeout=timeout)
-    return Parallel(rank=dist.get_rank(), cp=cp, group=dist.group.WORLD, control_group=_control_group())
-
-
-def _check_world(cp: int) -> None:
-    """torch-xla's rendezvous reports world size 1 (and rank 0 everywhere) when its runtime is not set up for
-    several processes - collectives then silently reduce over one rank. Refuse that."""
-    world = dist.get_world_size()
-    if world != cp:
-        raise RuntimeError(f"the xla process group has world size {world}, the job has cp={cp} ranks: the PJRT "
-                           "runtime is not configured for multiple processes (on PJRT CPU, XLA collectives do not "
-                           "run across processes at all)")
+    ranks = {} if rank is None else {"rank": rank, "world_size": world}
+    dist.init_process_group(dist_backend, init_method=init_method, timeout=timeout, **ranks)
+    if dist.get_world_size() != world:
+        raise RuntimeError(f"the {dist_backend} process group has world size {dist.get_world_size()}, the job has "
+                           f"{world} ranks: the runtime is not configured for multiple processes")
+    return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group(),
+                    backend=backend)
 
 
 def _control_group() -> Any:
     return dist.new_group(backend="gloo", timeout=_dt.timedelta(days=365))
 
 
-def init_from_env(dist_backend: str = "gloo") -> Parallel:
-    """Join the group described by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
-    from engine.envs import get_envs
-
-    rec = dict(get_envs().recorded)
-    world = int(rec.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Parallel()
-    timeout = _dt.timedelta(seconds=get_envs().DEEPINFER_DIST_TIMEOUT_S)
-    if dist_backend == "xla":
-        import torch_xla.distributed.xla_backend  # noqa: F401
-
-        dist.init_process_group("xla", init_method="xla://", timeout=timeout)
-        _check_world(world)
-    else:
-        dist.init_process_group(dist_backend, init_method="env://", timeout=timeout)
-    return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group())
-
-
 def barrier(par: Parallel) -> None:
-    """Wait for every rank, on the gloo control group: the "xla" process group's barrier does nothing."""
+    """Wait for every rank, on the gloo control group (a device group's barrier may do nothing: torch-xla's)."""
     dist.barrier(group=par.control_group)
 
 
 def under_torchrun() -> bool:
-    from engine.envs import get_envs
+    from engine.envs import torchrun_world_size
 
-    return int(dict(get_envs().recorded).get("WORLD_SIZE", "1")) > 1
+    return torchrun_world_size() > 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,11 +141,10 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tuple, results: Any,
                timeout_s: float, kill_at: tuple[int, int] | None, threads: int,
-               setup: Callable[[int, int, int, int], str] | None) -> None:
+               setup: Callable[[int, int, int, int, float], Parallel] | None) -> None:
     try:
-        # threads, reproducible math, per-rank runtime variables: set before any runtime starts
-        dist_backend = setup(rank, cp, port, threads) if setup is not None else _default_setup(rank, cp, port, threads)
-        par = init_process_group(rank, cp, port, timeout_s, dist_backend)
+        # threads, reproducible math, per-rank runtime variables (before any runtime starts), then the group
+        par = (setup or _default_setup)(rank, cp, port, threads, timeout_s)
         if kill_at is not None and kill_at[0] == rank:
             par.kill_at = kill_at[1]
         out = job(par, *args)
@@ -189,21 +161,24 @@ def _rank_main(rank: int, cp: int, port: int, job: Callable[..., Any], args: tup
         os._exit(1)
 
 
-def _default_setup(rank: int, cp: int, port: int, threads: int) -> str:
-    from engine.backends.host import setup_host_process
+def _default_setup(rank: int, cp: int, port: int, threads: int, timeout_s: float) -> Parallel:
+    """Plain host ranks: reproducible math, `threads` torch threads, a gloo group over tcp:// on this host."""
+    from engine.envs import pin_reproducible_math
 
-    setup_host_process(threads)
-    return "gloo"
+    pin_reproducible_math()
+    torch.set_num_threads(threads)
+    return join_group("gloo", f"tcp://127.0.0.1:{port}", cp, timeout_s, rank=rank)
 
 
 def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: float | None = None,
-           kill_at: tuple[int, int] | None = None, setup: Callable[[int, int, int, int], str] | None = None,
-           threads: int | None = None) -> Any:
+           kill_at: tuple[int, int] | None = None,
+           setup: Callable[[int, int, int, int, float], Parallel] | None = None, threads: int | None = None) -> Any:
     """Run `job(par, *args)` on cp ranks (processes) and return rank 0's result.
 
-    `setup(rank, cp, port, threads) -> dist backend name` runs first in every rank process (the engine passes its
-    backend's `setup_process`); the default sets the host threads and joins over gloo. `threads`: torch threads per rank
-    (default: DEEPINFER_NUM_THREADS or torch's, split between the ranks).
+    `setup(rank, cp, port, threads, collective_timeout_s) -> Parallel` runs first in every rank process: it sets the
+    process up and joins the job's group (the engine passes its backend's `setup_process` + `join_group`); the
+    default sets the host threads and joins over gloo. `threads`: torch threads per rank (default:
+    DEEPINFER_NUM_THREADS or torch's, split between the ranks).
 
     Any rank that raises, dies (e.g. SIGKILL) or outlives `timeout_s` ends the job: the others are terminated
     (SIGTERM, then SIGKILL after 5 s) and RankFailed names the rank and its error. `kill_at=(rank, n)` makes that

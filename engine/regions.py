@@ -84,7 +84,7 @@ class Region(nn.Module):
         blk = type(self.blk)(self.blk.cfg, self.blk.layer_id, self.blk.par)
         blk.ffn.capacity, blk.ffn.static_moe = self.blk.ffn.capacity, self.blk.ffn.static_moe
         use_formats(blk, formats_of(self.blk))
-        use_ops(blk, self.blk.ops)
+        use_ops(blk, self.blk.ops, self.blk.caps)
         if self.blk.ffn._stacked:
             blk.ffn.stack_experts()  # meta buffers of the same names: functional_call swaps the layer's in
         return Region(blk, self.kind, self.ratio, self.slots_per_layer, self.blocks_per_layer, self.split)
@@ -153,6 +153,21 @@ class RegionRunner:
         self.launches_last_step = 0
         self.compiled: set[tuple] = set()
 
+    def representatives(self) -> dict[tuple, tuple[Region, torch.Tensor]]:
+        """One (region, layer index tensor) per region structure: what a graph export traces (every layer of a
+        structure runs that structure's graph)."""
+        reps: dict[tuple, tuple[Region, torch.Tensor]] = {}
+        for regions, li in zip(self._regions[False], self._li, strict=True):
+            for reg in regions:
+                reps.setdefault(reg.structure(), (reg, li))
+        return reps
+
+    def decode_shapes(self, max_num_seqs: int) -> list[tuple[int, int]]:
+        """(batch bucket, block bucket) pairs a decode step of up to `max_num_seqs` sequences can take."""
+        bps = sorted({batch_bucket(b, self.buckets) for b in range(1, max_num_seqs + 1)})
+        nbs = sorted({block_bucket(n, self.max_blocks) for n in range(1, self.max_blocks + 1)})
+        return [(bp, nb) for bp in bps for nb in nbs]
+
     def _split(self, stage: str) -> None:
         if self.timer is not None:
             self.timer.split(stage)
@@ -175,7 +190,7 @@ class RegionRunner:
         nb = block_bucket(max(s.start // bs + 1 for s in steps), self.max_blocks)
         packed = torch.zeros(bp, 3 + nb, dtype=torch.long)  # pos, slot, id, table...
         packed[:, 1], packed[:, 3:] = self.cache.num_slots, self.cache.num_blocks
-        ids = input_ids.tolist() if input_ids.device.type == "cpu" else input_ids.cpu().tolist()
+        ids = input_ids.cpu().tolist()  # a no-op copy for a CPU tensor
         for i, s in enumerate(steps):
             if s.token_start != i:
                 raise ValueError(f"decode step {i} has token_start {s.token_start}: one token per sequence, in order")

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.backends import Backend, get_backend
+from engine.backends import Backend
 from engine.config import EngineConfig, GraphMode
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
@@ -42,12 +42,11 @@ class SequenceLike(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Transformer, par: Parallel | None = None,
-                 backend: Backend | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: Transformer, par: Parallel | None, backend: Backend) -> None:
         cfg, cache, graph = config.model.config, config.cache, config.graph
         self.config, self.cfg, self.model = config, cfg, model
         self.par = par or Parallel()
-        self.backend = backend or get_backend(config)
+        self.backend = backend
         self.dtype = parse_dtype(config.model.dtype)
         self.max_num_seqs, self.num_kv_blocks = cache.max_num_seqs, cache.num_kv_blocks
         self.block_size, self.max_model_len = cache.block_size, cache.max_model_len

@@ -95,7 +95,7 @@ def test_xla_backend_sets_pjrt_cpu_and_refuses_ranks_there(fake_xla, envs, monke
 
     monkeypatch.setattr(engine.envs, "apply_env", apply_env)
     be = get_backend(fake_config(backend="xla"))
-    assert be.name == "xla" and be.dist_backend == "xla"
+    assert be.name == "xla" and not be.capabilities.data_dependent_shapes and be.counters().compiles == 0
     be.setup_process(threads=None)
     assert applied["PJRT_DEVICE"] == "CPU" and "optimization_level=0" in applied["XLA_FLAGS"]
     assert int(applied["XLA_COMPILATION_CACHE_SIZE"]) >= 65536  # eager per-op graphs must not evict the regions'
@@ -138,19 +138,48 @@ def test_neuron_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch
 
 
 def test_xla_process_group_joins_over_xla_and_checks_world(fake_xla, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import parallel
+    from engine.backends import get_backend
 
     calls: list[tuple] = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist, "new_group", lambda **k: "control")
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    par = parallel.init_process_group(1, 2, 1234, 30.0, "xla")
-    assert calls[0][0] == ("xla",) and calls[0][1]["init_method"] == "xla://"
-    assert (par.rank, par.cp, par.control_group) == (1, 2, "control")
+    be = get_backend(fake_config(backend="xla"))
+    par = be.join_group(1, 2, 1234, 30.0)
+    assert calls[0][0] == ("xla",) and calls[0][1]["init_method"] == "xla://" and "rank" not in calls[0][1]
+    assert (par.rank, par.cp, par.control_group, par.backend) == (1, 2, "control", be)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)  # what PJRT CPU reports for every process
-    with pytest.raises(RuntimeError, match="world size 1, the job has cp=2"):
-        parallel.init_process_group(1, 2, 1234, 30.0, "xla")
+    with pytest.raises(RuntimeError, match="world size 1, the job has 2 ranks"):
+        be.join_group(1, 2, 1234, 30.0)
+
+
+def test_host_process_group_joins_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.backends import get_backend
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "new_group", lambda **k: "control")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    be = get_backend(fake_config())
+    par = be.join_group(1, 2, 1234, 30.0)
+    assert calls[0][0] == ("gloo",) and calls[0][1]["init_method"] == "tcp://127.0.0.1:1234"
+    assert (calls[0][1]["rank"], calls[0][1]["world_size"]) == (1, 2) and par.backend is be
+    be.join_group(1, 2, None, 30.0)  # torchrun's rendezvous
+    assert calls[1][1]["init_method"] == "env://" and "rank" not in calls[1][1]
+
+
+def test_kernel_tables_are_the_backends_and_refused_before_loading(fake_xla) -> None:
+    """Which --kernels a backend runs is the backend's to say; the config itself does not know (engine/backends)."""
+    from engine.backends import get_backend
+
+    for backend, kernels, hint in (("host", "nki", "--backend neuron"), ("xla", "stand-in", "--backend host"),
+                                   ("xla", "host", "--backend host")):
+        cfg = fake_config(backend=backend, kernels=kernels)  # a config may name it ...
+        with pytest.raises(ValueError, match=f"--kernels {kernels} does not run on --backend {backend}.*{hint}"):
+            get_backend(cfg)  # ... the engine refuses it when it builds the backend, before any weight loads
+    assert get_backend(fake_config(kernels="host")).name == "host"
 
 
 def test_stack_probe_and_nki_version(envs) -> None:
@@ -168,8 +197,10 @@ def test_stack_probe_and_nki_version(envs) -> None:
 
 
 def test_torchrun_ranks_meet_on_the_gloo_control_group(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The "xla" process group's barrier is a no-op: a rank's closing barrier must run on the gloo control group."""
+    """The "xla" process group's barrier is a no-op: a rank's closing barrier must run on the gloo control group.
+    Under torchrun the config's cp is torchrun's WORLD_SIZE."""
     from engine import launch
+    from engine.backends.xla import NeuronBackend
     from engine.parallel import Parallel
 
     monkeypatch.setattr(engine.envs, "apply_env", lambda updates: None)
@@ -179,12 +210,21 @@ def test_torchrun_ranks_meet_on_the_gloo_control_group(fake_xla, envs, monkeypat
     monkeypatch.setattr(launch, "_engine_job", lambda par, config, fn, args: "out")
     for rank in (1, 0):
         envs(WORLD_SIZE="2", RANK=str(rank))
-        monkeypatch.setattr(launch, "init_from_env", lambda backend, r=rank: Parallel(
-            rank=r, cp=2, group="xla-world", control_group="gloo-control"))
+        monkeypatch.setattr(NeuronBackend, "join_group", lambda self, r0, world, port, timeout, r=rank: Parallel(
+            rank=r, cp=world, group="xla-world", control_group="gloo-control", backend=self))
+        config = fake_config(backend="neuron", block_size=16)
+        assert config.cp == 2
         if rank:
             with pytest.raises(SystemExit) as exit_info:
-                launch._torchrun(fake_config(backend="neuron"), lambda eng: None, (), None)
+                launch._torchrun(config, lambda eng: None, (), None)
             assert exit_info.value.code == 0
         else:
-            assert launch._torchrun(fake_config(backend="neuron"), lambda eng: None, (), None) == "out"
+            assert launch._torchrun(config, lambda eng: None, (), None) == "out"
     assert barriers == [{"group": "gloo-control"}] * 2
+
+
+def test_cp_under_torchrun_is_its_world_size(envs) -> None:
+    envs(WORLD_SIZE="2", RANK="0")
+    assert fake_config(block_size=16).cp == 2
+    with pytest.raises(ValueError, match="cp=4 under torchrun with WORLD_SIZE=2"):
+        fake_config(block_size=16, cp=4)

@@ -79,7 +79,13 @@ def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.Captu
     from deepinfer_bench.cli import main
 
     for argv, expect in ((["golden", "--model-dir", str(tmp_path)], "no config.json"),
-                         (["golden", "--cp", "3"], "cp=3 does not divide n_routed_experts=8")):
+                         (["golden", "--cp", "3"], "cp=3 does not divide n_routed_experts=8"),
+                         (["golden", "--cp", "0"], "Invalid value for '--cp'"),  # Typer's own range check
+                         (["golden", "--no-such-option"], "No such option: --no-such-option"),
+                         (["generate", "--prompt-ids", "1", "--max-tokens", "-1"], "Invalid value for '--max-tokens'"),
+                         (["generate", "--prompt-ids", "1", "--prompt", "x"], "exactly one of --prompt"),
+                         (["golden", "--backend", "xla", "--kernels", "host"], "does not run on --backend xla"),
+                         (["kernels", "--kernel", "nope"], "expected one of")):
         with pytest.raises(SystemExit) as ex:
             import sys
 
@@ -88,9 +94,9 @@ def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.Captu
                 main()
             finally:
                 sys.argv = old
-        assert ex.value.code == 2
+        assert ex.value.code == 2, argv
         err = capsys.readouterr().err
-        assert expect in err.replace("\n", " ") and "Traceback" not in err
+        assert expect in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("mode", ["layer", "regions"])
@@ -115,7 +121,7 @@ def test_cli_golden_takes_the_shared_engine_options(tmp_path: Path, monkeypatch:
 
     seen = {}
 
-    def fake_run(config, golden_dir=None):
+    def fake_run(config, golden_dir=None, progress=False):
         seen["config"] = config
         raise SystemExit(0)
 
@@ -129,3 +135,22 @@ def test_cli_golden_takes_the_shared_engine_options(tmp_path: Path, monkeypatch:
     assert str(c.graph.mode) == "layer" and str(c.backend) == "host" and str(c.model.dtype) == "bfloat16"
     assert c.cache.max_model_len == max(p["prompt_len"] + len(p["output_ids"])
                                         for p in json.loads((GOLDEN_DIR / "golden.json").read_text())["prompts"])
+
+
+def test_golden_piped_at_80_columns_cuts_no_value(tmp_path: Path) -> None:
+    """A fresh `deepinfer golden` with COLUMNS=80 and its output piped: the table is whole (no value ends in an
+    ellipsis), the verdict line is one line, nothing else is printed to stderr but the header and the verdict."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    r = subprocess.run([sys.executable, "-m", "deepinfer_bench.cli", "golden", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout and "…" not in r.stderr
+    table = pd.read_csv(next(tmp_path.glob("golden-*/golden.csv")))
+    for name, d in zip(table["prompt"], table["max_abs_dlogit"], strict=True):
+        assert name in r.stdout and f"{d:.3e}" in r.stdout
+    verdict = [ln for ln in r.stderr.splitlines() if "prompts match" in ln]
+    assert len(verdict) == 1 and f"{len(table)}/{len(table)} prompts match" in verdict[0]

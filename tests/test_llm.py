@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.llm import LLM, LLMEngine, RequestRejected, SamplingParams
+from engine.llm import LLMEngine, RequestRejected, SamplingParams
+from engine.offline import LLM
 from tests.fake_runner import FakeRunner, fake_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

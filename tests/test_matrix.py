@@ -11,7 +11,6 @@ import pytest
 from typer.testing import CliRunner
 
 from deepinfer_bench import matrix as M
-from engine.config import ModelConfig
 from tests.fake_runner import FakeRunner, fake_config
 
 TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
@@ -19,9 +18,11 @@ TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
 
 def _config(spec: M.MatrixSpec, **overrides):
     """The engine config the command builds for `spec`, over the fake runner's model."""
-    s = {**M.engine_settings(spec, fake_config().model.config), **overrides}
-    return fake_config(s.pop("max_num_seqs"), s.pop("max_num_batched_tokens"), s.pop("num_kv_blocks"),
-                       s.pop("block_size"), s.pop("max_model_len"), **s)
+    from engine.config import EngineConfig
+
+    workload, fixed = M.engine_sizing(spec)
+    model = fake_config(max_model_len=workload.max_model_len).model.config  # its max_position_embeddings fit
+    return EngineConfig.from_model_config(model, workload=workload, **{**fixed, **overrides})
 
 REQUIRED = ["batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90",
             "e2e_ms_p50", "prefill_tok_s", "decode_tok_s", "kv_blocks_used", "status", "skip_reason"]
@@ -31,9 +32,9 @@ REQUIRED = ["batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90
 def test_shipped_matrices_parse_and_fit(name):
     spec = M.MatrixSpec.from_toml(M.resolve_matrix(name))
     assert spec.name == name and spec.cells
-    settings = M.engine_settings(spec, ModelConfig.from_json(TINY))
     cfg = _config(spec)
-    assert cfg.cache.max_num_seqs == settings["max_num_seqs"]
+    assert cfg.cache.max_num_seqs == max(spec.batch_size)
+    assert cfg.cache.block_size == 16 if spec.block_size is None else spec.block_size
     assert all(not M.skip_reason(cfg, *c) for c in spec.cells), "a shipped matrix should fit its own engine"
 
 

@@ -60,11 +60,11 @@ for p, n in (([5, 6, 7], 7), ([9, 10, 11, 12], 7), ([13, 14], 7), ([15, 16, 17],
 eng.step()  # prefill (eager ops)
 steps = []
 for _ in range(6):
-    before = be.metrics()
+    before = be.counters()
     outs = eng.step()
-    after = be.metrics()
+    delta = be.counters().minus(before)
     keys = ("graph_compiles", "compiles", "transfers_to_host", "transfers_to_device", "fallbacks")
-    steps.append({**{k: after[k] - before[k] for k in keys}, "finished": sum(o.finished for o in outs)})
+    steps.append({**{k: delta[k] for k in keys}, "finished": sum(o.finished for o in outs)})
 print(json.dumps({"graphs": len(eng.runner.regions.compiled), "steps": steps}))
 """
 

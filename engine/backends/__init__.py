@@ -1,26 +1,71 @@
-"""Engine backends behind a tiny protocol, with a registry and lazy imports.
+"""Engine backends behind one protocol, with a registry and lazy imports.
 
-A backend owns what differs between the host and a device: the torch device tensors live on, the process-group
-backend of its ranks, how region graphs are captured (`compile`, once per static input shape), how queued device
-work is awaited (`synchronize`, called by the region timer at every boundary), how a Python callback is kept out
-of a graph (`boundary`) and how a (rank) process is set up before the engine is built (`setup_process`: threads,
-reproducible math, runtime variables). `get_backend(config)` builds the one the config names; `import engine`
-never imports torch-neuronx or torch-xla.
+A backend owns everything that differs between the host and a device, so that nothing outside `engine/backends/`
+tests a device type or imports a device stack:
+
+* where tensors live (`device`) and the autograd mode (`grad_context`); the step's one copy back (`to_host`);
+* how graphs are made: region graphs (`compile_region`, one per region structure and static shape), single
+  functions (`compile_fn`), the cuts between them (`region_end`, `step_end`), waiting for queued work
+  (`synchronize`), keeping a Python callback out of a graph (`boundary`);
+* what the model may do on it (`capabilities`: e.g. whether data-dependent shapes are cheap) and which op tables
+  (`--kernels`) it runs (`kernel_tables`);
+* its processes: setting one up before any runtime starts (`setup_process`: threads, reproducible math, runtime
+  variables), which layouts it can run (`check_parallel`), joining the job's process group (`join_group`);
+* its counters, in one schema every backend fills (`counters() -> Counters`);
+* writing its graphs for an offline compiler (`export_graphs`, `deepinfer compile`);
+* what its numbers are (`measured_on`: e.g. "xla on PJRT CPU (not trn2 numbers)").
+
+`get_backend(config)` builds the one the config names (once per process: engine/launch.py passes it on) and checks
+that the config's kernel table runs on it; `backend_class(name)` gives the class without building it (what the
+parent process of a multi-rank job needs). `import engine` never imports torch-neuronx or torch-xla.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.model.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.parallel import Parallel
+
+__all__ = ["Backend", "Capabilities", "Counters", "backend_class", "get_backend", "measured_on"]
+
+
+@dataclass
+class Counters:
+    """What a backend did so far in this process, the same fields on every backend (0 where a backend has no such
+    event; the host has no transfers and no fallbacks)."""
+
+    device: str = "cpu"
+    compiles: int = 0  # every graph compiled (on xla also eager mode's one-op graphs)
+    graph_compiles: int = 0  # the engine's own graphs (regions, embed, head, prefill chunks)
+    executions: int = 0  # graph executions
+    transfers_to_host: int = 0
+    transfers_to_device: int = 0
+    fallbacks: int = 0  # ops or graphs that ran elsewhere than asked (CPU fallbacks, graphs left eager)
+    compile_seconds: float = 0.0
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def minus(self, earlier: Counters) -> dict[str, float]:
+        """The numeric counters since `earlier` (a snapshot of the same backend)."""
+        return {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("device", "fallback_ops")}
 
 
 class Backend(Protocol):
     name: str
-    dist_backend: str  # torch.distributed backend of the ranks' collectives
+    kernel_tables: tuple[str, ...]  # the --kernels values this backend runs
+    capabilities: Capabilities
 
     @property
     def device(self) -> Any: ...
@@ -31,7 +76,7 @@ class Backend(Protocol):
         ...
 
     def compile_fn(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-        """`fn` (static shapes) as one graph per call on a graph backend; as it is on the host."""
+        """`fn` (static shapes) as one graph per call shape on a graph backend; as it is on the host."""
         ...
 
     def region_end(self) -> None:
@@ -58,8 +103,8 @@ class Backend(Protocol):
         """A step's result (logits) as a CPU tensor: the one device-to-host copy of a step."""
         ...
 
-    def metrics(self) -> dict[str, Any]:
-        """Counters for results metadata: compiles, executions, transfers, fallbacks (empty on the host)."""
+    def counters(self) -> Counters:
+        """A snapshot of this backend's counters."""
         ...
 
     def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
@@ -67,8 +112,23 @@ class Backend(Protocol):
         """Set this (rank) process up before any runtime starts: threads, reproducible math, runtime variables."""
         ...
 
-    def check_parallel(self, cp: int) -> None:
+    @classmethod
+    def check_parallel(cls, cp: int) -> None:
         """Raise ValueError (with the reason) if this backend cannot run cp ranks here."""
+        ...
+
+    def join_group(self, rank: int, world: int, master_port: int | None, timeout_s: float) -> Parallel:
+        """Join the job's process group as `rank` of `world` (master_port None: torchrun's env:// rendezvous);
+        the returned Parallel also has the gloo control group rank 0's step messages travel on."""
+        ...
+
+    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
+        """Write every graph a step of `runner` can run, for the backend's offline compiler; manifest rows."""
+        ...
+
+    @classmethod
+    def measured_on(cls) -> str:
+        """What this backend's timings are, for table titles, plots and meta.json."""
         ...
 
 
@@ -76,12 +136,28 @@ _REGISTRY = {"host": "engine.backends.host:HostBackend", "xla": "engine.backends
              "neuron": "engine.backends.xla:NeuronBackend"}
 
 
-def get_backend(config: EngineConfig) -> Backend:
-    """The backend of `config` (its `backend` is already resolved: host, xla or neuron)."""
-    name = str(config.backend)
+def backend_class(name: Any) -> type:
+    """The backend class registered under `name` (host, xla, neuron), imported now (not built)."""
+    key = str(name)
     try:
-        target = _REGISTRY[name]
+        target = _REGISTRY[key]
     except KeyError:
-        raise ValueError(f"backend {name!r} is not available in this build (have: {', '.join(_REGISTRY)})") from None
+        raise ValueError(f"backend {key!r} is not available in this build (have: {', '.join(_REGISTRY)})") from None
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(config)
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_backend(config: EngineConfig) -> Backend:
+    """The backend of `config` (its `backend` is already resolved), after checking that it runs the config's op
+    table (`--kernels`): one clear line otherwise, before anything is loaded."""
+    cls = backend_class(config.backend)
+    kernels = str(config.kernels)
+    if kernels not in cls.kernel_tables:
+        raise ValueError(f"--kernels {kernels} does not run on --backend {config.backend} (it runs "
+                         f"{', '.join(cls.kernel_tables)}){cls.kernel_hint(kernels)}")
+    return cls(config)
+
+
+def measured_on(name: Any) -> str:
+    """`Backend.measured_on()` of the backend registered under `name`."""
+    return backend_class(name).measured_on()

@@ -14,11 +14,11 @@ data-dependent shapes would otherwise cut a lazily traced step into dozens of la
 and **`torch_xla.compile`** for the decode regions of `--graph-mode regions|layer`: each region call is traced
 and run as one XLA graph, cached by its IR hash; a layer's weights and cache roots are device data (graph inputs),
 so every layer of the same structure runs the same graph (engine/regions.py). Counters come from
-`torch_xla.debug.metrics` (`metrics()`).
+`torch_xla.debug.metrics` (`counters()`).
 
 torch-xla is imported here only, when the backend is built. On PJRT CPU, XLA collectives do not run across
-processes (pytorch/xla#5005, #9089), so cp > 1 is refused there (`setup_process`); on Neuron, ranks join the
-"xla" process group with `init_method="xla://"` (engine/parallel.py).
+processes (pytorch/xla#5005, #9089), so cp > 1 is refused there (`check_parallel`); on Neuron, ranks join the
+"xla" process group with `init_method="xla://"` (`join_group`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,17 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.backends import Counters
+from engine.model.capabilities import DEVICE
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.parallel import Parallel
 
 _INSTALL = "pip install torch==2.9.0 torch-xla==2.9.0 (a separate venv; PJRT_DEVICE=CPU on a CPU host)"
 # torch-xla keeps compiled graphs in an LRU of XLA_COMPILATION_CACHE_SIZE entries (default 2048). Eager mode compiles
@@ -68,7 +73,8 @@ def _import_torch_xla() -> Any:
 
 class XlaBackend:
     name = "xla"
-    dist_backend = "xla"
+    kernel_tables = ("reference", "nki")
+    capabilities = DEVICE
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self._txla = _import_torch_xla()
@@ -78,6 +84,22 @@ class XlaBackend:
         self._xm, self._met = xm, met
         self._device: torch.device | None = None  # the PJRT runtime starts on first use, after setup_process
         self._graph_compiles = 0
+
+    @classmethod
+    def kernel_hint(cls, kernels: str) -> str:
+        return {"stand-in": ": the NumPy stand-in of the NKI kernels runs on the host (--backend host)",
+                "host": ": the native CPU kernels run on the host (--backend host)"}.get(kernels, "")
+
+    @classmethod
+    def measured_on(cls) -> str:
+        """Timings of the xla backend on PJRT CPU are XLA's CPU backend running the device graphs, not trn2
+        numbers, and say so."""
+        from engine.envs import get_envs
+
+        device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
+        if device == "CPU":
+            return f"{cls.name} on PJRT CPU (not trn2 numbers)"
+        return f"{cls.name} on PJRT {device}"
 
     @property
     def device(self) -> torch.device:
@@ -154,31 +176,38 @@ class XlaBackend:
         return text, proto
 
     # -- counters --------------------------------------------------------------------------------------------------
-    def metrics(self) -> dict[str, Any]:
+    def counters(self) -> Counters:
         """Cumulative torch_xla counters: compiles (`UncachedCompile`; `graph_compiles`: those of the engine's
-        compiled graphs - regions, embed, head - as opposed to eager mode's per-op compiles), cache hits
-        (`CachedCompile`), graph
-        executions (`ExecuteComputation`), host<->device transfers (samples of `TransferFromDeviceTime` /
-        `TransferToDeviceTime`) and CPU fallbacks (every `aten::*` counter)."""
+        compiled graphs - regions, embed, head - as opposed to eager mode's per-op compiles), graph executions
+        (`ExecuteComputation`), host<->device transfers (samples of `TransferFromDeviceTime` /
+        `TransferToDeviceTime`), XLA compile seconds (`CompileTime`) and CPU fallbacks (every `aten::*` counter)."""
         met = self._met
 
         def counter(name: str) -> int:
             return int(met.counter_value(name) or 0)
 
-        def samples(name: str) -> int:
+        def metric(name: str) -> tuple[int, float]:
             data = met.metric_data(name)
-            return int(data[0]) if data else 0
+            return (int(data[0]), float(data[1])) if data else (0, 0.0)
 
         fallbacks = {n: counter(n) for n in met.counter_names() if n.startswith("aten::")}
-        return {"device": str(self.device), "pjrt_device": self.pjrt_device, "compiles": counter("UncachedCompile"),
-                "graph_compiles": self._graph_compiles,
-                "cached_compiles": counter("CachedCompile"), "executions": counter("ExecuteComputation"),
-                "transfers_to_host": samples("TransferFromDeviceTime"),
-                "transfers_to_device": samples("TransferToDeviceTime"),
-                "fallbacks": sum(fallbacks.values()), "fallback_ops": fallbacks}
+        return Counters(device=f"{self.device} (PJRT {self.pjrt_device})", compiles=counter("UncachedCompile"),
+                        graph_compiles=self._graph_compiles, executions=counter("ExecuteComputation"),
+                        transfers_to_host=metric("TransferFromDeviceTime")[0],
+                        transfers_to_device=metric("TransferToDeviceTime")[0],
+                        fallbacks=sum(fallbacks.values()), compile_seconds=metric("CompileTime")[1] / 1e9,
+                        fallback_ops=fallbacks)
+
+    # -- graphs for neuronx-cc (deepinfer compile) ------------------------------------------------------------------
+    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
+        """Every decode graph of `runner` as HLO (text + proto) for neuronx-cc (engine/backends/xla_export.py)."""
+        from engine.backends.xla_export import export_decode_graphs
+
+        return export_decode_graphs(self, runner, out_dir)
 
     # -- processes -------------------------------------------------------------------------------------------------
-    def check_parallel(self, cp: int) -> None:
+    @classmethod
+    def check_parallel(cls, cp: int) -> None:
         from engine.envs import get_envs
 
         device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
@@ -186,6 +215,15 @@ class XlaBackend:
             raise ValueError(f"cp={cp} on --backend xla with PJRT_DEVICE=CPU: XLA collectives do not run across "
                              "processes on PJRT CPU (pytorch/xla#5005, #9089), so ranks would silently see world "
                              "size 1. Run cp > 1 with --backend host (gloo ranks) here, or on a Neuron device")
+
+    def join_group(self, rank: int, world: int, master_port: int | None, timeout_s: float) -> Parallel:
+        """The "xla" process group through torch-xla's `xla://` rendezvous (the rank's PJRT / torchrun variables
+        were set by `setup_process`, or by torchrun); torch-xla assigns the rank."""
+        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" process-group backend
+
+        from engine.parallel import join_group
+
+        return join_group("xla", "xla://", world, timeout_s, backend=self)
 
     def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
                       master_port: int | None = None) -> None:
@@ -218,7 +256,8 @@ class NeuronBackend(XlaBackend):
                              "on a CPU host use --backend xla (PJRT_DEVICE=CPU) or --backend host") from None
         super().__init__(config)
 
-    def check_parallel(self, cp: int) -> None:
+    @classmethod
+    def check_parallel(cls, cp: int) -> None:
         """Neuron ranks: one process per NeuronCore group, joined by the xla process group."""
 
     def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,

@@ -1,4 +1,5 @@
-"""The decode graphs of an engine as HLO modules for neuronx-cc (`deepinfer compile`).
+"""The decode graphs of an engine on the xla backend as HLO modules for neuronx-cc (`deepinfer compile`,
+through `XlaBackend.export_graphs`).
 
 For every graph a decode step runs - each region structure (engine/regions.py `Region.structure`) at every
 (batch bucket, block bucket) the engine's config allows, plus the embedding and the head at every batch bucket -
@@ -19,17 +20,8 @@ from typing import Any
 import torch
 
 from engine.model.cache import KVCache
-from engine.regions import batch_bucket, block_bucket
 
 _F8 = re.compile(r"\bf8e\w*\[")
-
-
-def decode_shapes(runner: Any) -> list[tuple[int, int]]:
-    """(batch bucket, block bucket) pairs a decode step of this runner can take."""
-    rr = runner.regions
-    bps = sorted({batch_bucket(b, rr.buckets) for b in range(1, runner.max_num_seqs + 1)})
-    nbs = sorted({block_bucket(n, rr.max_blocks) for n in range(1, rr.max_blocks + 1)})
-    return [(bp, nb) for bp in bps for nb in nbs]
 
 
 def _packed(runner: Any, bp: int, nb: int) -> torch.Tensor:
@@ -54,19 +46,15 @@ def _inputs(named: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in named.items()]
 
 
-def export_decode_graphs(runner: Any, out_dir: str | Path) -> list[dict[str, Any]]:
-    """Write every decode graph of `runner` (an XLA-backend ModelRunner in graph mode regions|layer) to `out_dir`;
-    returns the manifest rows."""
-    be, rr = runner.backend, runner.regions
-    if rr is None or not hasattr(be, "trace_hlo"):
-        raise ValueError("deepinfer compile traces region graphs: use --backend xla (or neuron) and --graph-mode "
-                         "regions or layer")
+def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict[str, Any]]:
+    """Write every decode graph of `runner` (a ModelRunner of XLA backend `be`, in graph mode regions|layer) to
+    `out_dir`; returns the manifest rows."""
+    rr = runner.regions
+    if rr is None:
+        raise ValueError("deepinfer compile traces region graphs: use --graph-mode regions or layer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reps: dict[tuple, tuple[Any, torch.Tensor]] = {}
-    for regions, li in zip(rr._regions[False], rr._li, strict=True):
-        for reg in regions:
-            reps.setdefault(reg.structure(), (reg, li))
+    reps = rr.representatives()
     rows = []
     model, dim, n = runner.model, runner.cfg.dim, runner.cfg.hc_mult
 
@@ -78,7 +66,8 @@ def export_decode_graphs(runner: Any, out_dir: str | Path) -> list[dict[str, Any
         rows.append({"graph": name, **meta, "inputs": _inputs(inputs), "hlo_bytes": len(proto),
                      "sha256": hashlib.sha256(proto).hexdigest(), "has_fp8": bool(_F8.search(text))})
 
-    for bp, nb in decode_shapes(runner):
+    shapes = rr.decode_shapes(runner.max_num_seqs)
+    for bp, nb in shapes:
         packed = _packed(runner, bp, nb)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         for structure, (reg, li) in reps.items():
@@ -89,7 +78,7 @@ def export_decode_graphs(runner: Any, out_dir: str | Path) -> list[dict[str, Any
                   "batch_bucket": bp, "block_bucket": nb},
                  {"x": x, "packed": packed, "layer_index": li, **{f"root.{k}": v for k, v in roots.items()},
                   **reg.params()})
-    for bp in sorted({bp for bp, _ in decode_shapes(runner)}):
+    for bp in sorted({bp for bp, _ in shapes}):
         packed = _packed(runner, bp, 1)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         emit(f"embed_b{bp}", lambda packed=packed: [model.streams(packed[:, 2])],

@@ -199,12 +199,13 @@ def gather_entries(pool: torch.Tensor, tables: torch.Tensor, num: int) -> torch.
 ATTN_Q_TILE = 128
 
 
-def _tiles(g: _Group) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(q, keys, valid) of `g` in query tiles with the keys no query of the tile sees dropped; the whole group in
-    one piece for decode groups (T = 1), short chunks, and device tensors (data-dependent shapes: one graph each)."""
+def _tiles(g: _Group, cut: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(q, keys, valid) of `g` in query tiles with the keys no query of the tile sees dropped (`cut`: the device
+    takes data-dependent shapes cheaply); the whole group in one piece for decode groups (T = 1), short chunks, and
+    where every new shape would be a new graph."""
     keys = g.keys.to(g.q.dtype)
     t = g.q.shape[1]
-    if t <= ATTN_Q_TILE or g.q.device.type != "cpu":
+    if t <= ATTN_Q_TILE or not cut:
         return [(g.q, keys, g.valid)]
     out = []
     for t0 in range(0, t, ATTN_Q_TILE):
@@ -342,11 +343,13 @@ class Attention(OpsUser, nn.Module):
     def _attend(self, groups: list[_Group]) -> list[torch.Tensor]:
         """Attention of every group over this rank's keys; under cp the shares are merged with ONE all-gather."""
         if self.par is None:
-            return [torch.cat([self.ops.sparse_attn(q, k, v, self.attn_sink, self.scale) for q, k, v in _tiles(g)], 1)
-                    for g in groups]
+            cut = self.caps.data_dependent_shapes
+            return [torch.cat([self.ops.sparse_attn(q, k, v, self.attn_sink, self.scale) for q, k, v in _tiles(g, cut)],
+                              1) for g in groups]
         packed = []
         for g in groups:
-            parts = [self.ops.sparse_attn_partial(q, k, v, self.scale) for q, k, v in _tiles(g)]
+            parts = [self.ops.sparse_attn_partial(q, k, v, self.scale)
+                     for q, k, v in _tiles(g, self.caps.data_dependent_shapes)]
             acc, mx, den = (torch.cat(t, 1) for t in zip(*parts, strict=True))
             packed.append(torch.cat([acc, mx.unsqueeze(-1), den.unsqueeze(-1)], -1).flatten(0, 1))  # [BT, H, D+2]
         gathered = self.par.all_gather(torch.cat(packed), f"L{self.layer_id}.attn.merge")

@@ -12,6 +12,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.attention import Attention
 from engine.model.cache import KVCache, StepPlan
+from engine.model.capabilities import Capabilities
 from engine.model.layers import Embedding, Linear, RMSNorm, _empty, keeps_fp32, stored_fp32
 from engine.model.moe import MoE
 from engine.model.ops import OpsUser
@@ -20,11 +21,14 @@ from engine.profiling import RegionTimer, no_split
 from nki_kernels.reference import hc_head
 
 
-def use_ops(module: nn.Module, ops: object) -> None:
-    """Run every op of `module` through `ops` (engine/model/ops.py `ops_for(config.kernels)`)."""
+def use_ops(module: nn.Module, ops: object, caps: Capabilities | None = None) -> None:
+    """Run every op of `module` through `ops` (engine/model/ops.py `ops_for(config.kernels)`) and, when given, let
+    it do what `caps` allows (the backend's capabilities)."""
     for m in module.modules():
         if isinstance(m, OpsUser):
             m.ops = ops
+            if caps is not None:
+                m.caps = caps
 
 
 def use_formats(module: nn.Module, formats: dict[str, str]) -> None:

@@ -140,7 +140,7 @@ class MoE(OpsUser, nn.Module):
             out.append(expert_ffn(self.ops, lambda w, v, e=e: self._stack_linear(w, e, v), xp, wts[p], limit))
         return torch.cat(out, 0).view(t, k, -1).sum(1)
 
-    def static_mode(self, t: int, device_type: str) -> str:
+    def static_mode(self, t: int) -> str:
         """The routed-expert path `routed_static` takes for a decode batch of t tokens (see there)."""
         if self.static_moe != "auto":
             return self.static_moe
@@ -149,7 +149,7 @@ class MoE(OpsUser, nn.Module):
             return "gather"
         ex = self.experts[self.local.start]
         extra = (n_local - k) * t * 3 * ex.w1.in_features * ex.w1.out_features  # dense's extra multiply-adds
-        return "grouped" if device_type == "cpu" and extra >= GROUPED_MIN_EXTRA_MACS else "dense"
+        return "grouped" if self.caps.data_dependent_shapes and extra >= GROUPED_MIN_EXTRA_MACS else "dense"
 
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed-expert path of decode regions: gather (K experts' weights per token) while the batch reads
@@ -158,7 +158,7 @@ class MoE(OpsUser, nn.Module):
         depend on the routing; on the host that costs a few Python frames, which is why small batches gather) when
         the dense path's extra expert work is worth more than that (GROUPED_MIN_EXTRA_MACS), and dense otherwise
         (each local expert once: all a device graph can do). `static_moe` forces one (the `--moe` option)."""
-        mode = self.static_mode(indices.shape[0], x.device.type)
+        mode = self.static_mode(indices.shape[0])
         if mode == "grouped":
             return self._routed_between_graphs(x, weights, indices)
         if mode == "gather" and self._stacked:

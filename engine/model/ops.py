@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.model.capabilities import HOST, Capabilities
 from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
 
 __all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for", "with_composites"]
@@ -86,9 +87,11 @@ def ops_for(kernels: Any) -> types.SimpleNamespace:
 
 
 class OpsUser:
-    """Mixin of the modules that call ops: `self.ops` is the table in use."""
+    """Mixin of the modules that call ops: `self.ops` is the table in use, `self.caps` what the device allows
+    (engine/model/capabilities.py; both set by `engine.model.model.use_ops`)."""
 
     ops: types.SimpleNamespace = REFERENCE
+    caps: Capabilities = HOST
 
 
 def dequant(weight: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:

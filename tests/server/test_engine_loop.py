@@ -113,7 +113,7 @@ def test_process_loop_on_two_ranks_matches_one() -> None:
     from deepinfer_bench.engine_process import ProcessEngineLoop
     from engine.config import EngineConfig
     from engine.launch import run_job
-    from engine.llm import LLM
+    from engine.offline import LLM
     from tests.server.test_real_engine import TINY
 
     kw = {"max_num_seqs": 4, "num_kv_blocks": 16, "max_model_len": 256, "backend": "host"}

@@ -40,7 +40,8 @@ def prompts() -> list[list[int]]:
 
 def offline(prompt_ids: list[list[int]]) -> list[list[int]]:
     from engine.config import EngineConfig
-    from engine.llm import LLM, SamplingParams
+    from engine.llm import SamplingParams
+    from engine.offline import LLM
 
     cfg = EngineConfig.from_model_dir(TINY, max_num_seqs=64, num_kv_blocks=128, block_size=16, max_model_len=256,
                                       max_num_batched_tokens=1024, backend="host")

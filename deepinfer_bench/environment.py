@@ -1,0 +1,28 @@
+"""`deepinfer env`: the resolved DEEPINFER_* flags, the recorded runtime variables and the software stack, as
+tables (no printing)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def env_tables() -> tuple[list[tuple[str, pd.DataFrame]], dict[str, str | None]]:
+    """([(title, table), ...], extras): the flags (value, default, type, doc), the recorded NEURON_*/NKI_*/...
+    variables, the stack (torch / XLA / Neuron versions, PJRT device, LNC, host math); extras: `neuron_ls` (its
+    output where installed) and `graph_hash`."""
+    from engine.envs import Envs, get_envs
+    from engine.stack import probe
+
+    envs = get_envs()
+    tables = [("DEEPINFER_* flags", pd.DataFrame([
+        {"flag": name, "value": repr(getattr(envs, name)), "default": default, "type": typ, "doc": doc}
+        for name, typ, default, doc in Envs.describe()]))]
+    if envs.recorded:
+        tables.append(("Recorded runtime variables",
+                       pd.DataFrame([{"variable": k, "value": v} for k, v in envs.recorded])))
+    st = probe()
+    rows = [{"item": k, "value": str(v)} for k, v in st["versions"].items()]
+    rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
+    rows += [{"item": f"host_math.{k}", "value": str(v)} for k, v in st["host_math"].items()]
+    tables.append(("Stack (torch / XLA / Neuron)", pd.DataFrame(rows)))
+    return tables, {"neuron_ls": st["neuron_ls"], "graph_hash": envs.graph_hash()}
