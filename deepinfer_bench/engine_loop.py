@@ -123,10 +123,14 @@ class EngineLoop:
         self._stopping = True
         self._cmds.put(Shutdown())
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop after the current step; True if the loop ended within `timeout` s (else its daemon thread ends with
+        the process)."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def submit_add(self, request: AddRequest, sink: Sink | None = None) -> concurrent.futures.Future[str]:
         """Queue a request for the engine thread. The future gets the request id, or what `engine.add_request`

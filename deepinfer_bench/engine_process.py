@@ -17,8 +17,10 @@ import asyncio
 import atexit
 import concurrent.futures
 import multiprocessing as mp
+import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,14 +47,26 @@ if TYPE_CHECKING:
 
 def _child_main(conn: Any, factory: Callable[..., LLMEngine] | None, args: tuple, coalesce_s: float,
                 job_runner: Callable[..., Any] | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    # The parent decides when to stop: this process and the rank processes it starts (they inherit both) form their
+    # own process group, which a terminal's Ctrl-C does not reach and the parent can end as one (`stop`, `_kill`).
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if job_runner is not None:  # e.g. engine.launch.run_job: serve_engine runs on rank 0 of cp ranks
             job_runner(*args, serve_engine, (conn, coalesce_s))
         else:
             serve_engine(factory(*args), conn, coalesce_s)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        conn.send(EngineDead(f"engine failed: {e!r}"))
+        try:
+            conn.send(EngineDead(f"engine failed: {e!r}"))
+        except OSError:  # the server is gone
+            pass
+        return
+    # Stopped as asked (its rank processes have ended): leave without the interpreter's teardown, which takes
+    # seconds with torch loaded on a busy machine and would count against the server's bounded shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def serve_engine(engine: LLMEngine, conn: Any, coalesce_s: float) -> None:
@@ -125,7 +139,7 @@ class ProcessEngineLoop:
         # Not a daemon (a job_runner may start rank processes), so make sure it never outlives this process.
         atexit.register(self._kill)
         if not self._conn.poll(timeout_s):
-            self._proc.kill()
+            self._kill()
             raise RuntimeError(f"engine process did not start within {timeout_s}s")
         try:
             msg: FromEngine = self._conn.recv()
@@ -139,9 +153,14 @@ class ProcessEngineLoop:
         return msg
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
+        """SIGKILL the engine process and the rank processes it started (its process group)."""
+        if self._proc is None or not self._proc.is_alive():
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not (yet) its own group leader
             self._proc.kill()
-            self._proc.join(5)
+        self._proc.join(5)
 
     @property
     def alive(self) -> bool:
@@ -154,15 +173,19 @@ class ProcessEngineLoop:
         threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
         threading.Thread(target=self._write, name="engine-writer", daemon=True).start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Ask the engine to stop after its current step; past `timeout` s, kill it (and its rank processes).
+        True if it ended by itself."""
         self._stopping = True
         self._outbox.put(Shutdown())
         self._outbox.put(None)
-        if self._proc is not None:
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
+        if self._proc is None:
+            return True
+        self._proc.join(timeout)
+        if not self._proc.is_alive():
+            return True
+        self._kill()
+        return False
 
     async def add(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                   sink: Sink) -> str:

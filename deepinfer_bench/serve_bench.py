@@ -261,6 +261,18 @@ def run_serve_matrix(base_url: str, matrix: ServeMatrix, *, api_key: str | None 
     return asyncio.run(run_serve_matrix_async(base_url, matrix, api_key=api_key, progress=progress))
 
 
+def pivot_tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(title, table) per p50 metric and output length: rows concurrency, columns input length."""
+    out = []
+    for metric in ("ttft_ms_p50", "tpot_ms_p50"):
+        for o, part in df[df.status != "skipped"].groupby("output_len"):
+            pivot = part.pivot(index="concurrency", columns="input_len", values=metric)
+            pivot.columns = [f"in={c}" for c in pivot.columns]
+            pivot.index = pivot.index.astype(str)  # keep ints ints through a row-wise formatter
+            out.append((f"{metric} (output_len={o}; rows concurrency, columns input_len)", pivot.reset_index()))
+    return out
+
+
 def compare_offline(online: pd.DataFrame, offline: pd.DataFrame) -> pd.DataFrame:
     """Join on (concurrency = batch_size, input_len, output_len): online/offline ratios of TTFT and TPOT p50."""
     off = offline.rename(columns={"batch_size": "concurrency"})

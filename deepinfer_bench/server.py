@@ -5,7 +5,7 @@ batches every in-flight request (continuous batching). The generation endpoints 
 `/v1/chat/completions`: logprobs, echo, n, best_of, DeepSeek-V4's chat encoding) are deepinfer_bench/
 server_generate.py; this module is the app, its errors, auth, and the model / tokenizer / health / metrics
 endpoints. Wire format, error shapes and limits follow vLLM's OpenAI server (`vllm/entrypoints/openai`) and what
-`vllm bench serve` parses.
+`vllm bench serve` parses. Running it (port, drain at shutdown): deepinfer_bench/serving.py.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, POST /tokenize,
 POST /detokenize, GET /metrics.
@@ -14,12 +14,12 @@ POST /detokenize, GET /metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,8 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_bench.engine_loop import EngineLoop
-from deepinfer_bench.openai_protocol import APIError
-from deepinfer_bench.server_generate import ClientGone, Generation, read_json
+from deepinfer_bench.openai_protocol import APIError, too_many
+from deepinfer_bench.server_config import ServerConfig, TextCodec
+from deepinfer_bench.server_generate import Generation
+from deepinfer_bench.server_run import ClientGone, Counters, read_json
 from engine.profiling import quantiles
 
 if TYPE_CHECKING:
@@ -36,42 +38,10 @@ if TYPE_CHECKING:
     from engine.llm import LLMEngine
 
 
-class TextCodec(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    model_root: str  # absolute path of the tokenizer directory clients load (`root` in /v1/models)
-    max_model_len: int
-    model_aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the model directory path)
-    vocab_size: int | None = None
-    api_key: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_prompts_per_request: int = 256  # engine requests per HTTP request: prompts x max(n, best_of)
-    default_max_tokens: int = 16
-    max_logprobs: int = 20  # largest `logprobs` / `top_logprobs` / `prompt_logprobs` (vLLM's default max_logprobs)
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-
-
-@dataclass
-class Counters:
-    """Server-side totals for /metrics (the engine's own gauges come from `EngineLoop.stats`)."""
-
-    requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    rejected: int = 0
-    admitted: int = 0
-    ttft_s_sum: float = 0.0  # server side: request received -> first token handed to the response
-    ttft_count: int = 0
+log = logging.getLogger("uvicorn.error")
+# At shutdown the engine gets this long to finish its step and exit; then its process (and its rank processes) are
+# killed, so a server exits within its drain time + ~2 s even when a step is long.
+ENGINE_STOP_S = 1.5
 
 
 def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: ServerConfig, *,
@@ -80,6 +50,7 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
     """The FastAPI app. `make_sampling_params(**fields)` builds the engine's SamplingParams (raises ValueError).
 
     The engine runs on an `EngineLoop` thread, or pass `engine_loop` (e.g. a `ProcessEngineLoop`) and engine=None.
+    It starts and stops with the app (lifespan). `app.state.replies`: the open replies (a shutdown drains them).
     """
     loop_runner = engine_loop if engine_loop is not None else EngineLoop(engine)
     counters = Counters()
@@ -90,13 +61,19 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
         try:
             yield
         finally:
-            await asyncio.to_thread(loop_runner.stop)
+            t0 = time.perf_counter()
+            if await asyncio.to_thread(loop_runner.stop, ENGINE_STOP_S):
+                log.info("Engine stopped in %.2f s", time.perf_counter() - t0)
+            else:
+                log.warning("Engine still in a step after %g s: ended it (its process and rank processes are "
+                            "killed; a thread ends with this process)", ENGINE_STOP_S)
 
     app = FastAPI(title="deepinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop = loop_runner
     app.state.counters = counters
     app.state.config = config
     gen = Generation(config, tokenizer, loop_runner, counters, make_sampling_params)
+    app.state.replies = gen.replies  # the open replies; shutdown drains them (deepinfer_bench/serving.py)
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
@@ -153,6 +130,8 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise APIError(400, "`tokens` (a list of token ids) is required.", param="tokens")
         gen.check_model(body.get("model"))
+        if len(toks) > config.max_model_len:  # longer than any sequence this server accepts or produces
+            raise too_many("tokens", config.max_model_len, len(toks))
         gen.check_ids(toks, "tokens")
         if tokenizer is None:
             raise APIError(400, "This model has no tokenizer.", param="tokens")

@@ -1,31 +1,28 @@
 """The generation endpoints of the server: `/v1/completions` and `/v1/chat/completions` over one engine loop.
 
 Each prompt x sample (`n`, `best_of`) of a request is one engine request (a `Choice`); a `Run` adds them at one
-step boundary and reads their `StepOutput`s as they arrive. The engine owns the output text: each output carries
-the text it released (`text_delta`); a streamed reply sends one SSE chunk per generated token with that text, a
-non-streamed one is the concatenation of the same deltas. Logprobs (`logprobs`, `echo` with the prompt's) come from
-the engine, computed from the fp32 logits the sampler used (engine/llm.py); their layouts are openai_protocol's.
-Chat renders the messages with DeepSeek-V4's own encoding and parses the turn back (deepinfer_bench/chat.py); its
-first token's chunk carries `role` (no empty chunk before the first token, so a client's TTFT is the first token's).
-Semantics follow vLLM's OpenAI server (`vllm/entrypoints/openai/completion/serving.py` and the chat one).
+step boundary and reads their `StepOutput`s as they arrive (both: deepinfer_bench/server_run.py). The engine owns
+the output text: each output carries the text it released (`text_delta`); a streamed reply sends one SSE chunk per
+generated token with that text, a non-streamed one is the concatenation of the same deltas. Logprobs (`logprobs`,
+`echo` with the prompt's) come from the engine, computed from the fp32 logits the sampler used (engine/llm.py);
+their layouts are openai_protocol's. Chat renders the messages with DeepSeek-V4's own encoding and parses the turn
+back (deepinfer_bench/chat.py); its first token's chunk carries `role` (no empty chunk before the first token, so a
+client's TTFT is the first token's). Semantics follow vLLM's OpenAI server
+(`vllm/entrypoints/openai/completion/serving.py` and the chat one).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from deepinfer_bench import chat
-from deepinfer_bench.engine_loop import EngineDeadError
-from deepinfer_bench.engine_messages import StepOutput
 from deepinfer_bench.openai_protocol import (
     APIError,
     chat_logprobs,
@@ -35,11 +32,22 @@ from deepinfer_bench.openai_protocol import (
     parse_completion_request,
     prompt_logprobs_layout,
 )
+from deepinfer_bench.server_run import (
+    Choice,
+    Counters,
+    Replies,
+    Run,
+    SSEResponse,
+    collect,
+    dumps,
+    read_json,
+    sse_event,
+    token_usage,
+)
 from engine.chat_encoding import ChatTokenizerError, encode_chat
 
 if TYPE_CHECKING:
-    from deepinfer_bench.server import Counters, ServerConfig, TextCodec
-    from engine.sampler import TokenLogprobs
+    from deepinfer_bench.server_config import ServerConfig, TextCodec
 
 
 def context_error(max_len: int, prompt_len: int) -> APIError:
@@ -57,200 +65,23 @@ def param_from_message(msg: str) -> str | None:
     return None
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"Request body too large: {declared} bytes (limit {limit}).", code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"Request body too large (limit {limit} bytes).", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"The request body is not valid JSON: {e}") from None
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always runs `on_close` (abort what is unfinished), even when the client left."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 def token_id_str(tid: int) -> str:
     """vLLM's `return_tokens_as_token_ids` spelling of a token in logprobs."""
     return f"token_id:{tid}"
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def sse_event(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
-
-
-@dataclass
-class Choice:
-    """One engine request of an HTTP request (a prompt, or one of its n samples) and what it has received so far."""
-
-    index: int
-    request_id: str
-    prompt_ids: list[int]
-    prompt_text: str = ""  # for echo
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of token_ids, when asked
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    text_offset: int = 0  # streaming: where the next chunk's logprob text offsets start
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def feed(self, out: StepOutput) -> None:
-        self.text += out.text_delta
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs or ()
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = list(out.prompt_logprobs)
-        if out.finished:
-            self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
-
-    def mean_logprob(self) -> float:
-        """best_of's rank: the mean logprob of the generated tokens (OpenAI: "highest log probability per token")."""
-        return sum(e.logprob for e in self.logprobs) / len(self.logprobs) if self.logprobs else float("-inf")
-
-
-class Run:
-    """The engine requests of one HTTP request: added at one step boundary, their outputs read as they arrive,
-    the unfinished ones aborted together (client gone, error)."""
-
-    def __init__(self, loop_runner: Any, counters: Counters, t_arrival: float) -> None:
-        self.loop_runner, self.counters, self.t_arrival = loop_runner, counters, t_arrival
-        self.queue: asyncio.Queue[tuple[int, StepOutput | EngineDeadError]] = asyncio.Queue()
-        self.choices: list[Choice] = []
-
-    async def start(self, pending: list[tuple[Choice, Any]]) -> None:
-        """Add every (choice, SamplingParams) to the engine, or none (then the APIError of the first failure)."""
-        lr = self.loop_runner
-
-        def sink(k: int) -> Callable[[StepOutput | EngineDeadError], None]:
-            return lambda item: self.queue.put_nowait((k, item))  # runs on the event loop
-
-        try:
-            added = await asyncio.gather(*(lr.add(ch.prompt_ids, params, ch.request_id, sink(k))
-                                           for k, (ch, params) in enumerate(pending)), return_exceptions=True)
-        except BaseException:  # cancelled: whatever was added must not run on
-            for ch, _ in pending:
-                lr.abort(ch.request_id)
-            raise
-        errors = [r for r in added if isinstance(r, BaseException)]
-        if errors:
-            for (ch, _), res in zip(pending, added, strict=True):
-                if not isinstance(res, BaseException):
-                    lr.abort(ch.request_id)
-            e = errors[0]
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e), code="engine_dead")
-            if isinstance(e, ValueError):  # RequestRejected and friends
-                code = "context_length_exceeded" if "maximum context length" in str(e) else None
-                raise APIError(400, str(e), param="prompt", code=code)
-            raise e
-        self.choices = [ch for ch, _ in pending]
-        self.counters.prompt_tokens += sum(ch.prompt_len for ch in self.choices)
-        self.counters.admitted += len(self.choices)
-
-    async def events(self) -> AsyncIterator[tuple[Choice, StepOutput]]:
-        """(choice, engine output) per generated token, until every choice has finished. The engine owns the text:
-        each output carries the text it released (`text_delta`) and, at the end, why it stopped."""
-        c = self.counters
-        live = len(self.choices)
-        while live:
-            k, item = await self.queue.get()
-            ch = self.choices[k]
-            if ch.finish_reason is not None:
-                continue  # aborted meanwhile
-            if isinstance(item, BaseException):
-                raise APIError(503, str(item), code="engine_dead")
-            if ch.num_tokens == 0 and item.new_token_ids:
-                c.ttft_s_sum += time.perf_counter() - self.t_arrival
-                c.ttft_count += 1
-            ch.feed(item)
-            c.generation_tokens += len(item.new_token_ids)
-            if item.finished:
-                live -= 1
-                c.requests[ch.finish_reason] = c.requests.get(ch.finish_reason, 0) + 1
-            if item.new_token_ids or (item.finished and ch.num_tokens):
-                yield ch, item
-
-    def abort_unfinished(self) -> None:
-        for ch in self.choices:
-            if ch.finish_reason is None:
-                ch.finish_reason = "abort"
-                self.counters.requests["abort"] = self.counters.requests.get("abort", 0) + 1
-                self.loop_runner.abort(ch.request_id)
-
-
-def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-async def collect(request: Request, run: Run) -> None:
-    """Wait until every choice of `run` finished (raises the engine's APIError); aborts the engine requests and
-    answers 499 if the client disconnects while waiting."""
-
-    async def drain() -> None:
-        async for _ in run.events():
-            pass
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(drain())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, watch):
-            t.cancel()
-        run.abort_unfinished()
-    if work not in done:
-        raise ClientGone()
-    work.result()  # re-raise APIError from the engine
-
-
-class ClientGone(Exception):
-    """The client disconnected before a non-streamed reply was ready."""
-
-
 class Generation:
-    """The generation endpoints' state: the server's config, tokenizer, engine loop and counters; the request checks
-    the other endpoints share (`check_model`, `require_alive`, `encode`, `check_ids`)."""
+    """The generation endpoints' state: the server's config, tokenizer, engine loop and counters, the replies still
+    open; the request checks the other endpoints share (`check_model`, `require_alive`, `encode`, `check_ids`).
+
+    `replies`: the open replies and whether new requests are taken (shutdown: server_run.Replies)."""
 
     def __init__(self, config: ServerConfig, tokenizer: TextCodec | None, loop_runner: Any, counters: Counters,
                  make_sampling_params: Callable[..., Any]) -> None:
         self.config, self.tokenizer, self.loop_runner = config, tokenizer, loop_runner
         self.counters, self.make_sampling_params = counters, make_sampling_params
         self.token_text: dict[int, str] = {}  # token id -> its text in logprobs
+        self.replies = Replies()
 
     def check_model(self, name: str | None) -> None:
         cfg = self.config
@@ -258,6 +89,7 @@ class Generation:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def require_alive(self) -> None:
+        self.replies.check_admitting()
         if not self.loop_runner.alive:
             raise APIError(503, f"The engine is not running ({self.loop_runner.error!r}).", code="engine_dead")
 
@@ -318,11 +150,6 @@ class Generation:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=param_from_message(str(e))) from None
 
-    def check_count(self, num_prompts: int, samples: int) -> None:
-        if num_prompts * samples > self.config.max_prompts_per_request:
-            raise APIError(413, f"Too many sequences in one request: {num_prompts} prompt(s) x {samples} "
-                                f"sample(s) (limit {self.config.max_prompts_per_request}).", param="prompt")
-
     def check_max_tokens(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens > self.config.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.config.max_model_len} tokens; "
@@ -331,13 +158,12 @@ class Generation:
 
     async def completions(self, request: Request) -> Response:
         t_arrival = time.perf_counter()
-        req = parse_completion_request(await read_json(request, self.config.max_body_bytes), self.config.max_logprobs)
+        req = parse_completion_request(await read_json(request, self.config.max_body_bytes), self.config.limits)
         self.check_model(req.model)
         self.require_alive()
         prompts = normalize_prompts(req.prompt)
         n = req.n or 1
         samples = max(n, req.best_of or 1)
-        self.check_count(len(prompts), samples)
         self.check_max_tokens(req.max_tokens)
         echo_only = bool(req.echo) and req.max_tokens == 0  # the prompt (and its logprobs) only, as vLLM
         fields: dict[str, Any] = {}
@@ -356,7 +182,7 @@ class Generation:
             for j in range(samples):
                 k = len(pending)
                 pending.append((Choice(k, f"{base_id}-{k}", ids, text), self.make_params(base, j)))
-        run = Run(self.loop_runner, self.counters, t_arrival)
+        run = Run(self.loop_runner, self.counters, self.replies, t_arrival)
         await run.start(pending)
         head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.config.served_model_name}
@@ -439,15 +265,14 @@ class Generation:
                 yield sse_event(e.body())
             yield "data: [DONE]\n\n"
 
-        return SSEResponse(sse(), on_close=run.abort_unfinished)
+        return SSEResponse(sse(), on_close=run.close)
 
     async def chat(self, request: Request) -> Response:
         t_arrival = time.perf_counter()
-        req = parse_chat_request(await read_json(request, self.config.max_body_bytes), self.config.max_logprobs)
+        req = parse_chat_request(await read_json(request, self.config.max_body_bytes), self.config.limits)
         self.check_model(req.model)
         self.require_alive()
         n = req.n or 1
-        self.check_count(1, n)
         self.check_max_tokens(req.max_tokens)
         prompt = chat.render(req)
         if self.tokenizer is None:
@@ -464,7 +289,7 @@ class Generation:
             base["logprobs"] = k_lp
         tstr = token_id_str if req.return_tokens_as_token_ids else self.token_str
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        run = Run(self.loop_runner, self.counters, t_arrival)
+        run = Run(self.loop_runner, self.counters, self.replies, t_arrival)
         await run.start([(Choice(j, f"{base_id}-{j}", ids), self.make_params(base, j)) for j in range(n)])
         head = {"id": base_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.config.served_model_name}
@@ -518,5 +343,5 @@ class Generation:
                 yield sse_event(e.body())
             yield "data: [DONE]\n\n"
 
-        return SSEResponse(sse(), on_close=run.abort_unfinished)
+        return SSEResponse(sse(), on_close=run.close)
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from deepinfer_bench.server import ServerConfig, create_app
+from deepinfer_bench.openai_protocol import RequestLimits
+from deepinfer_bench.server import create_app
+from deepinfer_bench.server_config import ServerConfig
 from engine.sampler import SamplingParams
 from tests.fake_runner import BOS, EOS, OFFSET, ByteTokenizer, FakeRunner, byte_engine, byte_greedy
 from tests.fake_runner import BYTE_VOCAB as VOCAB
@@ -33,7 +35,7 @@ SERVED = "fake-tiny"
 def server_config(max_model_len: int, api_key: str | None = None) -> ServerConfig:
     return ServerConfig(served_model_name=SERVED, model_root=str(Path(__file__).parent.resolve()),
                         max_model_len=max_model_len, vocab_size=VOCAB, api_key=api_key, max_body_bytes=64 * 1024,
-                        max_prompts_per_request=16)
+                        limits=RequestLimits(prompts=16, sequences=16))
 
 
 def make_fake_app(api_key: str | None = None, **engine_kw: object):
@@ -48,11 +50,11 @@ def make_slow_app():
     return make_fake_app(step_delay_s=0.005, num_kv_blocks=64)
 
 
-def make_slow_process_app():
+def make_slow_process_app(step_delay_s: float = 0.005):
     """Same as make_slow_app, with the engine in a child process (ProcessEngineLoop)."""
     from deepinfer_bench.engine_process import ProcessEngineLoop
 
-    loop = ProcessEngineLoop(functools.partial(make_engine, step_delay_s=0.005, num_kv_blocks=64))
+    loop = ProcessEngineLoop(functools.partial(make_engine, step_delay_s=step_delay_s, num_kv_blocks=64))
     ready = loop.launch(timeout_s=60)
     return create_app(None, ByteTokenizer(), server_config(ready.max_model_len), make_sampling_params=SamplingParams,
                       engine_loop=loop)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from deepinfer_bench import cmd_serve
+from deepinfer_bench import serving
 from deepinfer_bench.cli import app
 from deepinfer_bench.serve_bench import COLUMNS, load_serve_matrix
 from engine.config import ModelConfig
@@ -22,37 +22,31 @@ runner = CliRunner()
 
 def test_serve_builds_config_and_binds_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict = {}
-
-    class FakeApp:
-        class state:  # noqa: N801
-            class config:  # noqa: N801
-                served_model_name = "tiny"
-
-    def fake_build_app(config, *, served_model_name, api_key, engine_process):
-        seen.update(config=config, name=served_model_name, key=api_key, process=engine_process)
-        return FakeApp()
-
-    monkeypatch.setattr(cmd_serve, "build_app", fake_build_app)
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(run=kw))
+    monkeypatch.setattr(serving, "serve", lambda config, options, say: seen.update(config=config, options=options))
     r = runner.invoke(app, ["serve", "--num-kv-blocks", "32", "--max-model-len", "1024", "--cp", "1",
                             "--api-key", "k", "--served-model-name", "m", "--backend", "host"])
     assert r.exit_code == 0, r.output
-    cfg = seen["config"]
+    cfg, opts = seen["config"], seen["options"]
     assert cfg.cache.num_kv_blocks == 32 and cfg.cache.max_model_len == 1024 and cfg.cp == 1
     assert cfg.backend == "host" and cfg.cache.max_num_seqs == 32  # serve's default batch
-    assert Path(cfg.model.model_dir).name == "tiny" and seen["name"] == "m" and seen["key"] == "k"
-    assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000 and seen["process"] is True
+    assert Path(cfg.model.model_dir).name == "tiny" and opts.served_model_name == "m" and opts.api_key == "k"
+    assert opts.host == "127.0.0.1" and opts.port == 8000 and opts.engine_process is True
+    assert opts.drain_timeout_s == 5.0  # the documented default
+    r = runner.invoke(app, ["serve", "--drain-timeout", "0.5", "--port", "0", "--backend", "host"])
+    assert r.exit_code == 0 and seen["options"].drain_timeout_s == 0.5 and seen["options"].port == 0, r.output
     r = runner.invoke(app, ["serve", "--dtype", "float16", "--backend", "host"])
     assert r.exit_code != 0 and "dtype" in r.output
     r = runner.invoke(app, ["serve", "--cp", "2", "--backend", "host"])
-    assert r.exit_code == 0 and seen["config"].cp == 2 and seen["process"] is True, r.output
+    assert r.exit_code == 0 and seen["config"].cp == 2 and seen["options"].engine_process is True, r.output
     r = runner.invoke(app, ["serve", "--cp", "2", "--engine-thread", "--backend", "host"])
     assert r.exit_code != 0 and "--cp" in r.output
+    help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    assert "--drain-timeout" in help_text and "SIGTERM" in help_text
 
 
 def test_serving_engine_sets_up_its_process_through_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """build_serving_engine -> engine.build: the config's backend sets the process up (threads, runtime env) before
-    the weights load; the fixed pool comes from the config."""
+    """serving.build_serving_engine -> engine.build: the config's backend sets the process up (threads, runtime
+    env) before the weights load; the fixed pool comes from the config."""
     import engine.backends
     import engine.launch
     from engine.config import EngineConfig
@@ -70,7 +64,7 @@ def test_serving_engine_sets_up_its_process_through_the_backend(monkeypatch: pyt
                         or type("R", (), {"max_num_seqs": 32, "num_kv_blocks": 24, "block_size": 16,
                                           "max_model_len": 4096})())
     cfg = EngineConfig.from_model_dir(TINY, num_kv_blocks=24)
-    eng = cmd_serve.build_serving_engine(cfg)
+    eng = serving.build_serving_engine(cfg)
     assert eng.config.cache.num_kv_blocks == 24 and calls[0][0] == "setup" and calls[1] == "runner"
 
 
@@ -83,14 +77,14 @@ def test_tokenizer_root(tmp_path: Path) -> None:
         (d / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
     shutil.copy(TINY / "config.json", official / "config.json")  # official spelling: no model_type
     (hf / "config.json").write_text('{"model_type": "deepseek_v4"}')
-    root = cmd_serve.tokenizer_root(official)
+    root = serving.tokenizer_root(official)
     assert root != official
     assert sorted(p.name for p in root.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     hf_cfg = json.loads((root / "config.json").read_text())  # the HF spelling of the same model, for clients
     assert hf_cfg["model_type"] == "deepseek_v4"
     assert ModelConfig.from_dict(hf_cfg) == ModelConfig.from_json(official)
-    assert cmd_serve.tokenizer_root(official) == root  # stable
-    assert cmd_serve.tokenizer_root(hf) == hf.resolve() and cmd_serve.tokenizer_root(bare) == bare.resolve()
+    assert serving.tokenizer_root(official) == root  # stable
+    assert serving.tokenizer_root(hf) == hf.resolve() and serving.tokenizer_root(bare) == bare.resolve()
 
 
 def test_serve_quick_matrix_parses() -> None:
