@@ -9,7 +9,7 @@ import typer
 
 from deepinfer_bench.app import bench_app
 from deepinfer_bench.options import EngineArgs, engine_options
-from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, measured_on, render_df, save_results
+from deepinfer_bench.report import DEFAULT_OUT_DIR, err_console, render_df, save_results
 
 
 @bench_app.command("matrix")
@@ -44,6 +44,8 @@ def matrix_cmd(
             bar.update(task, completed=done, description=label or "done")
 
         df = run_matrix(spec, config, progress=progress)
+
+    from engine.backends import measured_on
 
     where = measured_on(config.backend)
     for metric, title in (("ttft_ms_p50", "TTFT p50 ms"), ("tpot_ms_p50", "TPOT p50 ms")):

@@ -32,13 +32,11 @@ def serve_cmd(
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (`vllm bench serve --backend openai` works against it)."""
-    from deepinfer_bench.serving import ServeError, ServeOptions, engine_settings, serve
+    from deepinfer_bench.serving import ServeError, ServeOptions, serve, workload
 
     if (engine.cp or 1) > 1 and not engine_process:
-        raise typer.BadParameter("--cp > 1 runs the engine on rank processes: use the default --engine-process",
-                                 param_hint="--cp")
-    cfg = engine.model_config()
-    config = engine.config(cfg, **engine_settings(cfg, engine.block_size))
+        raise ValueError("--cp > 1 runs the engine on rank processes: use the default --engine-process")
+    config = engine.config(workload=workload())
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                            engine_process=engine_process, drain_timeout_s=drain_timeout, log_level=log_level,
                            exit_when_done=True)

@@ -120,14 +120,6 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
-def measured_on(backend: Any) -> str:
-    """Where a run's numbers come from, for table titles, plots and meta.json: the backend says
-    (engine/backends `Backend.measured_on`; e.g. xla on PJRT CPU is not trn2 numbers)."""
-    from engine.backends import measured_on as backend_measured_on
-
-    return backend_measured_on(backend)
-
-
 def base_meta(**extra: Any) -> dict[str, Any]:
     from engine.envs import get_envs
     from engine.stack import probe

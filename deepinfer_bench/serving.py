@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from engine.config import Workload
+
 if TYPE_CHECKING:
     from deepinfer_bench.server_run import Replies
 
@@ -157,14 +159,10 @@ def build_serving_engine(config: Any) -> Any:
     return engine.build(config)
 
 
-def engine_settings(cfg: Any, block_size: int | None) -> dict[str, Any]:
-    """Serving defaults: 32 slots, 2048 tokens per step, a pool of 8192 token positions (or one max_model_len)."""
-    from engine.config import default_block_size
-
-    bs = block_size or default_block_size(cfg)
-    max_len = min(4096, cfg.max_position_embeddings)
-    return {"max_num_seqs": 32, "max_num_batched_tokens": 2048, "max_model_len": max_len,
-            "num_kv_blocks": -(-max(8192, max_len) // bs)}
+def workload() -> Workload:
+    """Serving defaults: 32 slots, sequences up to 4096 tokens (the model's limit if lower), 2048 tokens per step, a
+    pool of 8192 token positions (or one longest sequence); the block size follows cp (engine/config.py)."""
+    return Workload(max_num_seqs=32, max_model_len=4096, pool_tokens=8192, max_num_batched_tokens=2048)
 
 
 def build_app(config: Any, *, served_model_name: str | None, api_key: str | None, engine_process: bool = True) -> Any:
@@ -266,7 +264,7 @@ def _after_drain(_sig: int, _frame: Any) -> None:
 def serve(config: Any, options: ServeOptions, say: Callable[[str], None] = print) -> None:
     """`deepinfer serve`: bind, load, serve until SIGTERM / SIGINT, drain, stop. `say` gets the progress lines.
     Raises PortUnavailable (before anything loads) and EngineStartFailed (the engine process failed)."""
-    from deepinfer_bench.report import measured_on
+    from engine.backends import measured_on
 
     sock = bind_port(options.host, options.port)
     try:

@@ -80,7 +80,7 @@ def test_bad_configs_rejected(change, message):
 def test_a_missing_size_is_named_not_defaulted(spelling, tmp_path):
     """Every REQUIRED field, dropped from either spelling of the Flash config, is one error naming it (both names);
     a field DeepSeek documents a default for (n_mtp_layers, norm_eps, hc_eps) may be left out."""
-    from engine.model_config import REQUIRED, _HF_TO_OFFICIAL
+    from engine.model_config import _HF_TO_OFFICIAL, REQUIRED
 
     base = FLASH_OFFICIAL if spelling == "official" else FLASH_HF
     to_hf = {v: k for k, v in _HF_TO_OFFICIAL.items()}

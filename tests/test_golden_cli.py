@@ -76,7 +76,7 @@ def test_golden_for_another_config_is_refused(tmp_path: Path) -> None:
 
 
 def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from deepinfer_bench.cli import main
+    from tests.cli import run_main
 
     for argv, expect in ((["golden", "--model-dir", str(tmp_path)], "no config.json"),
                          (["golden", "--cp", "3"], "cp=3 does not divide n_routed_experts=8"),
@@ -86,17 +86,10 @@ def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.Captu
                          (["generate", "--prompt-ids", "1", "--prompt", "x"], "exactly one of --prompt"),
                          (["golden", "--backend", "xla", "--kernels", "host"], "does not run on --backend xla"),
                          (["kernels", "--kernel", "nope"], "expected one of")):
-        with pytest.raises(SystemExit) as ex:
-            import sys
-
-            old, sys.argv = sys.argv, ["deepinfer", *argv]
-            try:
-                main()
-            finally:
-                sys.argv = old
-        assert ex.value.code == 2, argv
-        err = capsys.readouterr().err
-        assert expect in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        code, _, err = run_main(argv, capsys)
+        assert code == 2, argv
+        errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and expect in errors[0] and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("mode", ["layer", "regions"])

@@ -151,7 +151,7 @@ def test_cli_matrix_on_xla_is_labelled_pjrt_cpu(tmp_path, monkeypatch):
     assert json.loads((csv.parent / "meta.json").read_text())["measured_on"] == label
     monkeypatch.setenv("PJRT_DEVICE", "NEURON")
     engine.envs.get_envs.cache_clear()
-    from deepinfer_bench.report import measured_on
+    from engine.backends import measured_on
 
     assert measured_on("neuron") == "neuron on PJRT NEURON"
     engine.envs.get_envs.cache_clear()

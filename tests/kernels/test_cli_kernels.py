@@ -41,13 +41,14 @@ def test_failure_exits_nonzero(monkeypatch):
     assert r.exit_code == 1
 
 
-def test_unavailable_executor_is_refused():
-    r = runner.invoke(app, ["kernels", "--executor", "neuron"])
-    assert r.exit_code == 2
-    r = runner.invoke(app, ["kernels", "--executor", "gpu"])
-    assert r.exit_code != 0
-    r = runner.invoke(app, ["kernels", "--kernel", "nope"])
-    assert r.exit_code != 0 and "expected one of" in r.output
+def test_unavailable_executor_is_refused(capsys):
+    from tests.cli import run_main
+
+    for argv, expect in ((["kernels", "--executor", "neuron"], "needs the real `nki`"),
+                         (["kernels", "--executor", "gpu"], "--executor 'gpu': expected one of"),
+                         (["kernels", "--kernel", "nope"], "--kernel 'nope': expected one of")):
+        code, _, err = run_main(argv, capsys)
+        assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_real_run_one_family():
