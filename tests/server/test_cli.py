@@ -54,13 +54,14 @@ def test_serving_engine_sets_up_its_process_through_the_backend(monkeypatch: pyt
     calls: list = []
 
     class Backend:
-        name, dist_backend, device = "host", "gloo", "cpu"
+        name, device = "host", "cpu"
 
         def setup_process(self, threads=None, rank=0):
             calls.append(("setup", threads, rank))
 
     monkeypatch.setattr(engine.backends, "get_backend", lambda config: Backend())
-    monkeypatch.setattr(engine.launch, "build_runner", lambda config, par=None, weights=None: calls.append("runner")
+    monkeypatch.setattr(engine.launch, "build_runner", lambda config, par=None, weights=None, backend=None:
+                        calls.append("runner")
                         or type("R", (), {"max_num_seqs": 32, "num_kv_blocks": 24, "block_size": 16,
                                           "max_model_len": 4096})())
     cfg = EngineConfig.from_model_dir(TINY, num_kv_blocks=24)
