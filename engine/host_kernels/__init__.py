@@ -1,8 +1,10 @@
-"""Native host kernels: the op table of `--kernels host` (engine/model/ops.py `ops_for("host")`).
+"""Native host kernels of `--kernels host`: ops with the reference's signatures (NATIVE_OPS), which
+engine/model/ops.py `ops_for("host")` puts in place of the reference's in the host op table.
 
 Batch-1 decode on the host is memory-bound, and the reference's stored-weight GEMMs decode FP8/FP4 bytes (and
-widen bf16 weights) through torch ops into fp32 chunks before a BLAS call. Here `gemv.c` (one C file, no torch
-headers) reads the stored bytes once and decodes them in registers:
+widen bf16 weights) through torch ops into fp32 chunks before a BLAS call. Here `gemv.c` (C, no torch headers; one
+decoder per instruction set: gemv_avx512.h, gemv_avx2.h, a portable one) reads the stored bytes once and decodes
+them in registers:
 
     op            weight                                      native when                dispatch key
     linear        bf16 [N, K] with fp32 x (the V4 head, ...)   M <= MAX_M["linear"]       "host.linear"
@@ -23,172 +25,49 @@ hundreds of microseconds as chains of torch ops (on the tiny model they were ~45
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
 fp32 / bf16 inputs of at most MAX_M["mhc"] token rows, else the reference (counted by reason, as above).
 
-Build: on first use `gcc -O3 -march=native -fPIC -shared -fopenmp gemv.c mhc.c` (compiler: DEEPINFER_HOST_CC)
-into `engine.envs.host_kernel_cache_dir()`, one file per (sources' sha256, compiler, flags, CPU flags), written
-atomically (concurrent ranks may build at once), loaded with ctypes. The library's libgomp.so.1 NEEDED entry
-resolves to the libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also
-passes `torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
+Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
+portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
+`engine.envs.host_kernel_cache_dir()` and loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to
+the libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also passes
+`torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
 one line, exit 2 at the CLI), never a silent fallback.
 
 The GEMMs are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
 graphs (`--graph-mode layer`) call them without a graph break; in eager mode the wrappers call the same
 implementation directly (no custom-op dispatch overhead on the decode hot path). The small ops are custom ops the
-same way.
-"""
+same way."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.host_kernels.build import VARIANTS, HostKernelError, HostLibrary, build_variant, library, load, why_not
+from engine.host_kernels.build import build_info as _build_info
+from engine.host_kernels.build import summary as _summary
 from nki_kernels import dispatch, reference
 
-__all__ = ["MAX_M", "SOURCES", "BASE_FLAGS", "HostKernelError", "HostLibrary", "load", "library", "ops_table"]
+__all__ = ["MAX_M", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant", "library", "load",
+           "summary", "why_not", "NATIVE_OPS", "stack_linear"]
 
-SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("mhc.c"))  # one library
-NAMES = " and ".join(src.name for src in SOURCES)
-BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # Largest x row count each native kernel takes; above it the reference (MKL on dequantised chunks) is as fast or
 # faster (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes: native / reference at M = 128: head 1.1x,
 # FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on both are FMA-bound;
 # the crossover is where the reference's one-off decode / widening of the weight stops paying for MKL's faster GEMM.
 MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}
 EXECUTOR = "host"  # the executor column of the dispatch counters
-_ABI = 1
 
 
-class HostKernelError(ValueError):
-    """The native host kernels cannot be built or loaded (a user-facing error: one line, exit 2)."""
+def build_info() -> dict[str, Any]:
+    """Which build `--kernels host` runs in this process and why (build.build_info, with the library loaded here)."""
+    return _build_info(_lib)
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags (x86 `flags` / arm64 `Features` of /proc/cpuinfo), part of the build key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":")[0].strip() in ("flags", "Features"):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.machine() + " " + platform.processor()
-
-
-def build_key(cc: str, flags: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for src in SOURCES:
-        h.update(src.read_bytes() + b"\0")
-    for part in (cc, " ".join(flags), cpu_flags()):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:24]
-
-
-def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
-    """The compiled library for (source, cc, flags, CPU): from the cache, else compiled now."""
-    out = Path(cache_dir) / f"gemv-{build_key(cc, flags)}.so"
-    if out.exists():
-        return out
-    exe = shutil.which(cc)
-    if exe is None:
-        raise HostKernelError(f"--kernels host: C compiler {cc!r} not found (install gcc or set DEEPINFER_HOST_CC)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-    except OSError as e:
-        raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
-    try:
-        r = subprocess.run([exe, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                           timeout=300)
-        if r.returncode != 0:
-            lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
-            err = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit {r.returncode}")
-            raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {err.strip()}")
-        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
-    except (OSError, subprocess.SubprocessError) as e:
-        raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-class HostLibrary:
-    """The loaded kernel library: ctypes functions with their argument types."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise HostKernelError(f"--kernels host: cannot load {path}: {e}") from None
-        if lib.dk_abi() != _ABI:
-            raise HostKernelError(f"--kernels host: {path} has ABI {lib.dk_abi()}, expected {_ABI}")
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.dk_bf16_linear.argtypes = [p, p, p, i64, i64, i64, i32]
-        lib.dk_fp8_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
-        lib.dk_fp4_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
-        f32 = ctypes.c_float
-        lib.dk_hc_mixes.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
-        lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
-        lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
-        lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
-        lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
-        for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_simd, lib.dk_max_threads,
-                  lib.dk_last_threads, lib.dk_abi, lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse,
-                  lib.dk_hc_expand, lib.dk_sparse_attn):
-            f.restype = i32
-        self.lib = lib
-        self.simd = ("portable", "avx512", "avx512-vbmi")[lib.dk_simd()]
-
-    def max_threads(self) -> int:
-        """omp_get_max_threads() as the library sees it (equals torch's count when the runtime is shared)."""
-        return int(self.lib.dk_max_threads())
-
-    def last_threads(self) -> int:
-        """OpenMP threads the last kernel call ran with."""
-        return int(self.lib.dk_last_threads())
-
-    def gemv(self, fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor, m: int,
-             n: int, k: int) -> None:
-        """y [.., N] = x [.., K] @ W^T for M = m rows: all fp32 / uint8 / bf16 contiguous CPU tensors of the checked
-        shapes (the callers check: the C side trusts them)."""
-        nt = torch.get_num_threads()
-        if fmt == "bf16":
-            rc = self.lib.dk_bf16_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, nt)
-        elif fmt == "fp8":
-            rc = self.lib.dk_fp8_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
-        else:
-            rc = self.lib.dk_fp4_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
-        if rc != 0:
-            raise MemoryError(f"host kernel {fmt}: out of memory for x [{m}, {k}]")
-
-
-@functools.cache
-def load(cc: str = "gcc", extra_flags: tuple[str, ...] = (), cache_dir: str | None = None) -> HostLibrary:
-    """Build (or find) and load the library for `cc` and BASE_FLAGS + extra_flags (tests build the portable and
-    non-VBMI variants with e.g. ("-mno-avx512f",))."""
-    from engine.envs import host_kernel_cache_dir
-
-    cache = Path(cache_dir) if cache_dir is not None else host_kernel_cache_dir()
-    return HostLibrary(build(cc, (*BASE_FLAGS, *extra_flags), cache))
-
-
-def library() -> HostLibrary:
-    """The process's library (compiler: DEEPINFER_HOST_CC)."""
-    from engine.envs import get_envs
-
-    return load(get_envs().DEEPINFER_HOST_CC)
+def summary() -> str:
+    """One line: the chosen build and every other build's status (build.summary)."""
+    return _summary(build_info())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -485,18 +364,14 @@ sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, s
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
+# What `--kernels host` replaces in the reference table (engine/model/ops.py `ops_for("host")` assembles the table:
+# these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
+NATIVE_OPS: dict[str, Callable[..., Any]] = {
+    "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
+    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn}
 
-def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
-    """`base` (the reference table) with the GEMMs and the small per-token ops replaced, its composites rebuilt over
-    them and `stack_linear` reading in place; builds/loads the library now, so a missing compiler fails here with one
-    line, not at the first forward."""
-    from engine.model.ops import with_composites
 
-    _native()
-    ops = types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
-                                   "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
-                                   "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn,
-                                   "kernels": "host"})
-    with_composites(ops, fused_attn_tail=False)
-    ops.stack_linear = stack_linear
-    return ops
+def ensure_loaded() -> HostLibrary:
+    """Build / load the process's library now (a missing compiler fails here with one line, not at the first
+    forward)."""
+    return _native()
