@@ -320,7 +320,7 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     vb = valid.contiguous()
     nt = torch.get_num_threads()
     o = torch.empty(b, t, h, d)
-    scratch = torch.empty(max(1, nt * n))
+    scratch = torch.empty(max(1, 2 * nt * n))
     _native().lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
                                  scratch.data_ptr(), b, t, h, n, d, scale, nt)
     return o if q.dtype is torch.float32 else o.to(q.dtype)
