@@ -180,14 +180,15 @@ def main() -> None:
     threads = get_envs().DEEPINFER_NUM_THREADS
     if threads:
         torch.set_num_threads(threads)
-    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, MAX_M {H.MAX_M}, "
+    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, "
           f"{'warm' if a.warm else 'cold'} weights (last-level cache {last_level_cache() >> 20} MiB)")
     print(H.summary())
     libs = _libs(a.builds)
     builds = list(libs)
     roof = bandwidth_probe()
-    saved = dict(H.MAX_M)
-    H.MAX_M.update({k: 1 << 30 for k in H.MAX_M})  # time the native kernel at every M asked for
+    saved = {b: dict(lim) for b, lim in H.MAX_M.items()}
+    for lim in H.MAX_M.values():
+        lim.update({k: 1 << 30 for k in lim})  # time the native kernel at every M asked for
     try:
         print(_header(builds, f"{'shape':<10} {'op':<6} {'N':>6} {'K':>5} {'M':>3}"))
         for name in a.shapes.split(","):
@@ -207,7 +208,8 @@ def main() -> None:
         if a.small_ops:
             _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats)
     finally:
-        H.MAX_M.update(saved)
+        for b, lim in saved.items():
+            H.MAX_M[b].update(lim)
     roof += bandwidth_probe()
     print(f"memory roof (256 MiB copy, read + write, {len(roof)} runs before and after): min {min(roof):.1f}, median "
           f"{statistics.median(roof):.1f}, max {max(roof):.1f} GB/s")

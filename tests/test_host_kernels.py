@@ -342,7 +342,7 @@ def test_x_across_the_fp32_exponent_range_matches_reference(lib: H.HostLibrary, 
 def test_above_the_threshold_the_reference_runs_counted(lib: H.HostLibrary, op: str) -> None:
     g = torch.Generator().manual_seed(11)
     ws = _weights(op, 96, 64, g)
-    m = H.MAX_M[op]
+    m = H.max_m(op)
     for rows, native in ((m, True), (m + 1, False)):
         x = torch.randn(rows, 64, generator=g)
         dispatch.reset_counts()
@@ -646,7 +646,7 @@ def test_sparse_attn_with_logits_spread_far_apart_matches_reference(lib: H.HostL
 
 def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibrary) -> None:
     g = torch.Generator().manual_seed(12)
-    m = H.MAX_M["mhc"]
+    m = H.max_m("mhc")
     x, fn, scale, base = _mhc_inputs(m + 1, 4, 32, g)
     dispatch.reset_counts()
     got = H.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)

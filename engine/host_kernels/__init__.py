@@ -7,9 +7,9 @@ decoder per instruction set: gemv_avx512.h, gemv_avx2.h, a portable one) reads t
 them in registers:
 
     op            weight                                      native when                dispatch key
-    linear        bf16 [N, K] with fp32 x (the V4 head, ...)   M <= MAX_M["linear"]       "host.linear"
-    fp8_linear    e4m3 bytes [N, K], UE8M0 [N/128, K/128]     M <= MAX_M["fp8"]          "host.fp8"
-    fp4_linear    e2m1 nibbles [N, K/2], UE8M0 [N, K/32]      M <= MAX_M["fp4"]          "host.fp4"
+    linear        bf16 [N, K] with fp32 x (the V4 head, ...)   M <= max_m("linear")       "host.linear"
+    fp8_linear    e4m3 bytes [N, K], UE8M0 [N/128, K/128]     M <= max_m("fp8")          "host.fp8"
+    fp4_linear    e2m1 nibbles [N, K/2], UE8M0 [N, K/32]      M <= max_m("fp4")          "host.fp4"
 
 M is the number of x rows (the product of x's leading dims). Every other case runs the reference function itself
 (`nki_kernels.reference`), counted by reason under "<key>.fallback" (`dispatch.fallbacks()`): "M > <max>"
@@ -23,7 +23,7 @@ by fp32 summation order only.
 `mhc.c` holds the small per-token ops of a decode step, which cost microseconds of arithmetic but tens to
 hundreds of microseconds as chains of torch ops (on the tiny model they were ~45% of an eager decode step):
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
-fp32 / bf16 inputs of at most MAX_M["mhc"] token rows, else the reference (counted by reason, as above).
+fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above).
 
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
 portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
@@ -49,15 +49,24 @@ from engine.host_kernels.build import build_info as _build_info
 from engine.host_kernels.build import summary as _summary
 from nki_kernels import dispatch, reference
 
-__all__ = ["MAX_M", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant", "library", "load",
-           "summary", "why_not", "NATIVE_OPS", "stack_linear"]
+__all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant",
+           "ensure_loaded", "library", "load", "max_m", "stack_linear", "summary", "why_not"]
 
-# Largest x row count each native kernel takes; above it the reference (MKL on dequantised chunks) is as fast or
-# faster (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes: native / reference at M = 128: head 1.1x,
-# FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on both are FMA-bound;
-# the crossover is where the reference's one-off decode / widening of the weight stops paying for MKL's faster GEMM.
-MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}
+# Largest x row count each native kernel takes, per build; above it the reference (MKL on dequantised chunks) is as
+# fast or faster. AVX-512 (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes, Zen 4: native / reference
+# at M = 128: head 1.1x, FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on
+# both are FMA-bound; the crossover is where the reference's one-off decode / widening of the weight stops paying
+# for MKL's faster GEMM. avx2 and portable: see MAX_M_NOTE.
+_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}
+MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
+         "avx2": {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64},
+         "portable": {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
+
+
+def max_m(key: str) -> int:
+    """The largest row count the native `key` kernel takes in the build this process runs (MAX_M)."""
+    return MAX_M[_native().variant][key]
 
 
 def build_info() -> dict[str, Any]:
@@ -85,7 +94,7 @@ def _native() -> HostLibrary:
 
 def _why_not_rows(key: str, rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """Why a native kernel does not take this call (None: it does): x's dtype, every tensor's device, autograd, an
-    empty x, or more than MAX_M[key] rows (x's token / row count `rows`)."""
+    empty x, or more than max_m(key) rows (x's token / row count `rows`)."""
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         return "dtype"
     if not x.is_cpu or any(t is not None and not t.is_cpu for t in others):
@@ -94,8 +103,8 @@ def _why_not_rows(key: str, rows: int, x: torch.Tensor, *others: torch.Tensor | 
         return "autograd"
     if x.numel() == 0:
         return "empty"
-    if rows > MAX_M[key]:
-        return f"M > {MAX_M[key]}"
+    if rows > (limit := max_m(key)):
+        return f"M > {limit}"
     return None
 
 
@@ -218,7 +227,7 @@ def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The small per-token ops (mhc.c): mHC mixing weights, collapse and expand, RMSNorm, sparse attention. Native for
-# CPU fp32 / bf16 inputs of at most MAX_M["mhc"] rows outside autograd; else the reference, counted by reason like
+# CPU fp32 / bf16 inputs of at most max_m("mhc") rows outside autograd; else the reference, counted by reason like
 # the GEMMs. Custom ops like the GEMMs, so compiled region graphs call the same native code.
 
 

@@ -37,7 +37,6 @@
 #define NT_TILE 2 /* weight rows per tile */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DK_AVX2 1
-#define NT_TILE 1
 #else
 #define NT_TILE 2
 #endif
@@ -219,6 +218,7 @@ tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, i
 
 #endif
 
+#if !defined(DK_AVX2) /* gemv_avx2.h has its own driver */
 /* Output rows wr[0..NT) (y columns yo[r]) for every x row, in tiles of up to MT_TILE x rows (the weight rows stay
  * in L1 across tiles). */
 static inline __attribute__((always_inline)) void
@@ -258,6 +258,8 @@ rows_fmt(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w
         rows(fmt, 1, xp, M, kp, wr, sr, K, y, N, yo);
 }
 
+#endif
+
 static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
                int64_t K, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
@@ -268,18 +270,16 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
         if (xp == NULL) return -1;
         permute_x(x, xp, M, K, kp, perm_kind(fmt));
     }
+    const int par = nthreads > 1 && N * (K + 1) * M >= (1 << 16);
+#if defined(DK_AVX2)
+    const int rc = avx2_run(fmt, xp, M, kp, w, s, K, y, N, par ? nthreads : 1);
+    free(xp);
+    return rc;
+#else
     /* weight rows per work item: M = 1: one (a single sequential stream per thread runs at the memory roof);
      * M > 1: rows n and n + half (two far-apart sequential streams; adjacent row pairs stream ~2x slower here) */
-#if defined(DK_AVX2)
-    if (fmt == FMT_FP8) { /* gemv_avx2.h: its own driver (x pre-scaled per 128-row block) */
-        const int rc = fp8_run(xp, M, kp, w, s, K, y, N, nthreads > 1 && N * (K + 1) * M >= (1 << 16) ? nthreads : 1);
-        free(xp);
-        return rc;
-    }
-#endif
     const int nt = M == 1 ? 1 : NT_TILE;
     const int64_t half = (N + nt - 1) / nt, items = half;
-    const int par = nthreads > 1 && N * (K + 1) * M >= (1 << 16);
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
@@ -296,6 +296,7 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
     }
     free(xp);
     return 0;
+#endif
 }
 
 int dk_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {

@@ -128,87 +128,8 @@ static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_
     return 1;
 }
 
-/* MT x rows (x: pre-scaled when `scaled` is 0, else plain) against one FP8 weight row -> y[m * N] */
-static inline __attribute__((always_inline)) void
-fp8_tile(const int MT, const int scaled, const float *x, int64_t kp, const uint8_t *wrow, const uint8_t *srow,
-         int64_t K, float *y, int64_t N) {
-    const int A = MT == 1 ? 4 : 2;
-    uint8_t tail[128] __attribute__((aligned(32)));
-    __m256 acc[MT_TILE][4];
-    __m256i nan = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; m++)
-#pragma GCC unroll 4
-        for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        const uint8_t *src = chunk_src(FMT_FP8, wrow, k0, K, tail);
-        const __m256 s = _mm256_set1_ps(scaled ? UE8M0[srow[k0 >> 7]] : 1.0f), up = _mm256_set1_ps(0x1p120f);
-        __m256 w[8];
-        dec_fp8(src, w, &nan);
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; q++) {
-            if (scaled) w[q] = _mm256_mul_ps(_mm256_mul_ps(w[q], up), s);
-#pragma GCC unroll 4
-            for (int m = 0; m < MT; m++) acc[m][q % A] = _mm256_fmadd_ps(XV(x, m, k0 + 8 * q), w[q], acc[m][q % A]);
-        }
-    }
-    const int bad = _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8((char)0xFF))) != 0;
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; m++) {
-        __m256 t = acc[m][0];
-#pragma GCC unroll 4
-        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[m][a]);
-        y[m * N] = bad ? NAN : hsum8(t);
-    }
-}
-
-static inline __attribute__((always_inline)) void
-fp8_rows(const int scaled, const float *x, int64_t M, int64_t kp, const uint8_t *wrow, const uint8_t *srow,
-         int64_t K, float *y, int64_t N) {
-    for (int64_t m0 = 0; m0 < M; m0 += MT_TILE) {
-        const float *xt = x + m0 * kp;
-        float *yt = y + m0 * N;
-        switch (M - m0 < MT_TILE ? (int)(M - m0) : MT_TILE) {
-        case 1: fp8_tile(1, scaled, xt, kp, wrow, srow, K, yt, N); break;
-        case 2: fp8_tile(2, scaled, xt, kp, wrow, srow, K, yt, N); break;
-        case 3: fp8_tile(3, scaled, xt, kp, wrow, srow, K, yt, N); break;
-        default: fp8_tile(4, scaled, xt, kp, wrow, srow, K, yt, N); break;
-        }
-    }
-}
-
-static int fp8_run(const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s, int64_t K, float *y,
-                   int64_t N, int nthreads) {
-    int emin, emax, fail = 0;
-    exp_range(xp, M * kp, &emin, &emax);
-    const int64_t nkb = (K + 127) / 128;
-#pragma omp parallel num_threads(nthreads) reduction(| : fail)
-    {
-        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-        const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr & ~0x40u); /* DAZ off: subnormal decoded codes are values, not zeros */
-        float *xs = (float *)aligned_alloc(32, (size_t)(M * kp) * sizeof(float));
-        int64_t cur = -1;
-        int exact = 0;
-        fail |= xs == NULL;
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            if (xs == NULL) continue;
-            const uint8_t *srow = s + (n >> 7) * nkb;
-            if (n >> 7 != cur) cur = n >> 7, exact = fp8_prescale(xp, xs, M, kp, K, srow, emin, emax);
-            if (exact)
-                fp8_rows(0, xs, M, kp, w + n * K, srow, K, y + n, N);
-            else
-                fp8_rows(1, xp, M, kp, w + n * K, srow, K, y + n, N);
-        }
-        free(xs);
-        _mm_setcsr(csr);
-    }
-    return fail ? -1 : 0;
-}
-
 /* ---------------------------------------------------------------------------------------------------------------
- * bf16 and FP4: the shared driver's tile (NT = 1: with 16 vector registers a second row's vectors do not fit) */
+ * FP4 scales and the one-row FP4 kernel */
 
 static inline int fp4_deferrable(const uint8_t *srow, int64_t K) {
     int ok = 1;
@@ -252,46 +173,114 @@ static inline float gemv1_fp4(const float *x, const uint8_t *wrow, const uint8_t
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
-/* MT x rows against one bf16 / FP4 weight row (y[m * N + yo[0]]); one FP4 x row with deferrable scales: gemv1_fp4.
- * Two accumulators per x row (four with one row) keep each FMA chain short of the FMA latency. */
+/* MT x rows against one weight row -> y[m * N]. FP8: x pre-scaled (scaled = 0) or plain with the weights scaled
+ * (scaled = 1); a NaN code in the row makes the result NaN. Two accumulators per x row (four with one row) keep each FMA chain short of the
+ * FMA latency. */
 static inline __attribute__((always_inline)) void
-tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, int64_t kp,
-     const uint8_t *const *wr, const uint8_t *const *sr, int64_t K, float *y, int64_t N, const int64_t *yo) {
-    (void)NT, (void)NA;
-    const uint8_t *wrow = wr[0], *srow = sr[0];
-    if (MT == 1 && fmt == FMT_FP4 && fp4_deferrable(srow, K)) {
-        y[yo[0]] = gemv1_fp4(xp, wrow, srow, K);
-        return;
-    }
+tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, const uint8_t *wrow,
+     const uint8_t *srow, int64_t K, float *y, int64_t N) {
     const int A = MT == 1 ? 4 : 2;
     uint8_t tail[128] __attribute__((aligned(32)));
     __m256 acc[MT_TILE][4], w[8];
+    __m256i nan = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int m = 0; m < MT; m++)
 #pragma GCC unroll 4
         for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const uint8_t *src = chunk_src(fmt, wrow, k0, K, tail);
         if (fmt == FMT_BF16) {
-            dec_bf16(chunk_src(fmt, wrow, k0, K, tail), w);
+            dec_bf16(src, w);
+        } else if (fmt == FMT_FP8) {
+            dec_fp8(src, w, &nan);
+            if (scaled) {
+                const __m256 sv = _mm256_broadcast_ss(&UE8M0[srow[k0 >> 7]]), up = _mm256_set1_ps(0x1p120f);
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(_mm256_mul_ps(w[q], up), sv);
+            }
         } else {
             const __m256 sv = fp4_scales(srow, k0, K);
-            dec_fp4(chunk_src(fmt, wrow, k0, K, tail), w);
+            dec_fp4(src, w);
 #pragma GCC unroll 8
             for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(w[q], sv);
         }
 #pragma GCC unroll 8
         for (int q = 0; q < 8; q++)
 #pragma GCC unroll 4
-            for (int m = 0; m < MT; m++)
-                acc[m][q % A] = _mm256_fmadd_ps(XV(xp, m, k0 + 8 * q), w[q], acc[m][q % A]);
+            for (int m = 0; m < MT; m++) acc[m][q % A] = _mm256_fmadd_ps(XV(x, m, k0 + 8 * q), w[q], acc[m][q % A]);
     }
+    const int bad = fmt == FMT_FP8 && _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8((char)0xFF)));
 #pragma GCC unroll 4
     for (int m = 0; m < MT; m++) {
         __m256 t = acc[m][0];
 #pragma GCC unroll 4
         for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[m][a]);
-        y[m * N + yo[0]] = hsum8(t);
+        y[m * N] = bad ? NAN : hsum8(t);
     }
+}
+
+/* every x row against one weight row (its scales srow) -> y[m * N] */
+static inline __attribute__((always_inline)) void
+row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, const uint8_t *wrow,
+    const uint8_t *srow, int64_t K, float *y, int64_t N) {
+    if (M == 1 && fmt == FMT_FP4 && fp4_deferrable(srow, K)) {
+        y[0] = gemv1_fp4(x, wrow, srow, K);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MT_TILE) {
+        const float *xt = x + m0 * kp;
+        float *yt = y + m0 * N;
+        switch (M - m0 < MT_TILE ? (int)(M - m0) : MT_TILE) {
+        case 1: tile(fmt, 1, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        case 2: tile(fmt, 2, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        case 3: tile(fmt, 3, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        default: tile(fmt, 4, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        }
+    }
+}
+
+/* The AVX2 driver (gemv.c run() hands every call here): OpenMP over blocks of 16 weight rows, schedule(static),
+ * one weight row at a time (with 16 vector registers a second row's decoded vectors do not fit), each read once,
+ * whole, against every x row in tiles of up to MT_TILE rows. FP8: x pre-scaled once per 128-row scale block where
+ * that is exact (see the top), in a per-thread copy. (Sweeping the rows k-block by k-block so that x stays in L1
+ * for M > 4 measured slower here: the per-block sums and the row jumps cost more than the L2 reads of x save.) */
+static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s,
+                    int64_t K, float *y, int64_t N, int nthreads) {
+    enum { RB = 16 };
+    const int64_t nkb = (K + 127) / 128, wstride = row_bytes(fmt, K);
+    int emin = 0, emax = 0, fail = 0;
+    if (fmt == FMT_FP8) exp_range(xp, M * kp, &emin, &emax);
+#pragma omp parallel num_threads(nthreads) reduction(| : fail)
+    {
+        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr & ~0x40u); /* DAZ off: FP8's subnormal decoded codes are values, not zeros */
+        float *xs = fmt == FMT_FP8 ? (float *)aligned_alloc(32, (size_t)(M * kp) * sizeof(float)) : NULL;
+        int64_t cur = -1;
+        int exact = 0;
+        fail |= fmt == FMT_FP8 && xs == NULL;
+#pragma omp for schedule(static)
+        for (int64_t r0 = 0; r0 < N; r0 += RB) {
+            if (fmt == FMT_FP8 && xs == NULL) continue;
+            const int64_t r1 = r0 + RB < N ? r0 + RB : N;
+            if (fmt == FMT_FP8 && r0 >> 7 != cur) /* RB divides 128: a row block lies in one scale block */
+                cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, emin, emax);
+            for (int64_t n = r0; n < r1; n++) {
+                const uint8_t *wrow = w + n * wstride;
+                if (fmt == FMT_BF16)
+                    row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N);
+                else if (fmt == FMT_FP4)
+                    row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N);
+                else if (exact)
+                    row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
+                else
+                    row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
+            }
+        }
+        free(xs);
+        _mm_setcsr(csr);
+    }
+    return fail ? -1 : 0;
 }
 
 #undef XV
