@@ -9,7 +9,8 @@ First every build variant with its status (ran / not run: <reason>, engine/host_
 roof: a copy probe (256 MiB, read + write bytes / time) before and after the timings, min / median. Then per (op,
 shape, M) the median ms of the reference and of each build (calls interleaved round-robin, so load from other
 processes on a shared box hits all alike), each build's GB/s of stored weight bytes (bf16 head: 2 B/element, FP8:
-1 B + scales, FP4: 0.5 B + scales; at the median, and at the fastest call) and its speedup over the reference.
+1 B + scales, FP4: 0.5 B + scales; at the median, and at the fastest call) and its speedup over the reference (the
+median over rounds of reference time / build time in the same round).
 Weights are cold by default, as in a decode step: each call reads the next of enough copies to exceed twice the
 last-level cache (`--warm`: one copy, cache-resident where it fits). Random weights with the checkpoint's formats
 (FP8 codes without the NaN code, UE8M0 scales near 2^-7). `--small-ops` adds the per-token ops of mhc.c at decode
@@ -106,11 +107,14 @@ def _libs(builds: str) -> dict[str, H.HostLibrary]:
 
 def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrary], repeats: int,
            budget_s: float) -> dict[str, list[float]]:
-    """Round-robin: every impl once per round (call i reads weight copy i); seconds per call, per impl."""
+    """Round-robin: every impl once per round (call i reads weight copy i), the order rotated each round (no impl
+    always runs right after another's cache traffic); seconds per call, per impl."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     t_end = time.perf_counter() + budget_s
     for i in range(repeats + 1):
-        for name, fn in fns.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
             if name in libs:
                 H._lib = libs[name]
             t0 = time.perf_counter()
@@ -128,7 +132,8 @@ def _row(label: str, times: dict[str, list[float]], nbytes: int | None, builds: 
     for b in builds:
         med, best = statistics.median(times[b]), min(times[b])
         rate = f"{nbytes / med / 1e9:>6.2f} {nbytes / best / 1e9:>6.2f}" if nbytes else f"{'-':>6} {'-':>6}"
-        cells.append(f"{med * 1e3:>9.3f} {rate} {ref / med:>6.2f}x")
+        speedup = statistics.median(r / t for r, t in zip(times["reference"], times[b], strict=True))  # per round
+        cells.append(f"{med * 1e3:>9.3f} {rate} {speedup:>6.2f}x")
     return " | ".join(cells)
 
 

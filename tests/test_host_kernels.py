@@ -90,12 +90,19 @@ def cache_dir() -> str:
     return str(host_kernel_cache_dir())
 
 
+REAL_MAX_M = {b: dict(lim) for b, lim in H.MAX_M.items()}
+WIDEST = {k: max(lim[k] for lim in REAL_MAX_M.values()) for k in REAL_MAX_M["portable"]}
+
+
 @pytest.fixture(params=RUNNABLE)
 def lib(request: pytest.FixtureRequest, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> H.HostLibrary:
-    """Each build this CPU can run, installed as the process's library for one test."""
+    """Each build this CPU can run, installed as the process's library for one test, taking every row count up to
+    the widest threshold any build uses (WIDEST), so each build's kernels are checked over the same range; the
+    build's own thresholds: test_above_the_threshold_the_reference_runs_counted."""
     built = H.load(request.param, get_envs().DEEPINFER_HOST_CC, cache_dir)
     assert built.variant == built.simd == request.param  # dk_simd(): the code paths compiled in are that variant's
     monkeypatch.setattr(H, "_lib", built)
+    monkeypatch.setitem(H.MAX_M, request.param, dict(WIDEST))
     return built
 
 
@@ -339,10 +346,25 @@ def test_x_across_the_fp32_exponent_range_matches_reference(lib: H.HostLibrary, 
 
 
 @pytest.mark.parametrize("op", ["fp8", "fp4", "linear"])
-def test_above_the_threshold_the_reference_runs_counted(lib: H.HostLibrary, op: str) -> None:
+def test_every_build_is_exact_up_to_the_widest_row_threshold(lib: H.HostLibrary, op: str) -> None:
+    """M = the largest row count any build takes natively (the AVX-512 thresholds), K with a tail."""
+    g = torch.Generator().manual_seed(17)
+    ws = _weights(op, 96, 224, g)
+    x = torch.randn(WIDEST[op], 224, generator=g)
+    dispatch.reset_counts()
+    _assert_close(NATIVE[op](x, *ws), REF[op](x, *ws), x, _dense(op, *ws))
+    assert dispatch.counts() == {(KEY[op], "host"): 1}
+
+
+@pytest.mark.parametrize("op", ["fp8", "fp4", "linear"])
+def test_above_the_threshold_the_reference_runs_counted(lib: H.HostLibrary, op: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's own row thresholds (MAX_M[build]): native up to it, the reference itself above."""
+    monkeypatch.setitem(H.MAX_M, lib.variant, dict(REAL_MAX_M[lib.variant]))
     g = torch.Generator().manual_seed(11)
     ws = _weights(op, 96, 64, g)
     m = H.max_m(op)
+    assert m == REAL_MAX_M[lib.variant][op]
     for rows, native in ((m, True), (m + 1, False)):
         x = torch.randn(rows, 64, generator=g)
         dispatch.reset_counts()
@@ -657,8 +679,13 @@ def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibra
     q, kv = torch.randn(1, 1, 2, 8, generator=g), torch.randn(1, 3, 8, generator=g).half()
     valid, sink = torch.ones(1, 1, 3, dtype=torch.bool), torch.zeros(2)
     assert torch.equal(H.sparse_attn(q, kv, valid, sink, 1.0), R.sparse_attn(q, kv, valid, sink, 1.0))  # fp16 keys
+    ma = H.max_m("sparse_attn")
+    q, kv = torch.randn(1, ma + 1, 2, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+    valid = torch.ones(1, ma + 1, 3, dtype=torch.bool)
+    assert torch.equal(H.sparse_attn(q, kv, valid, sink, 1.0), R.sparse_attn(q, kv, valid, sink, 1.0))
     assert dispatch.fallbacks() == {("host.hc_mixes", f"M > {m}"): 1, ("host.rms_norm", f"M > {m}"): 1,
-                                    ("host.rms_norm", "dtype"): 1, ("host.sparse_attn", "dtype"): 1}
+                                    ("host.rms_norm", "dtype"): 1, ("host.sparse_attn", "dtype"): 1,
+                                    ("host.sparse_attn", f"M > {ma}"): 1}
 
 
 def test_stack_linear_reads_the_chosen_expert_in_place(lib: H.HostLibrary) -> None:

@@ -52,15 +52,20 @@ from nki_kernels import dispatch, reference
 __all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant",
            "ensure_loaded", "library", "load", "max_m", "stack_linear", "summary", "why_not"]
 
-# Largest x row count each native kernel takes, per build; above it the reference (MKL on dequantised chunks) is as
-# fast or faster. AVX-512 (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes, Zen 4: native / reference
-# at M = 128: head 1.1x, FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on
-# both are FMA-bound; the crossover is where the reference's one-off decode / widening of the weight stops paying
-# for MKL's faster GEMM. avx2 and portable: see MAX_M_NOTE.
-_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}
+# Largest x row count each native kernel takes, per build ("mhc": the small per-token ops but sparse_attn, which has
+# its own); above it the reference (MKL on dequantised chunks; torch's batched ops) is as fast or faster.
+# scripts/bench_host_kernels.py, 1 thread, the mid-size V4 shapes:
+# * avx512 builds (Zen 4): native / reference at M = 128: head 1.1x, FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x,
+#   FP8 0.9-0.97x, FP4 1.26x. From M ~ 4 on both are FMA-bound; the crossover is where the reference's one-off
+#   decode / widening of the weight stops paying for MKL's faster GEMM.
+# * avx2 (Zen 3, 2 cores shared with other jobs): head 3.0x at 32, 0.84x at 64; FP8 1.05-1.7x at 64, 0.5-0.9x at 128;
+#   FP4 1.0-2.0x at 128, 0.7x at 256; small ops 1.7-2.3x and sparse_attn 1.3x at 64.
+# * portable (no AVX2): 1.7-8x at M = 1, but head 0.81x and FP8 0.44-2.2x at 4, FP4 6.9x at 4 and 0.6x at 16,
+#   sparse_attn 1.08x at 1 and 0.56x at 4; the other small ops 1.7-2.8x up to 64.
+_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64},
-         "portable": {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}}
+         "avx2": {"linear": 32, "fp8": 64, "fp4": 128, "mhc": 64, "sparse_attn": 64},
+         "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 1}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 
 
@@ -313,7 +318,7 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     def ref():
         return reference.sparse_attn(q, kv, valid, sink, scale)
 
-    why = _why_not_rows("mhc", q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
+    why = _why_not_rows("sparse_attn", q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
     if why is None and kv.dtype is not torch.float32 and kv.dtype is not torch.bfloat16:
         why = "dtype"
     if why is None:
