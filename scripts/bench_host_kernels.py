@@ -10,7 +10,8 @@ roof: a copy probe (256 MiB, read + write bytes / time) before and after the tim
 shape, M) the median ms of the reference and of each build (calls interleaved round-robin, so load from other
 processes on a shared box hits all alike), each build's GB/s of stored weight bytes (bf16 head: 2 B/element, FP8:
 1 B + scales, FP4: 0.5 B + scales; at the median, and at the fastest call) and its speedup over the reference (the
-median over rounds of reference time / build time in the same round).
+median over rounds of reference time / build time in the same round; marked * where M is above the build's row
+threshold MAX_M, i.e. where `--kernels host` itself runs the reference: the kernels are timed at every M regardless).
 Weights are cold by default, as in a decode step: each call reads the next of enough copies to exceed twice the
 last-level cache (`--warm`: one copy, cache-resident where it fits). Random weights with the checkpoint's formats
 (FP8 codes without the NaN code, UE8M0 scales near 2^-7). `--small-ops` adds the per-token ops of mhc.c at decode
@@ -126,24 +127,26 @@ def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrar
     return times
 
 
-def _row(label: str, times: dict[str, list[float]], nbytes: int | None, builds: list[str]) -> str:
+def _row(label: str, times: dict[str, list[float]], nbytes: int | None, builds: list[str],
+         native: dict[str, bool]) -> str:
     ref = statistics.median(times["reference"])
     cells = [f"{label} {ref * 1e3:>9.3f}"]
     for b in builds:
         med, best = statistics.median(times[b]), min(times[b])
         rate = f"{nbytes / med / 1e9:>6.2f} {nbytes / best / 1e9:>6.2f}" if nbytes else f"{'-':>6} {'-':>6}"
         speedup = statistics.median(r / t for r, t in zip(times["reference"], times[b], strict=True))  # per round
-        cells.append(f"{med * 1e3:>9.3f} {rate} {speedup:>6.2f}x")
+        cells.append(f"{med * 1e3:>9.3f} {rate} {speedup:>6.2f}x{' ' if native[b] else '*'}")
     return " | ".join(cells)
 
 
 def _header(builds: list[str], first: str) -> str:
     cells = [f"{first} {'ref ms':>9}"]
-    cells += [f"{b[:9] + ' ms':>9} {'GB/s':>6} {'best':>6} {'x ref':>7}" for b in builds]
+    cells += [f"{b[:9] + ' ms':>9} {'GB/s':>6} {'best':>6} {'x ref':>8}" for b in builds]
     return " | ".join(cells)
 
 
-def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int) -> None:
+def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
+               limits: dict[str, dict[str, int]]) -> None:
     g = torch.Generator().manual_seed(1)
     n, d, heads, hd, keys = 4, 1024, 16, 128, 384  # mid: hc_mult 4, D 1024, 16 x 128 heads, 128 window + 256 top-k
     print(_header(list(libs), f"{'op':<12} {'shape':<22} {'M':>3}"))
@@ -168,8 +171,9 @@ def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int) -> N
             fns: dict[str, Callable[[int], object]] = {"reference": lambda i, c=call, a=args: c(R, *a)}
             for b in libs:
                 fns[b] = lambda i, c=call, a=args: c(H, *a)
-            print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0), None, list(libs)),
-                  flush=True)
+            key = "sparse_attn" if op == "sparse_attn" else "mhc"
+            print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0), None, list(libs),
+                       {b: m <= limits[b][key] for b in libs}), flush=True)
 
 
 def main() -> None:
@@ -208,16 +212,18 @@ def main() -> None:
                 for b in builds:
                     fns[b] = lambda i, op=op, x=x, ws=ws: NAT[op](x, *ws[i % len(ws)])
                 times = _timed(fns, libs, a.repeats, 6.0)
-                print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds), flush=True)
+                print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds,
+                           {b: m <= saved[b][op] for b in builds}), flush=True)
             del ws
         if a.small_ops:
-            _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats)
+            _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved)
     finally:
         for b, lim in saved.items():
             H.MAX_M[b].update(lim)
     roof += bandwidth_probe()
     print(f"memory roof (256 MiB copy, read + write, {len(roof)} runs before and after): min {min(roof):.1f}, median "
           f"{statistics.median(roof):.1f}, max {max(roof):.1f} GB/s")
+    print("*: above the build's row threshold (MAX_M): `--kernels host` runs the reference there, not this kernel")
 
 
 if __name__ == "__main__":
