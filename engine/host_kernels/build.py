@@ -44,6 +44,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "gemv_a
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
 NAMES = " and ".join(src.name for src in COMPILED)
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _ABI = 2
 # CPU feature (its /proc/cpuinfo name) -> the compiler macro that says a build may use it; the bit order is
@@ -154,7 +155,7 @@ def build_key(cc: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes() + b"\0")
-    for part in (cc, " ".join(flags), cpu_flag_line()):
+    for part in (cc, " ".join((*flags, *LIBS)), cpu_flag_line()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:24]
 
@@ -175,7 +176,7 @@ def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
     except OSError as e:
         raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
     try:
-        r = subprocess.run([exe, *flags, *map(str, COMPILED), "-o", tmp], capture_output=True, text=True,
+        r = subprocess.run([exe, *flags, *map(str, COMPILED), *LIBS, "-o", tmp], capture_output=True, text=True,
                            timeout=300)
         if r.returncode != 0:
             lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
