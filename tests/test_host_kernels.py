@@ -132,6 +132,22 @@ def test_the_loader_chooses_the_best_build_this_cpu_runs(monkeypatch: pytest.Mon
     assert probe()["host_kernels"]["chosen"] == EXPECTED  # every results meta.json says which build runs
 
 
+def test_a_cap_on_the_build_emulates_an_older_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_HOST_SIMD=<build> (B.simd_cap): the loader takes that build or the best below it, and reports every
+    build above it as not run for that reason."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    for cap in RUNNABLE:
+        assert B.choose(cc, cap) == cap
+        for v in list(NEEDS)[:list(NEEDS).index(cap)]:
+            assert B.why_not(v, cc, cap) in (_why_not_here(v), f"above DEEPINFER_HOST_SIMD={cap}")
+    monkeypatch.setattr(B, "simd_cap", lambda: RUNNABLE[-1])
+    assert B.load("auto", cc).variant == RUNNABLE[-1]
+    if len(RUNNABLE) > 1:
+        with pytest.raises(H.HostKernelError, match=f"above DEEPINFER_HOST_SIMD={RUNNABLE[-1]}"):
+            B.load(RUNNABLE[0], cc)
+        assert H.build_info()["variants"][RUNNABLE[0]] == f"not run: above DEEPINFER_HOST_SIMD={RUNNABLE[-1]}"
+
+
 @pytest.mark.parametrize("variant", NOT_RUNNABLE or ["(none)"])
 def test_a_variant_this_cpu_cannot_run_is_built_but_refused(variant: str, cache_dir: str) -> None:
     """Reported as not run, with the reason: it compiles (gcc builds any x86 variant anywhere), the loader refuses it

@@ -259,10 +259,9 @@ class HostLibrary:
             raise MemoryError(f"host kernel {fmt}: out of memory for x [{m}, {k}]")
 
 
-@functools.cache
 def load(variant: str = "auto", cc: str = "gcc", cache_dir: str | None = None) -> HostLibrary:
-    """Variant `variant`'s library (auto: `choose(cc, DEEPINFER_HOST_SIMD)`), built or found, checked and loaded; a
-    variant that may not run here is refused before it is loaded, with the reason."""
+    """Variant `variant`'s library (auto: `choose(cc, DEEPINFER_HOST_SIMD)`), built or found, checked and loaded once
+    per process; a variant that may not run here is refused before it is loaded, with the reason."""
     cap = simd_cap()
     name = choose(cc, cap) if variant == "auto" else variant
     if name not in VARIANTS:
@@ -270,6 +269,11 @@ def load(variant: str = "auto", cc: str = "gcc", cache_dir: str | None = None) -
     why = why_not(name, cc, cap)
     if why is not None:
         raise HostKernelError(f"--kernels host: build {name} cannot run here: {why}")
+    return _load(name, cc, cache_dir)
+
+
+@functools.cache
+def _load(name: str, cc: str, cache_dir: str | None) -> HostLibrary:
     return HostLibrary(build_variant(name, cc, cache_dir), name)
 
 

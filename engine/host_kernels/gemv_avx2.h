@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
- * FP8: its own driver (per-thread pre-scaled x, see the top) */
+ * FP8: x pre-scaled once per 128-row scale block where that is exact (see the top) */
 
 /* x's exponent range over its nonzero entries (inf / NaN: emax 128) */
 static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
@@ -174,8 +174,8 @@ static inline float gemv1_fp4(const float *x, const uint8_t *wrow, const uint8_t
 }
 
 /* MT x rows against one weight row -> y[m * N]. FP8: x pre-scaled (scaled = 0) or plain with the weights scaled
- * (scaled = 1); a NaN code in the row makes the result NaN. Two accumulators per x row (four with one row) keep each FMA chain short of the
- * FMA latency. */
+ * (scaled = 1); a NaN code in the row makes the result NaN. Two accumulators per x row (four with one row) keep
+ * each FMA chain short of the FMA latency. */
 static inline __attribute__((always_inline)) void
 tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, const uint8_t *wrow,
      const uint8_t *srow, int64_t K, float *y, int64_t N) {
