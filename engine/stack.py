@@ -99,8 +99,11 @@ def _neuron_ls() -> str | None:
 
 
 def probe() -> dict[str, Any]:
-    """The stack of this process: `_installed()` and the host math mode (read now: it is set at process setup)."""
-    return {**_installed(), "host_math": blas_mode()}
+    """The stack of this process: `_installed()`, the host math mode (read now: it is set at process setup) and which
+    native host-kernel build `--kernels host` runs here and why (engine/host_kernels `build_info`)."""
+    from engine import host_kernels
+
+    return {**_installed(), "host_math": blas_mode(), "host_kernels": host_kernels.build_info()}
 
 
 @cache

@@ -1,13 +1,21 @@
 #!/usr/bin/env python
-"""Per-op timings of `--kernels host` (engine/host_kernels) against the torch reference, on the mid-size V4 shapes.
+"""Per-op timings of `--kernels host` (engine/host_kernels), every build this CPU runs, against the torch reference,
+on the mid-size V4 shapes (golden/make_bench_model.py --preset mid).
 
-    DEEPINFER_NUM_THREADS=1 python scripts/bench_host_kernels.py [--m 1,4,16] [--repeats 7] [--shapes head,wq_b,...]
+    DEEPINFER_NUM_THREADS=1 taskset -c 0 python scripts/bench_host_kernels.py [--m 1,4,16] [--repeats 9]
+        [--builds all] [--shapes head,wq_b,...] [--small-ops] [--warm]
 
-For each (op, shape, M): median ms of the native kernel and of `nki_kernels.reference`, the speedup, and GB/s of
-stored weight bytes read by the native kernel (bf16 head: 2 B/element, FP8: 1 B + scales, FP4: 0.5 B + scales),
-plus a memory-bandwidth probe (a 256 MiB copy: read + write bytes / time). Random weights with the checkpoint's
-formats (FP8 codes without the NaN code, UE8M0 scales near 2^-7). The machine's load average is printed first:
-rerun when it is high (the box may be shared).
+First every build variant with its status (ran / not run: <reason>, engine/host_kernels/build.py), then the memory
+roof: a copy probe (256 MiB, read + write bytes / time) before and after the timings, min / median. Then per (op,
+shape, M) the median ms of the reference and of each build (calls interleaved round-robin, so load from other
+processes on a shared box hits all alike), each build's GB/s of stored weight bytes (bf16 head: 2 B/element, FP8:
+1 B + scales, FP4: 0.5 B + scales; at the median, and at the fastest call) and its speedup over the reference (the
+median over rounds of reference time / build time in the same round; marked * where M is above the build's row
+threshold MAX_M, i.e. where `--kernels host` itself runs the reference: the kernels are timed at every M regardless).
+Weights are cold by default, as in a decode step: each call reads the next of enough copies to exceed twice the
+last-level cache (`--warm`: one copy, cache-resident where it fits). Random weights with the checkpoint's formats
+(FP8 codes without the NaN code, UE8M0 scales near 2^-7). `--small-ops` adds the per-token ops of mhc.c at decode
+sizes (no GB/s: they are not weight-bound). The load average is printed: rerun when it is high.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +37,7 @@ from engine import host_kernels as H  # noqa: E402
 from engine.envs import get_envs  # noqa: E402
 from nki_kernels import reference as R  # noqa: E402
 
-# name: (op, N, K) at the mid model's sizes (golden/bench/mid: D 1024, q_lora 512, 16 x 128 heads, moe_inter 512)
+# name: (op, N, K) at the mid model's sizes (D 1024, q_lora 512, 16 x 128 heads, moe_inter 512, vocab 129280)
 SHAPES = {
     "head": ("linear", 129280, 1024),  # bf16 [vocab, D]
     "wq_b": ("fp8", 2048, 512),
@@ -38,10 +47,12 @@ SHAPES = {
     "expert_w1": ("fp4", 512, 1024),
     "expert_w2": ("fp4", 1024, 512),
 }
+REF = {"linear": R.linear, "fp8": R.fp8_linear, "fp4": R.fp4_linear}
+NAT = {"linear": H.linear_impl, "fp8": H.fp8_linear_impl, "fp4": H.fp4_linear_impl}
 
 
-def _weights(op: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(0)
+def _weights(op: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
     if op == "linear":
         return (torch.randn(n, k, generator=g).bfloat16(),)
     if op == "fp8":
@@ -56,56 +67,163 @@ def _bytes(ws: tuple[torch.Tensor, ...]) -> int:
     return sum(w.numel() * w.element_size() for w in ws)
 
 
-def _time(fn, repeats: int, budget_s: float = 3.0) -> float:
-    fn()
-    times: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < repeats and (len(times) < 3 or time.perf_counter() < t_end):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache sysfs reports (64 MiB if it says nothing)."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip().upper()
+            best = max(best, int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0))
+        except (OSError, ValueError):
+            continue
+    return best or 64 << 20
 
 
-def bandwidth_probe() -> float:
+def bandwidth_probe(rounds: int = 5) -> list[float]:
     a = torch.ones(64 << 20)  # 256 MiB
     b = torch.empty_like(a)
-    ms = _time(lambda: b.copy_(a), 5)
-    return 2 * a.numel() * 4 / ms / 1e6
+    b.copy_(a)
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        out.append(2 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
+def _libs(builds: str) -> dict[str, H.HostLibrary]:
+    """The builds to time (all: every one that may run here), after printing every variant's status."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    want = list(H.VARIANTS) if builds == "all" else builds.split(",")
+    libs = {}
+    for name in H.VARIANTS:
+        why = H.why_not(name, cc, H.build.simd_cap())
+        if name in want and why is None:
+            libs[name] = H.load(name, cc)
+            print(f"  build {name:<12} ran ({libs[name].path.name})")
+        else:
+            print(f"  build {name:<12} not run: {why or 'not asked for (--builds)'}")
+    return libs
+
+
+def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrary], repeats: int,
+           budget_s: float) -> dict[str, list[float]]:
+    """Round-robin: every impl once per round (call i reads weight copy i), the order rotated each round (no impl
+    always runs right after another's cache traffic); seconds per call, per impl."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    t_end = time.perf_counter() + budget_s
+    for i in range(repeats + 1):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
+            if name in libs:
+                H._lib = libs[name]
+            t0 = time.perf_counter()
+            fn(i)
+            if i:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+        if i >= 3 and time.perf_counter() > t_end:
+            break
+    return times
+
+
+def _row(label: str, times: dict[str, list[float]], nbytes: int | None, builds: list[str],
+         native: dict[str, bool]) -> str:
+    ref = statistics.median(times["reference"])
+    cells = [f"{label} {ref * 1e3:>9.3f}"]
+    for b in builds:
+        med, best = statistics.median(times[b]), min(times[b])
+        rate = f"{nbytes / med / 1e9:>6.2f} {nbytes / best / 1e9:>6.2f}" if nbytes else f"{'-':>6} {'-':>6}"
+        speedup = statistics.median(r / t for r, t in zip(times["reference"], times[b], strict=True))  # per round
+        cells.append(f"{med * 1e3:>9.3f} {rate} {speedup:>6.2f}x{' ' if native[b] else '*'}")
+    return " | ".join(cells)
+
+
+def _header(builds: list[str], first: str) -> str:
+    cells = [f"{first} {'ref ms':>9}"]
+    cells += [f"{b[:9] + ' ms':>9} {'GB/s':>6} {'best':>6} {'x ref':>8}" for b in builds]
+    return " | ".join(cells)
+
+
+def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
+               limits: dict[str, dict[str, int]]) -> None:
+    g = torch.Generator().manual_seed(1)
+    n, d, heads, hd, keys = 4, 1024, 16, 128, 384  # mid: hc_mult 4, D 1024, 16 x 128 heads, 128 window + 256 top-k
+    print(_header(list(libs), f"{'op':<12} {'shape':<22} {'M':>3}"))
+    for m in ms:
+        x = torch.randn(m, n, d, generator=g)
+        fn = torch.randn((2 + n) * n, n * d, generator=g) / (n * d) ** 0.5
+        scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + n) * n, generator=g)
+        pre, post, comb = torch.rand(m, n, generator=g), torch.rand(m, n, generator=g), torch.rand(m, n, n, generator=g)
+        y, w = torch.randn(m, d, generator=g), torch.randn(d, generator=g)
+        q, kv = torch.randn(1, m, heads, hd, generator=g), torch.randn(1, keys, hd, generator=g)
+        valid, sink = torch.rand(1, m, keys, generator=g) < 0.9, torch.randn(heads, generator=g)
+        cases = {
+            "hc_mixes": (f"x [{m},{n},{d}]", lambda mod, *a: mod.hc_mixes(*a),
+                         (x, fn, scale, base, n, 20, 1e-6, 1e-6)),
+            "rms_norm": (f"x [{m},{d}]", lambda mod, *a: mod.rms_norm(*a), (y, w, 1e-6)),
+            "hc_collapse": (f"x [{m},{n},{d}]", lambda mod, *a: mod.hc_collapse(*a), (x, pre)),
+            "hc_expand": (f"x [{m},{n},{d}]", lambda mod, *a: mod.hc_expand(*a), (y, x, post, comb)),
+            "sparse_attn": (f"q [1,{m},{heads},{hd}] kv {keys}", lambda mod, *a: mod.sparse_attn(*a),
+                            (q, kv, valid, sink, hd**-0.5)),
+        }
+        for op, (shape, call, args) in cases.items():
+            fns: dict[str, Callable[[int], object]] = {"reference": lambda i, c=call, a=args: c(R, *a)}
+            for b in libs:
+                fns[b] = lambda i, c=call, a=args: c(H, *a)
+            key = "sparse_attn" if op == "sparse_attn" else "mhc"
+            print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0), None, list(libs),
+                       {b: m <= limits[b][key] for b in libs}), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,16", help="x row counts")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--builds", default="all", help="comma-separated builds to time (all: every one this CPU runs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--small-ops", action="store_true", help="also time the per-token ops of mhc.c")
+    ap.add_argument("--warm", action="store_true", help="one weight copy (cache-resident where it fits)")
     a = ap.parse_args()
     threads = get_envs().DEEPINFER_NUM_THREADS
     if threads:
         torch.set_num_threads(threads)
-    lib = H.library()
-    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, library {lib.simd} "
-          f"({lib.path.name}), MAX_M {H.MAX_M}")
-    print(f"memory bandwidth probe (256 MiB copy): {bandwidth_probe():.1f} GB/s")
-    ref = {"linear": R.linear, "fp8": R.fp8_linear, "fp4": R.fp4_linear}
-    nat = {"linear": H.linear_impl, "fp8": H.fp8_linear_impl, "fp4": H.fp4_linear_impl}
-    print(f"{'shape':<10} {'op':<6} {'N':>7} {'K':>5} {'M':>3} {'native ms':>10} {'ref ms':>9} {'speedup':>8} "
-          f"{'GB/s':>6}")
-    saved = dict(H.MAX_M)
-    H.MAX_M.update({k: 1 << 30 for k in H.MAX_M})  # time the native kernel at every M asked for
+    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, "
+          f"{'warm' if a.warm else 'cold'} weights (last-level cache {last_level_cache() >> 20} MiB)")
+    print(H.summary())
+    libs = _libs(a.builds)
+    builds = list(libs)
+    roof = bandwidth_probe()
+    saved = {b: dict(lim) for b, lim in H.MAX_M.items()}
+    for lim in H.MAX_M.values():
+        lim.update({k: 1 << 30 for k in lim})  # time the native kernel at every M asked for
     try:
+        print(_header(builds, f"{'shape':<10} {'op':<6} {'N':>6} {'K':>5} {'M':>3}"))
         for name in a.shapes.split(","):
             op, n, k = SHAPES[name]
-            ws = _weights(op, n, k)
+            one = _weights(op, n, k, 0)
+            copies = 1 if a.warm else max(1, min(64, -(-2 * last_level_cache() // _bytes(one))))
+            ws = [one] + [_weights(op, n, k, c) for c in range(1, copies)]
             for m in (int(v) for v in a.m.split(",")):
                 x = torch.randn(m, k).to(getattr(torch, a.dtype))
-                t_nat = _time(lambda: nat[op](x, *ws), a.repeats)  # noqa: B023
-                t_ref = _time(lambda: ref[op](x, *ws), a.repeats)  # noqa: B023
-                print(f"{name:<10} {op:<6} {n:>7} {k:>5} {m:>3} {t_nat:>10.3f} {t_ref:>9.3f} {t_ref / t_nat:>7.2f}x "
-                      f"{_bytes(ws) / t_nat / 1e6:>6.1f}", flush=True)
+                fns: dict[str, Callable[[int], object]] = {
+                    "reference": lambda i, op=op, x=x, ws=ws: REF[op](x, *ws[i % len(ws)])}
+                for b in builds:
+                    fns[b] = lambda i, op=op, x=x, ws=ws: NAT[op](x, *ws[i % len(ws)])
+                times = _timed(fns, libs, a.repeats, 6.0)
+                print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds,
+                           {b: m <= saved[b][op] for b in builds}), flush=True)
+            del ws
+        if a.small_ops:
+            _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved)
     finally:
-        H.MAX_M.update(saved)
+        for b, lim in saved.items():
+            H.MAX_M[b].update(lim)
+    roof += bandwidth_probe()
+    print(f"memory roof (256 MiB copy, read + write, {len(roof)} runs before and after): min {min(roof):.1f}, median "
+          f"{statistics.median(roof):.1f}, max {max(roof):.1f} GB/s")
+    print("*: above the build's row threshold (MAX_M): `--kernels host` runs the reference there, not this kernel")
 
 
 if __name__ == "__main__":

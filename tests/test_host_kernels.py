@@ -1,31 +1,85 @@
-"""`--kernels host`: the native GEMV kernels (engine/host_kernels) against the torch reference (nki_kernels/reference).
+"""`--kernels host`: the native kernels (engine/host_kernels) against the torch reference (nki_kernels/reference).
 
-Three builds of the one C file are checked on this machine: the default (-march=native: AVX-512 with VBMI here),
-AVX-512 without VBMI (-mno-avx512vbmi: the bit-arithmetic FP8 decoder) and the portable path (-mno-avx512f).
+Builds. Every instruction-set variant (avx512-vbmi, avx512, avx2, portable) compiles on any x86 machine; which may
+run depends on the CPU. This file works out, on its own and from the CPU's flags (/proc/cpuinfo), which variants
+this machine can run and which one the loader must choose (the best), and checks that the loader agrees. Every
+variant the CPU can run is checked against the reference by every kernel test below (the `lib` fixture is
+parametrized over them); every variant it cannot run is reported as not run, with the reason, by
+`test_a_variant_this_cpu_cannot_run_is_built_but_refused` (it must still compile, the loader must refuse it naming
+the missing CPU flag, and the library's own cpuid check must refuse it too), which also emits a `NotRunHere` warning
+so the reason shows in pytest's summary. DEEPINFER_HOST_SIMD=<variant> caps the choice: with
+DEEPINFER_HOST_SIMD=avx2 an AVX-512 machine runs this file (and the whole suite) as an AVX2-only machine would, the
+AVX-512 builds reported as not run ("above DEEPINFER_HOST_SIMD=avx2").
 
 Tolerances. Decoding is checked bit for bit: with one-hot x rows every output is one weight element times 1 plus
 exact zeros, so it must equal the reference's dequantised element exactly (every code in every lane position,
-extreme scales). Random x: both sides accumulate in fp32 in different orders; each side's error is at most
-gamma_K * sum_k |x_k||w_k| (gamma_K ~ K * u, u = 2^-24: the standard bound of a K-term fp32 dot product), so the
-check is |native - reference| <= 2 * K * u * sum_k |x_k||w_k| for every output (plus one bf16 rounding of the
-result, one bf16 ulp, for bf16 x). The bound cannot flake; typical errors are ~1e-3 of it.
+extreme scales), one x row per call (the M = 1 kernels) and 16 (the tiles). Random x: both sides accumulate in fp32
+in different orders; each side's error is at most gamma_K * sum_k |x_k||w_k| (gamma_K ~ K * u, u = 2^-24: the
+standard bound of a K-term fp32 dot product), so the check is |native - reference| <= 2 * K * u * sum_k |x_k||w_k|
+for every output (plus one bf16 rounding of the result, one bf16 ulp, for bf16 x). The bound cannot flake; typical
+errors are ~1e-3 of it.
 """
 
 from __future__ import annotations
 
+import platform
+import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import host_kernels as H
 from engine.envs import get_envs
+from engine.host_kernels import build as B
 from nki_kernels import dispatch
 from nki_kernels import reference as R
 
 U = 2.0**-24
-VARIANTS = {"native": (), "no-vbmi": ("-mno-avx512vbmi",), "portable": ("-mno-avx512f",)}
-IS_X86 = sys.platform == "linux" and __import__("platform").machine() in ("x86_64", "AMD64")
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# Each variant and the CPU flags (/proc/cpuinfo names) it needs, best first: written here independently of
+# engine/host_kernels/build.py, whose choice the tests check against it.
+NEEDS = {"avx512-vbmi": ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vbmi"),
+         "avx512": ("avx", "avx2", "fma", "avx512f", "avx512bw"),
+         "avx2": ("avx", "avx2", "fma"),
+         "portable": ()}
+
+
+class NotRunHere(UserWarning):
+    """A kernel build this CPU cannot run (the reason is the message)."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() == "flags":
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+CPU = _cpu_flags()
+CAP = B.simd_cap()
+
+
+def _why_not_here(variant: str) -> str | None:
+    """Why this machine cannot run `variant` (None: it can), from the CPU flags and the DEEPINFER_HOST_SIMD cap."""
+    if NEEDS[variant] and not IS_X86:
+        return "not an x86 CPU"
+    lack = [f for f in NEEDS[variant] if f not in CPU]
+    if lack:
+        return f"CPU lacks {', '.join(lack)}"
+    if CAP != "auto" and list(NEEDS).index(variant) < list(NEEDS).index(CAP):
+        return f"above DEEPINFER_HOST_SIMD={CAP}"
+    return None
+
+
+RUNNABLE = [v for v in NEEDS if _why_not_here(v) is None]
+NOT_RUNNABLE = [v for v in NEEDS if _why_not_here(v) is not None]
+EXPECTED = RUNNABLE[0]  # the best build this machine may run
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +90,88 @@ def cache_dir() -> str:
     return str(host_kernel_cache_dir())
 
 
-@pytest.fixture(params=list(VARIANTS) if IS_X86 else ["native"])
+REAL_MAX_M = {b: dict(lim) for b, lim in H.MAX_M.items()}
+WIDEST = {k: max(lim[k] for lim in REAL_MAX_M.values()) for k in REAL_MAX_M["portable"]}
+
+
+@pytest.fixture(params=RUNNABLE)
 def lib(request: pytest.FixtureRequest, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> H.HostLibrary:
-    """Each build of gemv.c installed as the process's library for one test."""
-    cc = get_envs().DEEPINFER_HOST_CC
-    built = H.load(cc, VARIANTS[request.param], cache_dir)
-    if request.param == "native":
-        assert built.simd in ("avx512-vbmi", "avx512", "portable")
-    else:
-        assert built.simd == {"no-vbmi": "avx512", "portable": "portable"}[request.param]
+    """Each build this CPU can run, installed as the process's library for one test, taking every row count up to
+    the widest threshold any build uses (WIDEST), so each build's kernels are checked over the same range; the
+    build's own thresholds: test_above_the_threshold_the_reference_runs_counted."""
+    built = H.load(request.param, get_envs().DEEPINFER_HOST_CC, cache_dir)
+    assert built.variant == built.simd == request.param  # dk_simd(): the code paths compiled in are that variant's
     monkeypatch.setattr(H, "_lib", built)
+    monkeypatch.setitem(H.MAX_M, request.param, dict(WIDEST))
     return built
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which build runs
+
+
+def test_the_loader_chooses_the_best_build_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    cc = get_envs().DEEPINFER_HOST_CC
+    assert B.choose(cc, CAP) == EXPECTED
+    monkeypatch.setattr(H, "_lib", None)
+    H.ensure_loaded()
+    assert H.library().variant == H.library().simd == EXPECTED
+    info = H.build_info()
+    assert info["chosen"] == EXPECTED and info["loaded"]["variant"] == EXPECTED and info["cap"] == CAP
+    assert list(info["variants"]) == list(NEEDS)
+    for v in NEEDS:
+        why = _why_not_here(v)
+        want = "chosen" if v == EXPECTED else "can run" if why is None else f"not run: {why}"
+        assert info["variants"][v] == want
+    if IS_X86 and CPU:
+        assert info["cpu_features"] == {f: f in CPU for f in B.FEATURES}
+    line = H.summary()
+    assert line.startswith(f"host kernels: {EXPECTED} (") and all(v in line for v in NEEDS)
+    from engine.stack import probe
+
+    assert probe()["host_kernels"]["chosen"] == EXPECTED  # every results meta.json says which build runs
+
+
+def test_a_cap_on_the_build_emulates_an_older_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_HOST_SIMD=<build> (B.simd_cap): the loader takes that build or the best below it, and reports every
+    build above it as not run for that reason."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    for cap in RUNNABLE:
+        assert B.choose(cc, cap) == cap
+        for v in list(NEEDS)[:list(NEEDS).index(cap)]:
+            assert B.why_not(v, cc, cap) in (_why_not_here(v), f"above DEEPINFER_HOST_SIMD={cap}")
+    monkeypatch.setattr(B, "simd_cap", lambda: RUNNABLE[-1])
+    assert B.load("auto", cc).variant == RUNNABLE[-1]
+    if len(RUNNABLE) > 1:
+        with pytest.raises(H.HostKernelError, match=f"above DEEPINFER_HOST_SIMD={RUNNABLE[-1]}"):
+            B.load(RUNNABLE[0], cc)
+        assert H.build_info()["variants"][RUNNABLE[0]] == f"not run: above DEEPINFER_HOST_SIMD={RUNNABLE[-1]}"
+
+
+@pytest.mark.parametrize("variant", NOT_RUNNABLE or ["(none)"])
+def test_a_variant_this_cpu_cannot_run_is_built_but_refused(variant: str, cache_dir: str) -> None:
+    """Reported as not run, with the reason: it compiles (gcc builds any x86 variant anywhere), the loader refuses it
+    before loading it (naming the missing CPU flag), and so does the library's own cpuid check (run in a child
+    process, so a wrong answer there cannot take this one down with SIGILL)."""
+    if variant == "(none)":
+        assert RUNNABLE == list(NEEDS)  # this CPU runs every build: nothing to report
+        return
+    why = _why_not_here(variant)
+    warnings.warn(NotRunHere(f"host kernel build {variant}: not run: {why}"), stacklevel=1)
+    cc = get_envs().DEEPINFER_HOST_CC
+    if IS_X86:
+        path = B.build_variant(variant, cc, cache_dir)
+        assert path.read_bytes()[:4] == b"\x7fELF"
+    with pytest.raises(H.HostKernelError, match=f"build {variant} cannot run here: .*{why.split()[-1]}"):
+        H.load(variant, cc, cache_dir)
+    lack = [f for f in NEEDS[variant] if f not in CPU]
+    if IS_X86 and lack:
+        code = (f"from pathlib import Path; from engine.host_kernels.build import HostLibrary, HostKernelError\n"
+                f"try:\n    HostLibrary(Path({str(path)!r}), {variant!r})\nexcept HostKernelError as e:\n"
+                f"    print(e)")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"build {variant} uses {', '.join(lack)}, which this CPU lacks" in r.stdout
 
 
 def _fp8(n: int, k: int, g: torch.Generator, scales=(118, 125)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,35 +215,80 @@ def _assert_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dense: to
 # Decoding, bit for bit
 
 
-def _one_hot_columns(op: str, ws: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
-    """W[:, j] for every j, through the native op with one-hot x rows (16 columns per call)."""
-    cols = []
-    for j0 in range(0, k, 16):
-        j1 = min(k, j0 + 16)
-        x = torch.zeros(j1 - j0, k)
-        x[torch.arange(j1 - j0), torch.arange(j0, j1)] = 1.0
-        cols.append(NATIVE[op](x, *ws).T)
-    return torch.cat(cols, dim=1)
+def _one_hot(k: int, rows: int) -> list[torch.Tensor]:
+    """Identity rows of width k, `rows` per tensor (1: the one-row kernels; 16: the tiles)."""
+    eye = torch.eye(k)
+    return [eye[j0:j0 + rows] for j0 in range(0, k, rows)]
 
 
-def test_fp8_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary) -> None:
+def _one_hot_columns(op: str, ws: tuple[torch.Tensor, ...], k: int, rows: int = 16) -> torch.Tensor:
+    """W[:, j] for every j, through the native op with one-hot x rows (`rows` columns per call)."""
+    return torch.cat([NATIVE[op](x, *ws).T for x in _one_hot(k, rows)], dim=1)
+
+
+def _fp4_scale_rows(n: int) -> torch.Tensor:
+    """[n, 3] UE8M0 rows: even rows take scales whose block sums the one-row AVX2 kernel scales once (2..252), odd
+    rows also 0 and 1 (2^-127, 2^-126: 0.5 * 2^-127 is an fp32 subnormal), which send a row to the per-weight path."""
+    even = torch.tensor([2, 127, 200, 252, 3], dtype=torch.uint8)
+    odd = torch.tensor([0, 127, 1, 252, 126], dtype=torch.uint8)
+    idx = torch.arange(n * 3).view(n, 3) % 5
+    return torch.where(torch.arange(n)[:, None] % 2 == 0, even[idx], odd[idx])
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp8_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary, rows: int) -> None:
     n, k = 130, 300  # neither a multiple of 128 (partial row and column blocks) nor of 64 (a K tail)
     codes = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :]) % 256  # every code in every position
     w = codes.to(torch.uint8)
     w[(w & 0x7F) == 0x7F] = 0  # NaN codes: tested apart
     # UE8M0 extremes: 2^-127 (an fp32 subnormal; products with subnormal e4m3 values are subnormal too), 2^-126,
-    # 1, 2^119 (448 * 2^119 is the largest finite product)
-    s = torch.tensor([[0, 1, 127], [246, 127, 1]], dtype=torch.uint8)
-    got = _one_hot_columns("fp8", (w, s), k)
+    # 2^-118 and 2^-117 (either side of where the AVX2 one-row kernel stops pre-scaling x: 2^-9 * 2^(b-127) is
+    # subnormal below b = 10), 1, 2^119 (448 * 2^119 is the largest finite product)
+    s = torch.tensor([[0, 1, 9], [10, 127, 246]], dtype=torch.uint8)
+    got = _one_hot_columns("fp8", (w, s), k, rows)
     assert torch.equal(got, R.fp8_dequant_rows(w, s, 0, n))
 
 
-def test_fp4_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary) -> None:
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp4_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary, rows: int) -> None:
     n, k = 40, 96  # K = 64 + a 32-element tail
     w = ((torch.arange(n)[:, None] * 13 + torch.arange(k // 2)[None, :]) % 256).to(torch.uint8)
-    s = torch.tensor([0, 1, 127, 200, 252], dtype=torch.uint8)[torch.arange(n * 3) % 5].view(n, 3)
-    got = _one_hot_columns("fp4", (w, s), k)
+    s = _fp4_scale_rows(n)
+    got = _one_hot_columns("fp4", (w, s), k, rows)
     assert torch.equal(got, R.fp4_dequant_rows(w, s, 0, n))
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_scales_whose_products_overflow_give_what_the_reference_gives(lib: H.HostLibrary, rows: int) -> None:
+    """FP8 scales 2^120..2^127 (b 247..254) and FP4 ones 2^126, 2^127 (b 253, 254) take the larger codes to inf;
+    through the linear the reference then gives inf, and NaN where a zero x meets an inf weight: the native kernels
+    must give the same, value for value (the AVX2 FP8 kernel scales these blocks in two exact steps)."""
+    n, k = 200, 256
+    codes = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :]) % 256
+    w = codes.to(torch.uint8)
+    w[(w & 0x7F) == 0x7F] = 0
+    s = torch.tensor([[247, 120], [254, 250]], dtype=torch.uint8)
+    for x in _one_hot(k, rows):
+        torch.testing.assert_close(H.fp8_linear(x, w, s), R.fp8_linear(x, w, s), rtol=0, atol=0, equal_nan=True)
+    p = ((torch.arange(64)[:, None] * 13 + torch.arange(k // 2)[None, :]) % 256).to(torch.uint8)
+    s4 = torch.tensor([253, 254, 127, 252], dtype=torch.uint8)[torch.arange(64 * 8) % 4].view(64, 8)
+    for x in _one_hot(k, rows):
+        torch.testing.assert_close(H.fp4_linear(x, p, s4), R.fp4_linear(x, p, s4), rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_subnormal_codes_decode_with_denormals_flushed(lib: H.HostLibrary) -> None:
+    """torch.set_flush_denormal(True) sets MXCSR's DAZ / FTZ; subnormal e4m3 codes (m * 2^-9, normal in fp32) must
+    still decode to their values (the AVX2 FP8 decoder passes them through fp32 subnormals, so it clears DAZ)."""
+    w = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    w[(w & 0x7F) == 0x7F] = 0
+    s = torch.tensor([[127]], dtype=torch.uint8)
+    if not torch.set_flush_denormal(True):
+        pytest.fail("this CPU has no flush-denormal mode to test against")  # every x86 CPU with SSE3 has one
+    try:
+        for rows in (1, 16):
+            assert torch.equal(_one_hot_columns("fp8", (w, s), 128, rows), R.fp8_dequant_rows(w, s, 0, 2))
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def test_bf16_weight_decodes_exactly(lib: H.HostLibrary) -> None:
@@ -126,8 +296,8 @@ def test_bf16_weight_decodes_exactly(lib: H.HostLibrary) -> None:
     bits = torch.randint(0, 1 << 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     bits[(bits & 0x7F80) == 0x7F80] = 0x3F80  # no inf / NaN
     w = bits.to(torch.int16).view(torch.bfloat16)
-    got = _one_hot_columns("linear", (w,), k)
-    assert torch.equal(got, w.float())
+    for rows in (1, 16):
+        assert torch.equal(_one_hot_columns("linear", (w,), k, rows), w.float())
 
 
 def test_nan_codes_and_nan_scales_give_nan_where_the_reference_does(lib: H.HostLibrary) -> None:
@@ -135,14 +305,15 @@ def test_nan_codes_and_nan_scales_give_nan_where_the_reference_does(lib: H.HostL
     w, s = _fp8(200, 256, g)
     w[3, 17], w[150, 200] = 0x7F, 0xFF  # NaN codes
     s[0, 1] = 255  # a NaN block scale: rows 0..127
-    x = torch.randn(2, 256, generator=g)
-    y, ref = H.fp8_linear(x, w, s), R.fp8_linear(x, w, s)
-    assert torch.equal(y.isnan(), ref.isnan()) and bool(y.isnan().any())
     p, s4 = _fp4(64, 128, g)
     s4[5, 2] = 255
-    x = torch.randn(3, 128, generator=g)
-    y, ref = H.fp4_linear(x, p, s4), R.fp4_linear(x, p, s4)
-    assert torch.equal(y.isnan(), ref.isnan()) and bool(y.isnan().any())
+    for m in (1, 2, 5):
+        x = torch.randn(m, 256, generator=g)
+        y, ref = H.fp8_linear(x, w, s), R.fp8_linear(x, w, s)
+        assert torch.equal(y.isnan(), ref.isnan()) and bool(y.isnan().any())
+        x = torch.randn(m, 128, generator=g)
+        y, ref = H.fp4_linear(x, p, s4), R.fp4_linear(x, p, s4)
+        assert torch.equal(y.isnan(), ref.isnan()) and bool(y.isnan().any())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,11 +351,36 @@ def test_matches_reference_at_decode_sizes(lib: H.HostLibrary, op: str, n: int, 
             assert dispatch.counts() == {(KEY[op], "host"): 1}
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_x_across_the_fp32_exponent_range_matches_reference(lib: H.HostLibrary, m: int) -> None:
+    """x entries from 2^-100 to 2^90: x * 2^(b-7) leaves the fp32 range, so the AVX2 FP8 kernel cannot pre-scale x
+    for these blocks and multiplies the weights instead; every kernel stays within the summation-order bound."""
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(m, 512, generator=g) * 2.0 ** torch.randint(-100, 90, (m, 512), generator=g).float()
+    for op, ws in (("fp8", _fp8(300, 512, g)), ("fp4", _fp4(100, 512, g)), ("linear", _weights("linear", 70, 512, g))):
+        _assert_close(NATIVE[op](x, *ws), REF[op](x, *ws), x, _dense(op, *ws))
+
+
 @pytest.mark.parametrize("op", ["fp8", "fp4", "linear"])
-def test_above_the_threshold_the_reference_runs_counted(lib: H.HostLibrary, op: str) -> None:
+def test_every_build_is_exact_up_to_the_widest_row_threshold(lib: H.HostLibrary, op: str) -> None:
+    """M = the largest row count any build takes natively (the AVX-512 thresholds), K with a tail."""
+    g = torch.Generator().manual_seed(17)
+    ws = _weights(op, 96, 224, g)
+    x = torch.randn(WIDEST[op], 224, generator=g)
+    dispatch.reset_counts()
+    _assert_close(NATIVE[op](x, *ws), REF[op](x, *ws), x, _dense(op, *ws))
+    assert dispatch.counts() == {(KEY[op], "host"): 1}
+
+
+@pytest.mark.parametrize("op", ["fp8", "fp4", "linear"])
+def test_above_the_threshold_the_reference_runs_counted(lib: H.HostLibrary, op: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's own row thresholds (MAX_M[build]): native up to it, the reference itself above."""
+    monkeypatch.setitem(H.MAX_M, lib.variant, dict(REAL_MAX_M[lib.variant]))
     g = torch.Generator().manual_seed(11)
     ws = _weights(op, 96, 64, g)
-    m = H.MAX_M[op]
+    m = H.max_m(op)
+    assert m == REAL_MAX_M[lib.variant][op]
     for rows, native in ((m, True), (m + 1, False)):
         x = torch.randn(rows, 64, generator=g)
         dispatch.reset_counts()
@@ -473,9 +669,22 @@ def test_sparse_attn_matches_reference(lib: H.HostLibrary, b: int, t: int, h: in
             assert bool((got[0, 0] == 0).all())
 
 
+def test_sparse_attn_with_logits_spread_far_apart_matches_reference(lib: H.HostLibrary) -> None:
+    """Logits tens to hundreds apart: most exp(l - m) underflow (the AVX2 path clamps its exp below -87); the output
+    is still the reference's within the bound of test_sparse_attn_matches_reference."""
+    g = torch.Generator().manual_seed(16)
+    b, t, h, n, d = 2, 2, 4, 77, 64
+    q, kv = torch.randn(b, t, h, d, generator=g) * 8, torch.randn(b, n, d, generator=g) * 8
+    valid, sink, scale = torch.rand(b, t, n, generator=g) < 0.8, torch.randn(h, generator=g) * 50, 1.0
+    got, ref = H.sparse_attn(q, kv, valid, sink, scale), R.sparse_attn(q, kv, valid, sink, scale)
+    dot_err = (2 * d * U * scale * torch.einsum("bthd,bnd->bthn", q.abs(), kv.abs())).amax(-1, keepdim=True)
+    kmax = kv.abs().amax((1, 2)).view(b, 1, 1, 1)
+    assert bool(((got - ref).abs() <= 2 * (2 * dot_err + (2 * n + 8) * U) * kmax).all())
+
+
 def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibrary) -> None:
     g = torch.Generator().manual_seed(12)
-    m = H.MAX_M["mhc"]
+    m = H.max_m("mhc")
     x, fn, scale, base = _mhc_inputs(m + 1, 4, 32, g)
     dispatch.reset_counts()
     got = H.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
@@ -486,14 +695,19 @@ def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibra
     q, kv = torch.randn(1, 1, 2, 8, generator=g), torch.randn(1, 3, 8, generator=g).half()
     valid, sink = torch.ones(1, 1, 3, dtype=torch.bool), torch.zeros(2)
     assert torch.equal(H.sparse_attn(q, kv, valid, sink, 1.0), R.sparse_attn(q, kv, valid, sink, 1.0))  # fp16 keys
+    ma = H.max_m("sparse_attn")
+    q, kv = torch.randn(1, ma + 1, 2, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+    valid = torch.ones(1, ma + 1, 3, dtype=torch.bool)
+    assert torch.equal(H.sparse_attn(q, kv, valid, sink, 1.0), R.sparse_attn(q, kv, valid, sink, 1.0))
     assert dispatch.fallbacks() == {("host.hc_mixes", f"M > {m}"): 1, ("host.rms_norm", f"M > {m}"): 1,
-                                    ("host.rms_norm", "dtype"): 1, ("host.sparse_attn", "dtype"): 1}
+                                    ("host.rms_norm", "dtype"): 1, ("host.sparse_attn", "dtype"): 1,
+                                    ("host.sparse_attn", f"M > {ma}"): 1}
 
 
 def test_stack_linear_reads_the_chosen_expert_in_place(lib: H.HostLibrary) -> None:
     """`ops.stack_linear` (the MoE gather path): the host table indexes the stack, the reference gathers a copy;
     the same GEMM on the same weight either way, eagerly and inside a compiled graph (a custom op)."""
-    from engine.model.ops import REFERENCE
+    from engine.model.ops import REFERENCE, ops_for
 
     g = torch.Generator().manual_seed(14)
     w8, s8 = zip(*[_fp8(64, 128, g) for _ in range(3)], strict=True)
@@ -501,7 +715,7 @@ def test_stack_linear_reads_the_chosen_expert_in_place(lib: H.HostLibrary) -> No
     cases = [(torch.stack(w8), torch.stack(s8), "fp8"), (torch.stack(w4), torch.stack(s4), "fp4"),
              (torch.randn(3, 64, 128, generator=g).bfloat16(), None, None)]
     x, i = torch.randn(1, 128, generator=g), torch.tensor([2])
-    ops = H.ops_table(REFERENCE)
+    ops = ops_for("host")
     for stack, scales, fmt in cases:
         want = REFERENCE.stack_linear(x, stack, scales, i, fmt)
         assert torch.equal(ops.stack_linear(x, stack, scales, i, fmt),

@@ -1,13 +1,15 @@
-"""Native host kernels: the op table of `--kernels host` (engine/model/ops.py `ops_for("host")`).
+"""Native host kernels of `--kernels host`: ops with the reference's signatures (NATIVE_OPS), which
+engine/model/ops.py `ops_for("host")` puts in place of the reference's in the host op table.
 
 Batch-1 decode on the host is memory-bound, and the reference's stored-weight GEMMs decode FP8/FP4 bytes (and
-widen bf16 weights) through torch ops into fp32 chunks before a BLAS call. Here `gemv.c` (one C file, no torch
-headers) reads the stored bytes once and decodes them in registers:
+widen bf16 weights) through torch ops into fp32 chunks before a BLAS call. Here `gemv.c` (C, no torch headers; one
+decoder per instruction set: gemv_avx512.h, gemv_avx2.h, a portable one) reads the stored bytes once and decodes
+them in registers:
 
     op            weight                                      native when                dispatch key
-    linear        bf16 [N, K] with fp32 x (the V4 head, ...)   M <= MAX_M["linear"]       "host.linear"
-    fp8_linear    e4m3 bytes [N, K], UE8M0 [N/128, K/128]     M <= MAX_M["fp8"]          "host.fp8"
-    fp4_linear    e2m1 nibbles [N, K/2], UE8M0 [N, K/32]      M <= MAX_M["fp4"]          "host.fp4"
+    linear        bf16 [N, K] with fp32 x (the V4 head, ...)   M <= max_m("linear")       "host.linear"
+    fp8_linear    e4m3 bytes [N, K], UE8M0 [N/128, K/128]     M <= max_m("fp8")          "host.fp8"
+    fp4_linear    e2m1 nibbles [N, K/2], UE8M0 [N, K/32]      M <= max_m("fp4")          "host.fp4"
 
 M is the number of x rows (the product of x's leading dims). Every other case runs the reference function itself
 (`nki_kernels.reference`), counted by reason under "<key>.fallback" (`dispatch.fallbacks()`): "M > <max>"
@@ -21,174 +23,65 @@ by fp32 summation order only.
 `mhc.c` holds the small per-token ops of a decode step, which cost microseconds of arithmetic but tens to
 hundreds of microseconds as chains of torch ops (on the tiny model they were ~45% of an eager decode step):
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
-fp32 / bf16 inputs of at most MAX_M["mhc"] token rows, else the reference (counted by reason, as above).
+fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above).
 
-Build: on first use `gcc -O3 -march=native -fPIC -shared -fopenmp gemv.c mhc.c` (compiler: DEEPINFER_HOST_CC)
-into `engine.envs.host_kernel_cache_dir()`, one file per (sources' sha256, compiler, flags, CPU flags), written
-atomically (concurrent ranks may build at once), loaded with ctypes. The library's libgomp.so.1 NEEDED entry
-resolves to the libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also
-passes `torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
+Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
+portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
+`engine.envs.host_kernel_cache_dir()` and loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to
+the libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also passes
+`torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
 one line, exit 2 at the CLI), never a silent fallback.
 
 The GEMMs are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
 graphs (`--graph-mode layer`) call them without a graph break; in eager mode the wrappers call the same
 implementation directly (no custom-op dispatch overhead on the decode hot path). The small ops are custom ops the
-same way.
-"""
+same way."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.host_kernels.build import VARIANTS, HostKernelError, HostLibrary, build_variant, library, load, why_not
+from engine.host_kernels.build import build_info as _build_info
+from engine.host_kernels.build import summary as _summary
 from nki_kernels import dispatch, reference
 
-__all__ = ["MAX_M", "SOURCES", "BASE_FLAGS", "HostKernelError", "HostLibrary", "load", "library", "ops_table"]
+__all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant",
+           "ensure_loaded", "library", "load", "max_m", "stack_linear", "summary", "why_not"]
 
-SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("mhc.c"))  # one library
-NAMES = " and ".join(src.name for src in SOURCES)
-BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-# Largest x row count each native kernel takes; above it the reference (MKL on dequantised chunks) is as fast or
-# faster (scripts/bench_host_kernels.py, 1 thread, mid-size V4 shapes: native / reference at M = 128: head 1.1x,
-# FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x, FP8 0.9-0.97x, FP4 1.26x). From M ~ 4 on both are FMA-bound;
-# the crossover is where the reference's one-off decode / widening of the weight stops paying for MKL's faster GEMM.
-MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64}
+# Largest x row count each native kernel takes, per build ("mhc": the small per-token ops but sparse_attn, which has
+# its own); above it the reference (MKL on dequantised chunks; torch's batched ops) is as fast or faster.
+# scripts/bench_host_kernels.py, 1 thread, the mid-size V4 shapes:
+# * avx512 builds (Zen 4): native / reference at M = 128: head 1.1x, FP8 1.3x, FP4 1.9x faster; at 256: head 0.88x,
+#   FP8 0.9-0.97x, FP4 1.26x. From M ~ 4 on both are FMA-bound; the crossover is where the reference's one-off
+#   decode / widening of the weight stops paying for MKL's faster GEMM.
+# * avx2 (Zen 3, 2 cores shared with other jobs): head 3.0x at 32, 0.84x at 64; FP8 1.05-1.7x at 64, 0.5-0.9x at 128;
+#   FP4 1.0-2.0x at 128, 0.7x at 256; small ops 1.7-2.3x and sparse_attn 1.3x at 64.
+# * portable (no AVX2): 1.7-8x at M = 1, but head 0.81x and FP8 0.44-2.2x at 4, FP4 6.9x at 4 and 0.6x at 16,
+#   sparse_attn 0.93-1.08x at 1 (0: never native) and 0.45x at 4; the other small ops 1.5-3x up to 64.
+_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64}
+MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
+         "avx2": {"linear": 32, "fp8": 64, "fp4": 128, "mhc": 64, "sparse_attn": 64},
+         "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
-_ABI = 1
 
 
-class HostKernelError(ValueError):
-    """The native host kernels cannot be built or loaded (a user-facing error: one line, exit 2)."""
+def max_m(key: str) -> int:
+    """The largest row count the native `key` kernel takes in the build this process runs (MAX_M)."""
+    return MAX_M[_native().variant][key]
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags (x86 `flags` / arm64 `Features` of /proc/cpuinfo), part of the build key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":")[0].strip() in ("flags", "Features"):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.machine() + " " + platform.processor()
+def build_info() -> dict[str, Any]:
+    """Which build `--kernels host` runs in this process and why (build.build_info, with the library loaded here)."""
+    return _build_info(_lib)
 
 
-def build_key(cc: str, flags: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for src in SOURCES:
-        h.update(src.read_bytes() + b"\0")
-    for part in (cc, " ".join(flags), cpu_flags()):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:24]
-
-
-def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
-    """The compiled library for (source, cc, flags, CPU): from the cache, else compiled now."""
-    out = Path(cache_dir) / f"gemv-{build_key(cc, flags)}.so"
-    if out.exists():
-        return out
-    exe = shutil.which(cc)
-    if exe is None:
-        raise HostKernelError(f"--kernels host: C compiler {cc!r} not found (install gcc or set DEEPINFER_HOST_CC)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-    except OSError as e:
-        raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
-    try:
-        r = subprocess.run([exe, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                           timeout=300)
-        if r.returncode != 0:
-            lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
-            err = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit {r.returncode}")
-            raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {err.strip()}")
-        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
-    except (OSError, subprocess.SubprocessError) as e:
-        raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-class HostLibrary:
-    """The loaded kernel library: ctypes functions with their argument types."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise HostKernelError(f"--kernels host: cannot load {path}: {e}") from None
-        if lib.dk_abi() != _ABI:
-            raise HostKernelError(f"--kernels host: {path} has ABI {lib.dk_abi()}, expected {_ABI}")
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.dk_bf16_linear.argtypes = [p, p, p, i64, i64, i64, i32]
-        lib.dk_fp8_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
-        lib.dk_fp4_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
-        f32 = ctypes.c_float
-        lib.dk_hc_mixes.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
-        lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
-        lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
-        lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
-        lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
-        for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_simd, lib.dk_max_threads,
-                  lib.dk_last_threads, lib.dk_abi, lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse,
-                  lib.dk_hc_expand, lib.dk_sparse_attn):
-            f.restype = i32
-        self.lib = lib
-        self.simd = ("portable", "avx512", "avx512-vbmi")[lib.dk_simd()]
-
-    def max_threads(self) -> int:
-        """omp_get_max_threads() as the library sees it (equals torch's count when the runtime is shared)."""
-        return int(self.lib.dk_max_threads())
-
-    def last_threads(self) -> int:
-        """OpenMP threads the last kernel call ran with."""
-        return int(self.lib.dk_last_threads())
-
-    def gemv(self, fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor, m: int,
-             n: int, k: int) -> None:
-        """y [.., N] = x [.., K] @ W^T for M = m rows: all fp32 / uint8 / bf16 contiguous CPU tensors of the checked
-        shapes (the callers check: the C side trusts them)."""
-        nt = torch.get_num_threads()
-        if fmt == "bf16":
-            rc = self.lib.dk_bf16_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, nt)
-        elif fmt == "fp8":
-            rc = self.lib.dk_fp8_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
-        else:
-            rc = self.lib.dk_fp4_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
-        if rc != 0:
-            raise MemoryError(f"host kernel {fmt}: out of memory for x [{m}, {k}]")
-
-
-@functools.cache
-def load(cc: str = "gcc", extra_flags: tuple[str, ...] = (), cache_dir: str | None = None) -> HostLibrary:
-    """Build (or find) and load the library for `cc` and BASE_FLAGS + extra_flags (tests build the portable and
-    non-VBMI variants with e.g. ("-mno-avx512f",))."""
-    from engine.envs import host_kernel_cache_dir
-
-    cache = Path(cache_dir) if cache_dir is not None else host_kernel_cache_dir()
-    return HostLibrary(build(cc, (*BASE_FLAGS, *extra_flags), cache))
-
-
-def library() -> HostLibrary:
-    """The process's library (compiler: DEEPINFER_HOST_CC)."""
-    from engine.envs import get_envs
-
-    return load(get_envs().DEEPINFER_HOST_CC)
+def summary() -> str:
+    """One line: the chosen build and every other build's status (build.summary)."""
+    return _summary(build_info())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,7 +99,7 @@ def _native() -> HostLibrary:
 
 def _why_not_rows(key: str, rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """Why a native kernel does not take this call (None: it does): x's dtype, every tensor's device, autograd, an
-    empty x, or more than MAX_M[key] rows (x's token / row count `rows`)."""
+    empty x, or more than max_m(key) rows (x's token / row count `rows`)."""
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         return "dtype"
     if not x.is_cpu or any(t is not None and not t.is_cpu for t in others):
@@ -215,8 +108,8 @@ def _why_not_rows(key: str, rows: int, x: torch.Tensor, *others: torch.Tensor | 
         return "autograd"
     if x.numel() == 0:
         return "empty"
-    if rows > MAX_M[key]:
-        return f"M > {MAX_M[key]}"
+    if rows > (limit := max_m(key)):
+        return f"M > {limit}"
     return None
 
 
@@ -339,7 +232,7 @@ def fp4_linear(x: torch.Tensor, packed_u8: torch.Tensor, scale_u8: torch.Tensor)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The small per-token ops (mhc.c): mHC mixing weights, collapse and expand, RMSNorm, sparse attention. Native for
-# CPU fp32 / bf16 inputs of at most MAX_M["mhc"] rows outside autograd; else the reference, counted by reason like
+# CPU fp32 / bf16 inputs of at most max_m("mhc") rows outside autograd; else the reference, counted by reason like
 # the GEMMs. Custom ops like the GEMMs, so compiled region graphs call the same native code.
 
 
@@ -425,7 +318,7 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     def ref():
         return reference.sparse_attn(q, kv, valid, sink, scale)
 
-    why = _why_not_rows("mhc", q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
+    why = _why_not_rows("sparse_attn", q.shape[0] * q.shape[1] if q.dim() == 4 else 0, q, kv, valid, sink)
     if why is None and kv.dtype is not torch.float32 and kv.dtype is not torch.bfloat16:
         why = "dtype"
     if why is None:
@@ -441,7 +334,7 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     vb = valid.contiguous()
     nt = torch.get_num_threads()
     o = torch.empty(b, t, h, d)
-    scratch = torch.empty(max(1, nt * n))
+    scratch = torch.empty(max(1, 2 * nt * n))
     _native().lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
                                  scratch.data_ptr(), b, t, h, n, d, scale, nt)
     return o if q.dtype is torch.float32 else o.to(q.dtype)
@@ -485,18 +378,14 @@ sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, s
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
+# What `--kernels host` replaces in the reference table (engine/model/ops.py `ops_for("host")` assembles the table:
+# these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
+NATIVE_OPS: dict[str, Callable[..., Any]] = {
+    "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
+    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn}
 
-def ops_table(base: types.SimpleNamespace) -> types.SimpleNamespace:
-    """`base` (the reference table) with the GEMMs and the small per-token ops replaced, its composites rebuilt over
-    them and `stack_linear` reading in place; builds/loads the library now, so a missing compiler fails here with one
-    line, not at the first forward."""
-    from engine.model.ops import with_composites
 
-    _native()
-    ops = types.SimpleNamespace(**{**vars(base), "linear": linear, "fp8_linear": fp8_linear,
-                                   "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
-                                   "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn,
-                                   "kernels": "host"})
-    with_composites(ops, fused_attn_tail=False)
-    ops.stack_linear = stack_linear
-    return ops
+def ensure_loaded() -> HostLibrary:
+    """Build / load the process's library now (a missing compiler fails here with one line, not at the first
+    forward)."""
+    return _native()

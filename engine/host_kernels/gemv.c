@@ -1,5 +1,5 @@
-/* Native host GEMV kernels of `--kernels host` (loaded by engine/host_kernels/__init__.py; built with
- * gcc -O3 -march=native -fPIC -shared -fopenmp, no torch headers).
+/* Native host GEMV kernels of `--kernels host` (loaded by engine/host_kernels/__init__.py, which builds one library
+ * per instruction-set variant: gcc -O3 -fPIC -shared -fopenmp plus the variant's -m flags; no torch headers).
  *
  * y[M, N] = x[M, K] @ W^T, x and y fp32 row-major, fp32 accumulation, W one of
  *   dk_bf16_linear  W bf16 [N, K];
@@ -14,9 +14,14 @@
  * order, so results do not depend on the thread count. Weight rows are decoded in registers, 64 elements at a
  * time, once per tile of up to 4 x rows (the rows stay in L1 across tiles).
  *
- * AVX-512 (F + BW; VBMI for the FP8 byte tables) where the compiler defines it, else a portable path that gcc
- * auto-vectorises. The AVX-512 decoders produce weight vectors in a fixed permuted element order; x is permuted
- * the same way once per call (PERM_*), so products pair up exactly.
+ * Instruction sets, chosen by what the compiler targets (the variant's flags):
+ *   AVX-512 F + BW (VBMI for the FP8 byte tables)  gemv_avx512.h   dk_simd() 1 (2 with VBMI)
+ *   AVX2 + FMA                                     gemv_avx2.h     dk_simd() 3
+ *   none of these                                  the portable tile below, which gcc auto-vectorises; dk_simd() 0
+ * The vector decoders produce weight vectors in a fixed permuted element order; x is permuted the same way once
+ * per call (perm_of), so products pair up exactly. dk_cpu_missing() (compiled for the baseline ISA, like the table
+ * set-up that runs when the library is loaded) says which of the instruction sets this build uses the running CPU
+ * lacks: the loader calls it before any kernel, so a build is never run where it would fault.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,27 +30,36 @@
 #include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define DK_AVX512 1
 #if defined(__AVX512VBMI__)
 #define DK_VBMI 1
 #endif
+#define NT_TILE 2 /* weight rows per tile */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DK_AVX2 1
+#else
+#define NT_TILE 2
 #endif
 
-#define DK_ABI 1
+#if defined(__x86_64__) || defined(__i386__)
+#define DK_BASELINE __attribute__((target("arch=x86-64"))) /* code that runs before the CPU check */
+#else
+#define DK_BASELINE
+#endif
+
+#define DK_ABI 2
 #define MT_TILE 4 /* x rows per tile */
-#define NT_TILE 2 /* weight rows per tile */
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2 };
 
 static float UE8M0[256];      /* 2^(b - 127); b = 255: NaN */
 static float E4M3[256];       /* value of each float8_e4m3fn byte; 0x7F / 0xFF: NaN */
-static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+static const float E2M1[16] __attribute__((unused)) = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 static uint8_t E4M3_BF16_LO[128], E4M3_BF16_HI[128]; /* bf16 bytes of each magnitude (all exact in bf16) */
 static int last_threads = 0;
 
-__attribute__((constructor)) static void dk_init(void) {
+__attribute__((constructor)) DK_BASELINE static void dk_init(void) {
     for (int b = 0; b < 256; b++) {
         UE8M0[b] = b == 255 ? NAN : ldexpf(1.0f, b - 127);
         int e = (b >> 3) & 0xF, m = b & 7;
@@ -60,29 +74,66 @@ __attribute__((constructor)) static void dk_init(void) {
     }
 }
 
-int dk_abi(void) { return DK_ABI; }
+DK_BASELINE int dk_abi(void) { return DK_ABI; }
 
-/* 0: portable, 1: AVX-512 F+BW, 2: AVX-512 with VBMI */
-int dk_simd(void) {
+/* 0: portable, 1: AVX-512 F+BW, 2: AVX-512 with VBMI, 3: AVX2 + FMA */
+DK_BASELINE int dk_simd(void) {
 #if defined(DK_VBMI)
     return 2;
 #elif defined(DK_AVX512)
     return 1;
+#elif defined(DK_AVX2)
+    return 3;
 #else
     return 0;
 #endif
 }
 
+/* Bit i set: this build was compiled for instruction set i and the running CPU (cpuid, with the OS's register-state
+ * support, as libgcc reads it) lacks it. i: 0 avx, 1 avx2, 2 fma, 3 avx512f, 4 avx512bw, 5 avx512vbmi. */
+DK_BASELINE int dk_cpu_missing(void) {
+    int miss = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+#if defined(__AVX__)
+    miss |= !__builtin_cpu_supports("avx") << 0;
+#endif
+#if defined(__AVX2__)
+    miss |= !__builtin_cpu_supports("avx2") << 1;
+#endif
+#if defined(__FMA__)
+    miss |= !__builtin_cpu_supports("fma") << 2;
+#endif
+#if defined(__AVX512F__)
+    miss |= !__builtin_cpu_supports("avx512f") << 3;
+#endif
+#if defined(__AVX512BW__)
+    miss |= !__builtin_cpu_supports("avx512bw") << 4;
+#endif
+#if defined(__AVX512VBMI__)
+    miss |= !__builtin_cpu_supports("avx512vbmi") << 5;
+#endif
+#endif
+    return miss;
+}
+
 int dk_max_threads(void) { return omp_get_max_threads(); }
 int dk_last_threads(void) { return last_threads; }
 
-/* ---- element order of one 64-element chunk as the decoder produces it: slot 16q + j holds element perm(q, j) */
-enum { PERM_IDENT = 0, PERM_EVENODD = 1, PERM_FP8_VBMI = 2 };
+/* ---- element order of one 64-element chunk as the decoder produces it: slot s holds element perm_of(kind, s) */
+enum { PERM_IDENT = 0, PERM_EVENODD = 1, PERM_FP8_VBMI = 2, PERM_EVENODD8 = 3, PERM_FP4_AVX2 = 4, PERM_FP8_AVX2 = 5 };
 
-static int perm_of(int kind, int q, int j) {
+static int perm_of(int kind, int s) {
+    int q = s >> 4, j = s & 15; /* 16-lane vectors (AVX-512) */
     if (kind == PERM_EVENODD) return 32 * (q >> 1) + 2 * j + (q & 1);          /* bf16 / fp4: evens, odds */
     if (kind == PERM_FP8_VBMI) return 16 * (j >> 2) + 8 * (q >> 1) + 2 * (j & 3) + (q & 1); /* in-lane unpacks */
-    return 16 * q + j;
+    q = s >> 3, j = s & 7; /* 8-lane vectors (AVX2) */
+    if (kind == PERM_EVENODD8) return 16 * (q >> 1) + 2 * j + (q & 1); /* bf16: evens, odds of each 16 */
+    if (kind == PERM_FP4_AVX2) /* gemv_avx2.h dec_fp4: nibble q>>2, unpack half (q>>1)&1, word q&1, lane j>>2 */
+        return 32 * (j >> 2) + 16 * ((q >> 1) & 1) + 4 * (j & 3) + 2 * (q & 1) + (q >> 2);
+    if (kind == PERM_FP8_AVX2) /* gemv_avx2.h dec_fp8: load q>>2, unpack half (q>>1)&1, word q&1, lane j>>2 */
+        return 32 * (q >> 2) + 16 * (j >> 2) + 8 * ((q >> 1) & 1) + 2 * (j & 3) + (q & 1);
+    return s;
 }
 
 static int perm_kind(int fmt) {
@@ -95,6 +146,8 @@ static int perm_kind(int fmt) {
 #endif
     }
     return PERM_EVENODD;
+#elif defined(DK_AVX2)
+    return fmt == FMT_BF16 ? PERM_EVENODD8 : fmt == FMT_FP4 ? PERM_FP4_AVX2 : PERM_FP8_AVX2;
 #else
     (void)fmt;
     return PERM_IDENT;
@@ -104,7 +157,7 @@ static int perm_kind(int fmt) {
 /* xp[m, kp] (kp = K rounded up to 64, zero padded) = x[m, K] in the decoder's element order */
 static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t kp, int kind) {
     int idx[64];
-    for (int s = 0; s < 64; s++) idx[s] = perm_of(kind, s >> 4, s & 15);
+    for (int s = 0; s < 64; s++) idx[s] = perm_of(kind, s);
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         float *pr = xp + m * kp;
@@ -120,110 +173,9 @@ static inline int64_t row_bytes(int fmt, int64_t K) { return fmt == FMT_BF16 ? 2
 static inline int64_t chunk_off(int fmt, int64_t k0) { return fmt == FMT_BF16 ? 2 * k0 : fmt == FMT_FP4 ? k0 / 2 : k0; }
 
 #if defined(DK_AVX512)
-
-#if !defined(DK_VBMI)
-/* 16 e4m3 codes (uint32 lanes) -> exact fp32 without byte tables: normal codes by exponent re-bias, subnormal
- * codes (|code| < 8) as m * 2^-9, NaN codes as NaN. */
-static inline __m512 fp8_dec16(__m512i v) {
-    __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
-    __m512i norm = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
-    __m512 r = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_castsi512_ps(norm), sub);
-    r = _mm512_mask_mov_ps(r, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
-}
-#endif
-
-/* Weight elements [k0, k0 + 64) of one row, decoded (and scaled) into w[4] in the PERM order. */
-static inline __attribute__((always_inline)) void
-decode(const int fmt, const uint8_t *wrow, const uint8_t *srow, int64_t k0, int64_t K, __m512 w[4]) {
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
-    uint8_t tail[128] __attribute__((aligned(64)));
-    const uint8_t *src = wrow + chunk_off(fmt, k0);
-    if (k0 + 64 > K) { /* last partial chunk: zero codes beyond K (x is zero there too) */
-        memset(tail, 0, sizeof tail);
-        memcpy(tail, src, (size_t)(row_bytes(fmt, K) - chunk_off(fmt, k0)));
-        src = tail;
-    }
-    if (fmt == FMT_BF16) {
-        __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 64);
-        w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
-        w[1] = _mm512_castsi512_ps(_mm512_and_si512(v0, hi16));
-        w[2] = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
-        w[3] = _mm512_castsi512_ps(_mm512_and_si512(v1, hi16));
-    } else if (fmt == FMT_FP8) {
-        const __m512 sv = _mm512_set1_ps(UE8M0[srow[k0 >> 7]]);
-#if defined(DK_VBMI)
-        const __m512i t0 = _mm512_loadu_si512(E4M3_BF16_LO), t1 = _mm512_loadu_si512(E4M3_BF16_LO + 64);
-        const __m512i t2 = _mm512_loadu_si512(E4M3_BF16_HI), t3 = _mm512_loadu_si512(E4M3_BF16_HI + 64);
-        __m512i c = _mm512_loadu_si512(src);
-        __m512i lo = _mm512_permutex2var_epi8(t0, c, t1); /* index bits 6:0 = magnitude */
-        __m512i hi = _mm512_permutex2var_epi8(t2, c, t3);
-        hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (c & 0x80) */
-        __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi); /* bf16 words */
-        w[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), sv);
-        w[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi16)), sv);
-        w[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), sv);
-        w[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(b, hi16)), sv);
-#else
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-            w[q] = _mm512_mul_ps(fp8_dec16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * q)))), sv);
-#endif
-    } else { /* FP4: the 16-entry value table times the block scale, indexed by each nibble */
-        const __m512 e2m1 = _mm512_loadu_ps(E2M1);
-        const __m512 ta = _mm512_mul_ps(e2m1, _mm512_set1_ps(UE8M0[srow[k0 >> 5]]));
-        const __m512 tb = _mm512_mul_ps(e2m1, _mm512_set1_ps(k0 + 32 < K ? UE8M0[srow[(k0 >> 5) + 1]] : 0.0f));
-        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
-        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
-        w[0] = _mm512_permutexvar_ps(v0, ta); /* index bits 3:0 = low nibble */
-        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ta);
-        w[2] = _mm512_permutexvar_ps(v1, tb);
-        w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), tb);
-    }
-}
-
-/* MT x rows against NT weight rows (NA accumulators per output): y[m * N + yo[r]] for m < MT, r < NT. Each x vector is
- * loaded once into a register and feeds NT FMAs (the empty asm keeps gcc from re-loading it per row as a memory
- * operand: with one load per FMA the loop is load-bound). Tile shapes measured on Zen 4 (a C sweep of MT x NT x NA):
- * M = 1: one row, four accumulators (memory-bound); M > 1: row pairs, x tiles of up to 4 (1.3-1.6x the FMA rate of
- * one row at a time). */
-static inline __attribute__((always_inline)) void
-tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, int64_t kp,
-     const uint8_t *const *wr, const uint8_t *const *sr, int64_t K, float *y, int64_t N, const int64_t *yo) {
-    __m512 acc[MT_TILE][NT_TILE][4];
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; m++)
-#pragma GCC unroll 2
-        for (int r = 0; r < NT; r++)
-#pragma GCC unroll 4
-            for (int a = 0; a < NA; a++) acc[m][r][a] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        __m512 w[NT_TILE][4];
-#pragma GCC unroll 2
-        for (int r = 0; r < NT; r++) decode(fmt, wr[r], sr[r], k0, K, w[r]);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-#pragma GCC unroll 8
-            for (int m = 0; m < MT; m++) {
-                __m512 xv = _mm512_loadu_ps(xp + m * kp + k0 + 16 * q);
-                __asm__("" : "+v"(xv));
-#pragma GCC unroll 2
-                for (int r = 0; r < NT; r++) acc[m][r][q % NA] = _mm512_fmadd_ps(xv, w[r][q], acc[m][r][q % NA]);
-            }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; m++)
-#pragma GCC unroll 2
-        for (int r = 0; r < NT; r++) {
-            __m512 t = acc[m][r][0];
-#pragma GCC unroll 4
-            for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, acc[m][r][a]);
-            y[m * N + yo[r]] = _mm512_reduce_add_ps(t);
-        }
-}
-
+#include "gemv_avx512.h"
+#elif defined(DK_AVX2)
+#include "gemv_avx2.h"
 #else /* portable */
 
 static inline __attribute__((always_inline)) void
@@ -266,6 +218,7 @@ tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, i
 
 #endif
 
+#if !defined(DK_AVX2) /* gemv_avx2.h has its own driver */
 /* Output rows wr[0..NT) (y columns yo[r]) for every x row, in tiles of up to MT_TILE x rows (the weight rows stay
  * in L1 across tiles). */
 static inline __attribute__((always_inline)) void
@@ -305,6 +258,8 @@ rows_fmt(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w
         rows(fmt, 1, xp, M, kp, wr, sr, K, y, N, yo);
 }
 
+#endif
+
 static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
                int64_t K, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
@@ -315,11 +270,16 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
         if (xp == NULL) return -1;
         permute_x(x, xp, M, K, kp, perm_kind(fmt));
     }
+    const int par = nthreads > 1 && N * (K + 1) * M >= (1 << 16);
+#if defined(DK_AVX2)
+    const int rc = avx2_run(fmt, xp, M, kp, w, s, K, y, N, par ? nthreads : 1);
+    free(xp);
+    return rc;
+#else
     /* weight rows per work item: M = 1: one (a single sequential stream per thread runs at the memory roof);
      * M > 1: rows n and n + half (two far-apart sequential streams; adjacent row pairs stream ~2x slower here) */
     const int nt = M == 1 ? 1 : NT_TILE;
     const int64_t half = (N + nt - 1) / nt, items = half;
-    const int par = nthreads > 1 && N * (K + 1) * M >= (1 << 16);
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
@@ -336,6 +296,7 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
     }
     free(xp);
     return 0;
+#endif
 }
 
 int dk_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {

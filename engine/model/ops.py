@@ -63,15 +63,26 @@ def _table(executor: str) -> types.SimpleNamespace:
 REFERENCE = _table("reference")
 
 
+def _host_table() -> types.SimpleNamespace:
+    """The reference table with engine/host_kernels' native ops in place of the reference's, the composites rebuilt
+    over them and `stack_linear` reading the chosen expert in place; builds / loads the native library now, so a
+    missing compiler fails here with one line, not at the first forward."""
+    from engine import host_kernels
+
+    host_kernels.ensure_loaded()
+    ops = types.SimpleNamespace(**{**vars(REFERENCE), **host_kernels.NATIVE_OPS, "kernels": "host"})
+    with_composites(ops, fused_attn_tail=False)
+    ops.stack_linear = host_kernels.stack_linear
+    return ops
+
+
 def ops_for(kernels: Any) -> types.SimpleNamespace:
     """The op table of `--kernels reference | stand-in | nki | host`."""
     name = str(kernels)
     if name == "reference":
         return REFERENCE
     if name == "host":
-        from engine import host_kernels
-
-        return host_kernels.ops_table(REFERENCE)
+        return _host_table()
     from engine.stack import logical_nc_config
     from nki_kernels import dispatch
 

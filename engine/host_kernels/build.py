@@ -1,0 +1,319 @@
+"""Building, choosing and loading the native host-kernel library (gemv.c + mhc.c): one build per instruction-set
+variant, and the best one the CPU runs.
+
+    variant       compiler flags (beside BASE_FLAGS)               the CPU must report
+    avx512-vbmi   -mavx2 -mfma -mavx512f -mavx512bw -mavx512vbmi   avx avx2 fma avx512f avx512bw avx512vbmi
+    avx512        -mavx2 -mfma -mavx512f -mavx512bw                avx avx2 fma avx512f avx512bw
+    avx2          -mavx2 -mfma                                     avx avx2 fma
+    portable      none (x86-64 baseline; -march=native elsewhere)  nothing
+
+x86 builds add -mtune=native (scheduling only). The flags name exactly the instruction sets the build may use, so
+any build compiles on any x86 machine; which one may *run* is decided three times, and all three must agree:
+1. the CPU's flags as the kernel reports them (/proc/cpuinfo; Linux clears AVX-512 there when the OS does not save
+   its registers);
+2. what `<cc> -march=native` enables (its predefined macros): the compiler's own reading of this CPU;
+3. after loading, before any kernel runs, the library's `dk_cpu_missing()` (cpuid through libgcc, compiled for the
+   baseline ISA, like the table set-up that runs at load): a build it flags is refused, never called (no SIGILL).
+`choose()` takes the first variant, best first, that passes 1 and 2 and is not above the cap DEEPINFER_HOST_SIMD
+(auto: no cap). A lower cap emulates an older CPU: on an AVX-512 machine DEEPINFER_HOST_SIMD=avx2 loads the avx2
+build, which holds no AVX-512 instruction at all, and reports the AVX-512 builds as not run for that reason.
+
+Builds are cached in `engine.envs.host_kernel_cache_dir()`, one file per (sources' sha256, compiler, flags, CPU
+flags), written atomically (concurrent ranks may build at once). A missing compiler or a failed build is a
+`HostKernelError` (a ValueError: one line, exit 2 at the CLI), never a silent fallback; so is asking for a build this
+CPU cannot run (the message names the missing flags).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "gemv_avx512.h", "gemv_avx2.h"))
+COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
+NAMES = " and ".join(src.name for src in COMPILED)
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_ABI = 2
+# CPU feature (its /proc/cpuinfo name) -> the compiler macro that says a build may use it; the bit order is
+# gemv.c dk_cpu_missing()'s
+FEATURES = {"avx": "__AVX__", "avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "__AVX512F__",
+            "avx512bw": "__AVX512BW__", "avx512vbmi": "__AVX512VBMI__"}
+
+
+class HostKernelError(ValueError):
+    """The native host kernels cannot be built or loaded (a user-facing error: one line, exit 2)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]  # beside BASE_FLAGS
+    needs: tuple[str, ...]  # CPU features (FEATURES keys)
+    simd: int  # what gemv.c dk_simd() returns for it
+
+
+_AVX2 = ("avx", "avx2", "fma")
+VARIANTS = {v.name: v for v in (  # best first
+    Variant("avx512-vbmi", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vbmi", "-mtune=native"),
+            (*_AVX2, "avx512f", "avx512bw", "avx512vbmi"), 2),
+    Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mtune=native"), (*_AVX2, "avx512f", "avx512bw"),
+            1),
+    Variant("avx2", ("-mavx2", "-mfma", "-mtune=native"), _AVX2, 3),
+    Variant("portable", ("-mtune=native",) if IS_X86 else ("-march=native",), (), 0),
+)}
+SIMD_NAMES = {v.simd: v.name for v in VARIANTS.values()}
+
+
+def cpu_flag_line() -> str:
+    """The CPU's feature flags (x86 `flags` / arm64 `Features` of /proc/cpuinfo), part of the build key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("flags", "Features"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
+@functools.cache
+def cpu_features() -> frozenset[str] | None:
+    """The FEATURES this CPU reports in /proc/cpuinfo (None: no /proc/cpuinfo flags line to read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.split(":")[0].strip() == "flags":
+            return frozenset(line.split(":", 1)[1].split()) & frozenset(FEATURES)
+    return None
+
+
+@functools.cache
+def native_features(cc: str) -> frozenset[str] | None:
+    """The FEATURES `cc -march=native` enables (None: the compiler is missing or does not answer)."""
+    exe = shutil.which(cc)
+    if exe is None or not IS_X86:
+        return None
+    try:
+        r = subprocess.run([exe, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    macros = {ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("#define ")}
+    return frozenset(f for f, macro in FEATURES.items() if macro in macros)
+
+
+def simd_cap() -> str:
+    """DEEPINFER_HOST_SIMD: the most capable variant to use (auto: the best the CPU runs)."""
+    from engine.envs import get_envs
+
+    cap = getattr(get_envs(), "DEEPINFER_HOST_SIMD", "auto")  # the flag is declared in engine/envs.py
+    if cap != "auto" and cap not in VARIANTS:
+        raise HostKernelError(f"DEEPINFER_HOST_SIMD={cap!r}: expected auto or one of {', '.join(VARIANTS)}")
+    return cap
+
+
+def why_not(name: str, cc: str, cap: str = "auto") -> str | None:
+    """Why variant `name` may not run here (None: it may): the CPU lacks a feature it uses, `cc -march=native` does
+    not enable one, or it is above the cap."""
+    v = VARIANTS[name]
+    if v.needs and not IS_X86:
+        return f"not an x86 CPU ({platform.machine()})"
+    cpu = cpu_features()
+    if cpu is not None and (lack := [f for f in v.needs if f not in cpu]):
+        return f"CPU lacks {', '.join(lack)}"
+    native = native_features(cc)
+    if native is not None and (lack := [f for f in v.needs if f not in native]):
+        return f"{cc} -march=native does not enable {', '.join(lack)}"
+    order = list(VARIANTS)
+    if cap != "auto" and order.index(name) < order.index(cap):
+        return f"above DEEPINFER_HOST_SIMD={cap}"
+    return None
+
+
+def choose(cc: str, cap: str = "auto") -> str:
+    """The best variant that may run here (portable always may)."""
+    return next(name for name in VARIANTS if why_not(name, cc, cap) is None)
+
+
+def build_key(cc: str, flags: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes() + b"\0")
+    for part in (cc, " ".join((*flags, *LIBS)), cpu_flag_line()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:24]
+
+
+def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
+    """The compiled library for (sources, cc, flags, CPU): from the cache, else compiled now (compiling needs no
+    CPU support: any variant builds on any x86 machine)."""
+    out = Path(cache_dir) / f"gemv-{build_key(cc, flags)}.so"
+    if out.exists():
+        return out
+    exe = shutil.which(cc)
+    if exe is None:
+        raise HostKernelError(f"--kernels host: C compiler {cc!r} not found (install gcc or set DEEPINFER_HOST_CC)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
+    try:
+        r = subprocess.run([exe, *flags, *map(str, COMPILED), *LIBS, "-o", tmp], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:
+            lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
+            err = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit {r.returncode}")
+            raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {err.strip()}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    except (OSError, subprocess.SubprocessError) as e:
+        raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def build_variant(name: str, cc: str = "gcc", cache_dir: str | Path | None = None) -> Path:
+    """Compile (or find) variant `name`'s library without loading it."""
+    from engine.envs import host_kernel_cache_dir
+
+    cache = Path(cache_dir) if cache_dir is not None else host_kernel_cache_dir()
+    return build(cc, (*BASE_FLAGS, *VARIANTS[name].flags), cache)
+
+
+class HostLibrary:
+    """The loaded kernel library: ctypes functions with their argument types. Loading checks, before any kernel can
+    run, that the library is the variant asked for and that this CPU has every instruction set it was built for."""
+
+    def __init__(self, path: Path, variant: str) -> None:
+        self.path, self.variant = path, variant
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise HostKernelError(f"--kernels host: cannot load {path}: {e}") from None
+        for f in (lib.dk_abi, lib.dk_simd, lib.dk_cpu_missing):
+            f.restype = ctypes.c_int
+        if lib.dk_abi() != _ABI:
+            raise HostKernelError(f"--kernels host: {path} has ABI {lib.dk_abi()}, expected {_ABI}")
+        missing = lib.dk_cpu_missing()
+        if missing:
+            lack = [f for i, f in enumerate(FEATURES) if missing >> i & 1]
+            raise HostKernelError(f"--kernels host: build {variant} uses {', '.join(lack)}, which this CPU lacks "
+                                  f"(the library's own cpuid check)")
+        self.simd = SIMD_NAMES.get(lib.dk_simd(), str(lib.dk_simd()))
+        if self.simd != variant:
+            raise HostKernelError(f"--kernels host: {path.name} was compiled as {self.simd}, not {variant} (the "
+                                  f"compiler ignored {' '.join(VARIANTS[variant].flags)}?)")
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.dk_bf16_linear.argtypes = [p, p, p, i64, i64, i64, i32]
+        lib.dk_fp8_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+        lib.dk_fp4_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+        lib.dk_hc_mixes.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
+        lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
+        lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
+        lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
+        lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
+        for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_max_threads, lib.dk_last_threads,
+                  lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn):
+            f.restype = i32
+        self.lib = lib
+
+    def max_threads(self) -> int:
+        """omp_get_max_threads() as the library sees it (equals torch's count when the runtime is shared)."""
+        return int(self.lib.dk_max_threads())
+
+    def last_threads(self) -> int:
+        """OpenMP threads the last kernel call ran with."""
+        return int(self.lib.dk_last_threads())
+
+    def gemv(self, fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor, m: int,
+             n: int, k: int) -> None:
+        """y [.., N] = x [.., K] @ W^T for M = m rows: all fp32 / uint8 / bf16 contiguous CPU tensors of the checked
+        shapes (the callers check: the C side trusts them)."""
+        nt = torch.get_num_threads()
+        if fmt == "bf16":
+            rc = self.lib.dk_bf16_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, nt)
+        elif fmt == "fp8":
+            rc = self.lib.dk_fp8_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
+        else:
+            rc = self.lib.dk_fp4_linear(x.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), m, n, k, nt)
+        if rc != 0:
+            raise MemoryError(f"host kernel {fmt}: out of memory for x [{m}, {k}]")
+
+
+def load(variant: str = "auto", cc: str = "gcc", cache_dir: str | None = None) -> HostLibrary:
+    """Variant `variant`'s library (auto: `choose(cc, DEEPINFER_HOST_SIMD)`), built or found, checked and loaded once
+    per process; a variant that may not run here is refused before it is loaded, with the reason."""
+    cap = simd_cap()
+    name = choose(cc, cap) if variant == "auto" else variant
+    if name not in VARIANTS:
+        raise HostKernelError(f"--kernels host: no build {name!r} (builds: {', '.join(VARIANTS)})")
+    why = why_not(name, cc, cap)
+    if why is not None:
+        raise HostKernelError(f"--kernels host: build {name} cannot run here: {why}")
+    return _load(name, cc, cache_dir)
+
+
+@functools.cache
+def _load(name: str, cc: str, cache_dir: str | None) -> HostLibrary:
+    return HostLibrary(build_variant(name, cc, cache_dir), name)
+
+
+def library() -> HostLibrary:
+    """The process's library: the best build this CPU runs (compiler: DEEPINFER_HOST_CC)."""
+    from engine.envs import get_envs
+
+    return load("auto", get_envs().DEEPINFER_HOST_CC)
+
+
+def build_info(loaded: HostLibrary | None = None) -> dict[str, Any]:
+    """Which build `--kernels host` runs here and why, for results metadata: the chosen variant, the cap, the CPU
+    features that matter (as /proc/cpuinfo and `cc -march=native` report them), every variant's status ("chosen",
+    "can run", "not run: <reason>") and the library loaded in this process, if any. Builds nothing."""
+    from engine.envs import get_envs
+
+    cc = get_envs().DEEPINFER_HOST_CC
+    try:
+        cap = simd_cap()
+    except HostKernelError as e:
+        return {"error": str(e)}
+    chosen = choose(cc, cap)
+    status = {}
+    for name in VARIANTS:
+        why = why_not(name, cc, cap)
+        status[name] = "chosen" if name == chosen else "can run" if why is None else f"not run: {why}"
+    better = [f"{n} {s}" for n, s in status.items() if list(VARIANTS).index(n) < list(VARIANTS).index(chosen)]
+    cpu, native = cpu_features(), native_features(cc)
+    return {"chosen": chosen, "why": "the best build this machine runs" + (f" ({'; '.join(better)})" if better else ""),
+            "cap": cap, "compiler": cc, "machine": platform.machine(),
+            "cpu_features": None if cpu is None else {f: f in cpu for f in FEATURES},
+            "native_features": None if native is None else {f: f in native for f in FEATURES},
+            "variants": status, "loaded": None if loaded is None else {"variant": loaded.variant,
+                                                                        "library": loaded.path.name}}
+
+
+def summary(info: dict[str, Any] | None = None) -> str:
+    """One line for logs and `deepinfer env`: "host kernels: avx2 (avx512-vbmi: not run: CPU lacks ...; ...)"."""
+    info = info or build_info()
+    if "error" in info:
+        return f"host kernels: {info['error']}"
+    rest = "; ".join(f"{n}: {s}" for n, s in info["variants"].items() if s != "chosen")
+    return f"host kernels: {info['chosen']} ({rest})"

@@ -1,0 +1,286 @@
+/* AVX2 + FMA decoders and tiles of gemv.c, which includes this file when the compiler targets AVX2 and FMA and not
+ * AVX-512 (the "avx2" build). Weights are decoded into 8-lane fp32 vectors, 64 elements per chunk, in a
+ * fixed permuted element order (gemv.c perm_of; x is permuted the same way once per call):
+ *
+ *   bf16  shifted into fp32 (even elements by a 16-bit shift, odd ones by a mask): PERM_EVENODD8.
+ *   FP4   32 bytes (two 32-element scale blocks, one per 128-bit lane): the nibbles index two 16-entry byte tables
+ *         (_mm256_shuffle_epi8) that give each value's bf16 bytes (every e2m1 value is exact in bf16), interleaved
+ *         into words and widened to fp32 like bf16. Each vector holds 4 elements of each block. PERM_FP4_AVX2.
+ *   FP8   each code b to the high byte of a 16-bit word, an arithmetic shift by 4 and a mask give the top half of
+ *         the fp32 pattern sign(b) << 31 | (b & 0x7F) << 20, widened like bf16; its value is the e4m3 value times
+ *         2^-120 exactly, subnormal codes included (fp32 subnormals continue the e4m3 ones with the same factor:
+ *         2^-129 m vs 2^-9 m). Subnormal inputs must not read as zero, so the FP8 kernel clears MXCSR.DAZ in its
+ *         threads (and restores it). PERM_FP8_AVX2. The NaN code (|b| = 0x7F) decodes as a finite value: each row
+ *         notes whether it holds one (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every x, as
+ *         in the reference).
+ *
+ * Scales. FP8 (128 x 128 blocks): where it is exact, x is pre-scaled once per 128-row block by 2^(b-7) per
+ * 128-column block (fp8_prescale), so each term is one exact FMA product x * 2^(b-7) * (value * 2^-120) = x * w of
+ * the reference, and the inner loop has no multiply: "exact" means every block's w = value * 2^(b-127) is a normal
+ * fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's exponent range per call); other row
+ * blocks multiply each decoded vector by 2^120 and then by 2^(b-127), the reference's own product. FP4 (1 x 32
+ * blocks): M = 1 sums x * value over each block and scales the block sum once (the same products in another
+ * order, where every 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's
+ * scales, NaN scales excepted, which take the next path); otherwise each decoded vector is multiplied by its block's
+ * scale, the reference's product, before the FMAs.
+ */
+#include <immintrin.h>
+
+#define FP4_HI 0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0
+#define FP4_LO 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0
+#define XV(x, m, k) _mm256_loadu_ps((x) + (m) * kp + (k))
+
+static inline float hsum8(__m256 v) { /* fixed order: results depend on the inputs only */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The row's bytes of elements [k0, k0 + 64); the last partial chunk as a zero-padded copy in `tail` (x is zero
+ * there too). */
+static inline const uint8_t *chunk_src(const int fmt, const uint8_t *wrow, int64_t k0, int64_t K, uint8_t *tail) {
+    const uint8_t *src = wrow + chunk_off(fmt, k0);
+    if (k0 + 64 <= K) return src;
+    memset(tail, 0, 128);
+    memcpy(tail, src, (size_t)(row_bytes(fmt, K) - chunk_off(fmt, k0)));
+    return tail;
+}
+
+static inline __attribute__((always_inline)) void dec_bf16(const uint8_t *src, __m256 w[8]) {
+    const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * t));
+        w[2 * t] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        w[2 * t + 1] = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+    }
+}
+
+/* 64 FP4 elements (32 bytes: two scale blocks, block k0/32 in the low 128-bit lane) -> w[8], exact e2m1 values */
+static inline __attribute__((always_inline)) void dec_fp4(const uint8_t *src, __m256 w[8]) {
+    const __m256i thi = _mm256_setr_epi8(FP4_HI, FP4_HI), tlo = _mm256_setr_epi8(FP4_LO, FP4_LO);
+    const __m256i m0f = _mm256_set1_epi8(0x0F), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i v = _mm256_loadu_si256((const __m256i *)src);
+    __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+    __m256i lh = _mm256_shuffle_epi8(thi, lo), ll = _mm256_shuffle_epi8(tlo, lo);
+    __m256i hh = _mm256_shuffle_epi8(thi, hi), hl = _mm256_shuffle_epi8(tlo, hi);
+    __m256i a = _mm256_unpacklo_epi8(ll, lh), b = _mm256_unpackhi_epi8(ll, lh); /* bf16 words, even elements */
+    __m256i c = _mm256_unpacklo_epi8(hl, hh), d = _mm256_unpackhi_epi8(hl, hh); /* odd elements */
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(a, hi16));
+    w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    w[3] = _mm256_castsi256_ps(_mm256_and_si256(b, hi16));
+    w[4] = _mm256_castsi256_ps(_mm256_slli_epi32(c, 16));
+    w[5] = _mm256_castsi256_ps(_mm256_and_si256(c, hi16));
+    w[6] = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
+    w[7] = _mm256_castsi256_ps(_mm256_and_si256(d, hi16));
+}
+
+/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2): each code to the high byte of a 16-bit
+ * word, shifted right arithmetically by 4 (sign copies land in bits 14..11) and masked to the top half of the fp32
+ * sign(b) << 31 | (b & 0x7F) << 20, then widened like bf16. *nan collects max(b | 0x80) (0xFF: a NaN code). */
+static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __m256 w[8], __m256i *nan) {
+    const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0x87FF);
+    const __m256i x80 = _mm256_set1_epi8((char)0x80), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * t));
+        *nan = _mm256_max_epu8(*nan, _mm256_or_si256(v, x80));
+        const __m256i a = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 4), keep);
+        const __m256i b = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 4), keep);
+        w[4 * t] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+        w[4 * t + 1] = _mm256_castsi256_ps(_mm256_and_si256(a, hi16));
+        w[4 * t + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+        w[4 * t + 3] = _mm256_castsi256_ps(_mm256_and_si256(b, hi16));
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * FP8: x pre-scaled once per 128-row scale block where that is exact (see the top) */
+
+/* x's exponent range over its nonzero entries (inf / NaN: emax 128) */
+static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
+    int lo = 1000, hi = -1000;
+    for (int64_t i = 0; i < n; i++) {
+        if (x[i] == 0.0f) continue;
+        int e = isfinite(x[i]) ? ilogbf(x[i]) : 128;
+        lo = e < lo ? e : lo;
+        hi = e > hi ? e : hi;
+    }
+    *emin = lo, *emax = hi;
+}
+
+/* xs[m, k] = x[m, k] * 2^(b_kb - 7) for row block `srow`'s scales; 0 (and xs untouched) where that is not exact */
+static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_t K, const uint8_t *srow, int emin,
+                        int emax) {
+    const int64_t nkb = (K + 127) / 128;
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const int b = srow[kb], e = b - 7;
+        if (b < 10 || b > 246 || (emax >= -1000 && (emax + e > 127 || emin + e < -126))) return 0;
+    }
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const __m256 s = _mm256_set1_ps(ldexpf(1.0f, srow[kb] - 7));
+        const int64_t k1 = kb * 128 + 128 < kp ? kb * 128 + 128 : kp;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = kb * 128; k < k1; k += 8)
+                _mm256_storeu_ps(xs + m * kp + k, _mm256_mul_ps(_mm256_loadu_ps(x + m * kp + k), s));
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * FP4 scales and the one-row FP4 kernel */
+
+static inline int fp4_deferrable(const uint8_t *srow, int64_t K) {
+    int ok = 1;
+    for (int64_t i = 0; i < K / 32; i++) ok &= srow[i] >= 2 && srow[i] <= 252;
+    return ok;
+}
+
+/* the scales of chunk k0's two blocks, 4 lanes each: UE8M0 b as fp32 bits b << 23 (b in 1..254) */
+static inline __m256 fp4_scales_bits(const uint8_t *srow, int64_t k0) {
+    const __m256i pick = _mm256_setr_epi8(0, -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1,
+                                          1, -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1);
+    uint16_t two;
+    memcpy(&two, srow + (k0 >> 5), 2);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_shuffle_epi8(_mm256_set1_epi16((short)two), pick), 23));
+}
+
+/* the same from the UE8M0 table (any b, 0 and 255 included); a missing second block (K % 64 == 32) scales by 0 */
+static inline __m256 fp4_scales(const uint8_t *srow, int64_t k0, int64_t K) {
+    const float sb = k0 + 32 < K ? UE8M0[srow[(k0 >> 5) + 1]] : 0.0f;
+    return _mm256_set_m128(_mm_set1_ps(sb), _mm_set1_ps(UE8M0[srow[k0 >> 5]]));
+}
+
+/* one x row, FP4 with deferrable scales: each block's sum scaled once (four partial sums per chunk) */
+static inline float gemv1_fp4(const float *x, const uint8_t *wrow, const uint8_t *srow, int64_t K) {
+    const int64_t kp = 0;
+    uint8_t tail[128] __attribute__((aligned(32)));
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), w[8];
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const int two = k0 + 32 < K;
+        dec_fp4(chunk_src(FMT_FP4, wrow, k0, K, tail), w);
+        __m256 ba = _mm256_mul_ps(XV(x, 0, k0), w[0]), bb = _mm256_mul_ps(XV(x, 0, k0 + 8), w[1]);
+        __m256 bc = _mm256_mul_ps(XV(x, 0, k0 + 16), w[2]), bd = _mm256_mul_ps(XV(x, 0, k0 + 24), w[3]);
+        ba = _mm256_fmadd_ps(XV(x, 0, k0 + 32), w[4], ba);
+        bb = _mm256_fmadd_ps(XV(x, 0, k0 + 40), w[5], bb);
+        bc = _mm256_fmadd_ps(XV(x, 0, k0 + 48), w[6], bc);
+        bd = _mm256_fmadd_ps(XV(x, 0, k0 + 56), w[7], bd);
+        const __m256 sv = two ? fp4_scales_bits(srow, k0) : fp4_scales(srow, k0, K);
+        acc0 = _mm256_fmadd_ps(_mm256_add_ps(ba, bb), sv, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_add_ps(bc, bd), sv, acc1);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+/* MT x rows against one weight row -> y[m * N]. FP8: x pre-scaled (scaled = 0) or plain with the weights scaled
+ * (scaled = 1); a NaN code in the row makes the result NaN. Two accumulators per x row (four with one row) keep
+ * each FMA chain short of the FMA latency. */
+static inline __attribute__((always_inline)) void
+tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, const uint8_t *wrow,
+     const uint8_t *srow, int64_t K, float *y, int64_t N) {
+    const int A = MT == 1 ? 4 : 2;
+    uint8_t tail[128] __attribute__((aligned(32)));
+    __m256 acc[MT_TILE][4], w[8];
+    __m256i nan = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+        for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const uint8_t *src = chunk_src(fmt, wrow, k0, K, tail);
+        if (fmt == FMT_BF16) {
+            dec_bf16(src, w);
+        } else if (fmt == FMT_FP8) {
+            dec_fp8(src, w, &nan);
+            if (scaled) {
+                const __m256 sv = _mm256_broadcast_ss(&UE8M0[srow[k0 >> 7]]), up = _mm256_set1_ps(0x1p120f);
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(_mm256_mul_ps(w[q], up), sv);
+            }
+        } else {
+            const __m256 sv = fp4_scales(srow, k0, K);
+            dec_fp4(src, w);
+#pragma GCC unroll 8
+            for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(w[q], sv);
+        }
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++)
+#pragma GCC unroll 4
+            for (int m = 0; m < MT; m++) acc[m][q % A] = _mm256_fmadd_ps(XV(x, m, k0 + 8 * q), w[q], acc[m][q % A]);
+    }
+    const int bad = fmt == FMT_FP8 && _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8((char)0xFF)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; m++) {
+        __m256 t = acc[m][0];
+#pragma GCC unroll 4
+        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[m][a]);
+        y[m * N] = bad ? NAN : hsum8(t);
+    }
+}
+
+/* every x row against one weight row (its scales srow) -> y[m * N] */
+static inline __attribute__((always_inline)) void
+row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, const uint8_t *wrow,
+    const uint8_t *srow, int64_t K, float *y, int64_t N) {
+    if (M == 1 && fmt == FMT_FP4 && fp4_deferrable(srow, K)) {
+        y[0] = gemv1_fp4(x, wrow, srow, K);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MT_TILE) {
+        const float *xt = x + m0 * kp;
+        float *yt = y + m0 * N;
+        switch (M - m0 < MT_TILE ? (int)(M - m0) : MT_TILE) {
+        case 1: tile(fmt, 1, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        case 2: tile(fmt, 2, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        case 3: tile(fmt, 3, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        default: tile(fmt, 4, scaled, xt, kp, wrow, srow, K, yt, N); break;
+        }
+    }
+}
+
+/* The AVX2 driver (gemv.c run() hands every call here): OpenMP over blocks of 16 weight rows, schedule(static),
+ * one weight row at a time (with 16 vector registers a second row's decoded vectors do not fit), each read once,
+ * whole, against every x row in tiles of up to MT_TILE rows. FP8: x pre-scaled once per 128-row scale block where
+ * that is exact (see the top), in a per-thread copy. (Sweeping the rows k-block by k-block so that x stays in L1
+ * for M > 4 measured slower here: the per-block sums and the row jumps cost more than the L2 reads of x save.) */
+static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s,
+                    int64_t K, float *y, int64_t N, int nthreads) {
+    enum { RB = 16 };
+    const int64_t nkb = (K + 127) / 128, wstride = row_bytes(fmt, K);
+    int emin = 0, emax = 0, fail = 0;
+    if (fmt == FMT_FP8) exp_range(xp, M * kp, &emin, &emax);
+#pragma omp parallel num_threads(nthreads) reduction(| : fail)
+    {
+        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr & ~0x40u); /* DAZ off: FP8's subnormal decoded codes are values, not zeros */
+        float *xs = fmt == FMT_FP8 ? (float *)aligned_alloc(32, (size_t)(M * kp) * sizeof(float)) : NULL;
+        int64_t cur = -1;
+        int exact = 0;
+        fail |= fmt == FMT_FP8 && xs == NULL;
+#pragma omp for schedule(static)
+        for (int64_t r0 = 0; r0 < N; r0 += RB) {
+            if (fmt == FMT_FP8 && xs == NULL) continue;
+            const int64_t r1 = r0 + RB < N ? r0 + RB : N;
+            if (fmt == FMT_FP8 && r0 >> 7 != cur) /* RB divides 128: a row block lies in one scale block */
+                cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, emin, emax);
+            for (int64_t n = r0; n < r1; n++) {
+                const uint8_t *wrow = w + n * wstride;
+                if (fmt == FMT_BF16)
+                    row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N);
+                else if (fmt == FMT_FP4)
+                    row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N);
+                else if (exact)
+                    row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
+                else
+                    row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
+            }
+        }
+        free(xs);
+        _mm_setcsr(csr);
+    }
+    return fail ? -1 : 0;
+}
+
+#undef XV

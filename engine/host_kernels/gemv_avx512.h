@@ -1,0 +1,109 @@
+/* AVX-512 (F + BW; VBMI for the FP8 byte tables) decoders and tiles of gemv.c, which includes this file when the
+ * compiler targets AVX-512 F and BW (the "avx512" and "avx512-vbmi" builds). The decoders produce weight vectors in
+ * a fixed permuted element order (gemv.c perm_of: PERM_EVENODD, PERM_FP8_VBMI, PERM_IDENT); x is permuted the same
+ * way once per call, so products pair up exactly. */
+#include <immintrin.h>
+
+#if !defined(DK_VBMI)
+/* 16 e4m3 codes (uint32 lanes) -> exact fp32 without byte tables: normal codes by exponent re-bias, subnormal
+ * codes (|code| < 8) as m * 2^-9, NaN codes as NaN. */
+static inline __m512 fp8_dec16(__m512i v) {
+    __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
+    __m512i norm = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
+    __m512 r = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_castsi512_ps(norm), sub);
+    r = _mm512_mask_mov_ps(r, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+}
+#endif
+
+/* Weight elements [k0, k0 + 64) of one row, decoded (and scaled) into w[4] in the PERM order. */
+static inline __attribute__((always_inline)) void
+decode(const int fmt, const uint8_t *wrow, const uint8_t *srow, int64_t k0, int64_t K, __m512 w[4]) {
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    uint8_t tail[128] __attribute__((aligned(64)));
+    const uint8_t *src = wrow + chunk_off(fmt, k0);
+    if (k0 + 64 > K) { /* last partial chunk: zero codes beyond K (x is zero there too) */
+        memset(tail, 0, sizeof tail);
+        memcpy(tail, src, (size_t)(row_bytes(fmt, K) - chunk_off(fmt, k0)));
+        src = tail;
+    }
+    if (fmt == FMT_BF16) {
+        __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 64);
+        w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+        w[1] = _mm512_castsi512_ps(_mm512_and_si512(v0, hi16));
+        w[2] = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+        w[3] = _mm512_castsi512_ps(_mm512_and_si512(v1, hi16));
+    } else if (fmt == FMT_FP8) {
+        const __m512 sv = _mm512_set1_ps(UE8M0[srow[k0 >> 7]]);
+#if defined(DK_VBMI)
+        const __m512i t0 = _mm512_loadu_si512(E4M3_BF16_LO), t1 = _mm512_loadu_si512(E4M3_BF16_LO + 64);
+        const __m512i t2 = _mm512_loadu_si512(E4M3_BF16_HI), t3 = _mm512_loadu_si512(E4M3_BF16_HI + 64);
+        __m512i c = _mm512_loadu_si512(src);
+        __m512i lo = _mm512_permutex2var_epi8(t0, c, t1); /* index bits 6:0 = magnitude */
+        __m512i hi = _mm512_permutex2var_epi8(t2, c, t3);
+        hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (c & 0x80) */
+        __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi); /* bf16 words */
+        w[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), sv);
+        w[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi16)), sv);
+        w[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), sv);
+        w[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(b, hi16)), sv);
+#else
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+            w[q] = _mm512_mul_ps(fp8_dec16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * q)))), sv);
+#endif
+    } else { /* FP4: the 16-entry value table times the block scale, indexed by each nibble */
+        const __m512 e2m1 = _mm512_loadu_ps(E2M1);
+        const __m512 ta = _mm512_mul_ps(e2m1, _mm512_set1_ps(UE8M0[srow[k0 >> 5]]));
+        const __m512 tb = _mm512_mul_ps(e2m1, _mm512_set1_ps(k0 + 32 < K ? UE8M0[srow[(k0 >> 5) + 1]] : 0.0f));
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+        w[0] = _mm512_permutexvar_ps(v0, ta); /* index bits 3:0 = low nibble */
+        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ta);
+        w[2] = _mm512_permutexvar_ps(v1, tb);
+        w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), tb);
+    }
+}
+
+/* MT x rows against NT weight rows (NA accumulators per output): y[m * N + yo[r]] for m < MT, r < NT. Each x vector is
+ * loaded once into a register and feeds NT FMAs (the empty asm keeps gcc from re-loading it per row as a memory
+ * operand: with one load per FMA the loop is load-bound). Tile shapes measured on Zen 4 (a C sweep of MT x NT x NA):
+ * M = 1: one row, four accumulators (memory-bound); M > 1: row pairs, x tiles of up to 4 (1.3-1.6x the FMA rate of
+ * one row at a time). */
+static inline __attribute__((always_inline)) void
+tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, int64_t kp,
+     const uint8_t *const *wr, const uint8_t *const *sr, int64_t K, float *y, int64_t N, const int64_t *yo) {
+    __m512 acc[MT_TILE][NT_TILE][4];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 2
+        for (int r = 0; r < NT; r++)
+#pragma GCC unroll 4
+            for (int a = 0; a < NA; a++) acc[m][r][a] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        __m512 w[NT_TILE][4];
+#pragma GCC unroll 2
+        for (int r = 0; r < NT; r++) decode(fmt, wr[r], sr[r], k0, K, w[r]);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+#pragma GCC unroll 8
+            for (int m = 0; m < MT; m++) {
+                __m512 xv = _mm512_loadu_ps(xp + m * kp + k0 + 16 * q);
+                __asm__("" : "+v"(xv));
+#pragma GCC unroll 2
+                for (int r = 0; r < NT; r++) acc[m][r][q % NA] = _mm512_fmadd_ps(xv, w[r][q], acc[m][r][q % NA]);
+            }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 2
+        for (int r = 0; r < NT; r++) {
+            __m512 t = acc[m][r][0];
+#pragma GCC unroll 4
+            for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, acc[m][r][a]);
+            y[m * N + yo[r]] = _mm512_reduce_add_ps(t);
+        }
+}
+
