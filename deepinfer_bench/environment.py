@@ -25,4 +25,8 @@ def env_tables() -> tuple[list[tuple[str, pd.DataFrame]], dict[str, str | None]]
     rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
     rows += [{"item": f"host_math.{k}", "value": str(v)} for k, v in st["host_math"].items()]
     tables.append(("Stack (torch / XLA / Neuron)", pd.DataFrame(rows)))
+    kernels = st.get("host_kernels") or {}
+    if kernels.get("variants"):
+        tables.append((f"--kernels host builds on this CPU (chosen: {kernels.get('chosen')})", pd.DataFrame(
+            [{"build": name, "status": str(status)} for name, status in kernels["variants"].items()])))
     return tables, {"neuron_ls": st["neuron_ls"], "graph_hash": envs.graph_hash()}

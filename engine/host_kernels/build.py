@@ -122,7 +122,7 @@ def simd_cap() -> str:
     """DEEPINFER_HOST_SIMD: the most capable variant to use (auto: the best the CPU runs)."""
     from engine.envs import get_envs
 
-    cap = getattr(get_envs(), "DEEPINFER_HOST_SIMD", "auto")  # the flag is declared in engine/envs.py
+    cap = get_envs().DEEPINFER_HOST_SIMD
     if cap != "auto" and cap not in VARIANTS:
         raise HostKernelError(f"DEEPINFER_HOST_SIMD={cap!r}: expected auto or one of {', '.join(VARIANTS)}")
     return cap
