@@ -155,12 +155,10 @@ class _StepCounters:
 KERNEL_COLUMNS = ["family", "dispatch_key", "executor", "calls"]
 
 
-def kernel_dispatches() -> list[dict[str, Any]]:
-    """Kernel dispatches so far in this process (nki_kernels.dispatch counters), one row per (key, executor)."""
-    from nki_kernels import dispatch
-
+def kernel_dispatches(dispatcher: Any) -> list[dict[str, Any]]:
+    """The kernel dispatches a runner's dispatcher counted (nki_kernels/dispatch.py), one row per (key, executor)."""
     return [{"family": key.split(".")[0], "dispatch_key": key, "executor": ex, "calls": n}
-            for (key, ex), n in sorted(dispatch.counts().items())]
+            for (key, ex), n in sorted(dispatcher.counts_of().items())]
 
 
 def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progress: bool) -> dict[str, Any]:
@@ -168,10 +166,8 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
     of generated tokens on stderr)."""
     from engine.llm import greedy_with_logits
     from engine.stack import blas_mode
-    from nki_kernels import dispatch
-
     counters = _StepCounters(engine)
-    dispatch.reset_counts()
+    engine.runner.dispatcher.reset()
     with _token_bar(progress, len(prompts), sum(max_new)) as advance:
         def on_step() -> None:
             counters()
@@ -184,7 +180,8 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
             "region_launches": regions.launches if regions is not None else 0,
             "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
-            "kernels": kernel_dispatches(), "weights": _weight_summary(runner.model), "host_math": blas_mode()}
+            "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner.model),
+            "host_math": blas_mode()}
 
 
 @contextlib.contextmanager

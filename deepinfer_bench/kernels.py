@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import pandas as pd
 
@@ -36,20 +37,26 @@ def select_cases(kernel: str | None = None, include_slow: bool = False) -> list:
 
 
 def run_kernels(kernel: str | None = None, executor: str = "auto", *, simulator: bool = False,
-                include_slow: bool = False) -> pd.DataFrame:
-    """One row per case: errors vs the torch reference, verdict and wall time of the kernel call.
+                include_slow: bool = False, lnc: int | None = None) -> pd.DataFrame:
+    """One row per case: errors vs the torch reference, verdict and wall time of the kernel call, on a dispatcher
+    of this run (the process's LNC unless `lnc` is given).
 
     A case passes only if the kernel ran on the resolved executor (dispatch counter moved) and the reference
     path was not taken in its place."""
+    from engine.stack import logical_nc_config
     from nki_kernels import dispatch, registry
     from nki_kernels.cases import compare
 
-    dispatch.set_default("auto", simulator=simulator)
-    ex = dispatch.resolve_executor(executor, simulator=simulator)
+    d = dispatch.Dispatcher("auto", simulator=simulator, lnc=lnc or logical_nc_config())
+    with d.active():
+        return _run_cases(d, kernel, d.resolve(executor), include_slow, compare, registry)
+
+
+def _run_cases(d: Any, kernel: str | None, ex: str, include_slow: bool, compare: Any, registry: Any) -> pd.DataFrame:
     rows: list[Row] = []
     for c in select_cases(kernel, include_slow):
         mod = registry.load(c.kernel)
-        before = dict(dispatch.COUNTS)
+        before = dict(d.counts)
         rtol, atol = c.tol
         tol = f"rtol={rtol:g} atol={atol:g}"
         try:
@@ -59,7 +66,7 @@ def run_kernels(kernel: str | None = None, executor: str = "auto", *, simulator:
                             f"{type(e).__name__}: {e}"[:200]))
             continue
         v = compare(run, rtol, atol)
-        moved = {k: n - before.get(k, 0) for k, n in dispatch.COUNTS.items() if n != before.get(k, 0)}
+        moved = {k: n - before.get(k, 0) for k, n in d.counts.items() if n != before.get(k, 0)}
         ran_kernel = any(k[1] == ex for k in moved) and not any(k[1] == "reference" for k in moved)
         note = v.note if ran_kernel else f"kernel not dispatched on {ex}: {moved}"
         rows.append(Row(c.kernel, c.name, run.shapes, c.dtype, ex, v.max_abs_err, v.max_rel_err, tol,
@@ -76,7 +83,7 @@ def resolve_run(kernel: str | None, executor: str) -> tuple[str, bool]:
     process's LNC for every launch, the installed NKI version checked for the real executors. A request this
     machine cannot serve (no real NKI, no Neuron device) is a ValueError naming what is missing."""
     from engine.envs import get_envs
-    from engine.stack import check_nki_version, logical_nc_config, versions
+    from engine.stack import check_nki_version, versions
     from nki_kernels import dispatch
     from nki_kernels.registry import KERNELS
 
@@ -88,7 +95,6 @@ def resolve_run(kernel: str | None, executor: str) -> tuple[str, bool]:
     if executor == "auto" and envs.DEEPINFER_KERNEL_EXECUTOR != "auto":
         executor = envs.DEEPINFER_KERNEL_EXECUTOR
     simulator = dict(envs.recorded).get("NKI_SIMULATOR", "") == "1"
-    dispatch.set_default(lnc=logical_nc_config())  # the same LNC as the engine's kernel launches
     if executor in ("simulator", "neuron"):
         check_nki_version(versions()["nki"])
     try:

@@ -68,9 +68,12 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
     from engine.model.model import Transformer, use_formats, use_ops
     from engine.model.ops import ops_for
     from engine.runner import ModelRunner, parse_dtype
+    from engine.stack import logical_nc_config
+    from nki_kernels.dispatch import Dispatcher
 
     par = par or Parallel()
     backend = backend or par.backend or get_backend(config)
+    dispatcher = Dispatcher(lnc=logical_nc_config())  # this runner's kernel launches: the process's LNC
     ops = ops_for(config.kernels)
     state = weights if weights is not None else load_weights(config, par)
     stored = str(config.model.weights) == "stored"
@@ -86,7 +89,7 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
         state.clear()  # the model holds what it needs; the rest goes now (peak memory = the weights once)
     with backend.grad_context():
         model.to(backend.device)  # weights and RoPE tables on the engine's device (a no-op on the host)
-    return ModelRunner(config, model, par, backend)
+    return ModelRunner(config, model, par, backend, dispatcher)
 
 
 def _formats_in(state: dict[str, torch.Tensor], names: Any) -> dict[str, str]:

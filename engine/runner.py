@@ -19,6 +19,7 @@ from engine.model.model import Transformer
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer
 from engine.regions import RegionRunner
+from nki_kernels.dispatch import Dispatcher
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -42,11 +43,15 @@ class SequenceLike(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Transformer, par: Parallel | None, backend: Backend) -> None:
+    def __init__(self, config: EngineConfig, model: Transformer, par: Parallel | None, backend: Backend,
+                 dispatcher: Dispatcher | None = None) -> None:
+        """`dispatcher`: the kernel-launch state of this runner (executor, LNC, counters), active during every
+        forward (nki_kernels/dispatch.py)."""
         cfg, cache, graph = config.model.config, config.cache, config.graph
         self.config, self.cfg, self.model = config, cfg, model
         self.par = par or Parallel()
         self.backend = backend
+        self.dispatcher = dispatcher or Dispatcher()
         self.dtype = parse_dtype(config.model.dtype)
         self.max_num_seqs, self.num_kv_blocks = cache.max_num_seqs, cache.num_kv_blocks
         self.block_size, self.max_model_len = cache.block_size, cache.max_model_len
@@ -82,7 +87,7 @@ class ModelRunner:
         `input_ids` [T] holds their tokens back to back. Returns fp32 logits of `logit_index` tokens (default: the
         last token of each step) [len, vocab] on the host, or the final streams [T, n, dim] (on the device) with
         `return_hidden`."""
-        with self.backend.grad_context():
+        with self.backend.grad_context(), self.dispatcher.active():
             return self._forward(steps, input_ids, logit_index, return_hidden)
 
     def _forward(self, steps: list[SeqStep], input_ids: torch.Tensor, logit_index: torch.Tensor | None,

@@ -5,16 +5,19 @@ with the simulator requested -> `nki.simulate`; otherwise -> the NumPy stand-in.
 asked for by name (`executor="reference"`). Every call is counted per (kernel, executor), so a test can prove which
 path ran and a fallback can never pass as kernel coverage.
 
-This module reads no environment variables: the CLI passes `simulator=True` when `NKI_SIMULATOR=1` was recorded
-by `engine.envs` (nki_kernels never imports engine).
+The state of the launches (executor default, LNC, counters, recorder) is a `Dispatcher` owned by whoever runs
+kernels - an engine's runner, a `deepinfer kernels` run - and activated around its work; nothing here is set from
+outside. This module reads no environment variables: the owner passes `simulator=True` when `NKI_SIMULATOR=1` was
+recorded by `engine.envs`, and the LNC (nki_kernels never imports engine).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nki_kernels import _nki
@@ -36,14 +39,6 @@ class Executor(str, enum.Enum):
 EXECUTORS = tuple(e.value for e in Executor)
 # what a user may pick for a whole kernel run (the reference is the comparison, not an executor of the kernels)
 KERNEL_EXECUTORS = tuple(e for e in EXECUTORS if e != "reference")
-
-COUNTS: Counter[tuple[str, str]] = Counter()
-# (name, reason) of every explicit fallback to the reference (see `fallback`); COUNTS has them as
-# ("<name>.fallback", "reference"), so a fallback never shows up under the kernel's own name.
-FALLBACKS: Counter[tuple[str, str]] = Counter()
-# When a list is installed here (see `record`), every kernel dispatch appends (name, kernel, args): the trn2
-# check replays the exact operands on the simulator and the device.
-_RECORDER: list | None = None
 
 PROVES = {
     "stand-in": "kernel logic verified on the NumPy stand-in (not compiled)",
@@ -72,73 +67,128 @@ def resolve_executor(requested: str = "auto", *, simulator: bool = False) -> str
     return requested
 
 
-_default: dict[str, Any] = {"executor": "auto", "simulator": False, "lnc": 2}
+class Dispatcher:
+    """The state of kernel launches, owned by whoever runs kernels: the executor default, the NeuronCore LNC every
+    launch uses (`kernel[lnc]` on the real NKI: NEURON_LOGICAL_NC_CONFIG, trn2's default 2, passed in by the
+    owner - this module reads no environment), the counters and an optional recorder. The engine makes one per
+    runner (engine/launch.py) and activates it around each forward; `deepinfer kernels` makes its own for a run.
+    Module-level `dispatch(...)` / `fallback(...)` / `count(...)` go to the active one (`current()`), else to a
+    process-wide default for standalone kernel calls (tests, notebooks).
+
+    `counts` has every call per (kernel, executor); `fallbacks` every explicit fallback to the reference per
+    (name, reason) (also counted as ("<name>.fallback", "reference") in `counts`, so a fallback never shows up under
+    the kernel's own name). With a list installed by `record()`, every kernel dispatch appends (name, kernel, args):
+    the trn2 check replays the exact operands on the simulator and the device."""
+
+    def __init__(self, executor: str = "auto", *, simulator: bool = False, lnc: int = 2) -> None:
+        if str(executor) not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}")
+        if lnc not in (1, 2):
+            raise ValueError(f"lnc must be 1 or 2, got {lnc!r}")
+        self.executor, self.simulator, self.lnc = str(executor), simulator, lnc
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.fallbacks: Counter[tuple[str, str]] = Counter()
+        self._recorder: list | None = None
+
+    def resolve(self, executor: str | None = None) -> str:
+        """The executor a call runs on (None: this dispatcher's default)."""
+        return resolve_executor(executor or self.executor, simulator=self.simulator)
+
+    def dispatch(self, name: str, kernel: _nki.Kernel, args: tuple, executor: str | None = None,
+                 reference: Callable[[], Any] | None = None) -> tuple[str, Any]:
+        """Run kernel `name` on the resolved executor; returns (executor, raw result). Counts the call. `args` go
+        to `Kernel.run` as given: NumPy arrays for the host executors (and a standalone run on "neuron"), torch
+        tensors for the PyTorch integration of `nki.jit` on "neuron" (see `kernel_ops.KernelOps._run`)."""
+        ex = self.resolve(executor)
+        self.counts[(name, ex)] += 1
+        if self._recorder is not None and ex != "reference":
+            self._recorder.append((name, kernel, args))
+        if ex == "reference":
+            if reference is None:
+                raise ValueError(f"{name}: no reference path")
+            return ex, reference()
+        return ex, kernel.run(ex, *args, lnc=self.lnc)
+
+    def fallback(self, name: str, reason: str, reference: Callable[[], Any]) -> Any:
+        """Run the torch reference instead of kernel `name` for a case the kernel does not cover; counted as
+        ("<name>.fallback", "reference") and by reason, never as kernel coverage."""
+        self.counts[(f"{name}.fallback", "reference")] += 1
+        self.fallbacks[(name, reason)] += 1
+        return reference()
+
+    def count(self, name: str, executor: str) -> None:
+        """Count a call that ran outside `dispatch` (the native host kernels)."""
+        self.counts[(name, executor)] += 1
+
+    def counts_of(self, name: str | None = None) -> dict[tuple[str, str], int]:
+        return {k: v for k, v in self.counts.items() if name is None or k[0] == name}
+
+    def fallbacks_of(self, name: str | None = None) -> dict[tuple[str, str], int]:
+        return {k: v for k, v in self.fallbacks.items() if name is None or k[0] == name}
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.fallbacks.clear()
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[list]:
+        """Collect (name, kernel, args) of every kernel dispatch inside the block."""
+        calls: list = []
+        prev, self._recorder = self._recorder, calls
+        try:
+            yield calls
+        finally:
+            self._recorder = prev
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Dispatcher]:
+        """Make this the dispatcher of the module-level calls inside the block (this thread / task)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
 
 
-def set_default(executor: str = "auto", *, simulator: bool = False, lnc: int | None = None) -> None:
-    """Process defaults used by wrappers called with executor=None, and the logical NeuronCore config every kernel
-    launch uses (`kernel[lnc]` on the real NKI; set once by the CLI/engine from engine.stack.logical_nc_config(),
-    i.e. NEURON_LOGICAL_NC_CONFIG, trn2's default 2). This module reads no environment itself."""
-    if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}")
-    if lnc is not None and lnc not in (1, 2):
-        raise ValueError(f"lnc must be 1 or 2, got {lnc!r}")
-    _default.update(executor=executor, simulator=simulator, **({"lnc": lnc} if lnc is not None else {}))
+_PROCESS_DEFAULT = Dispatcher()  # standalone kernel calls outside any owner's `active()` block
+_ACTIVE: contextvars.ContextVar[Dispatcher | None] = contextvars.ContextVar("deepinfer_dispatcher", default=None)
 
 
-def default_lnc() -> int:
-    return int(_default["lnc"])
-
-
-def resolve(executor: str | None) -> str:
-    """The executor a `dispatch(..., executor)` call runs on (None: the process default of `set_default`)."""
-    return resolve_executor(executor or _default["executor"], simulator=_default["simulator"])
+def current() -> Dispatcher:
+    """The active dispatcher (an engine's during its forward, a kernel run's), else the process default."""
+    return _ACTIVE.get() or _PROCESS_DEFAULT
 
 
 def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
              reference: Callable[[], Any] | None = None) -> tuple[str, Any]:
-    """Run kernel `name` on the resolved executor; returns (executor, raw result). Counts the call. `args` go to
-    `Kernel.run` as given: NumPy arrays for the host executors (and a standalone run on "neuron"), torch tensors
-    for the PyTorch integration of `nki.jit` on "neuron" (see `kernel_ops.KernelOps._run`)."""
-    ex = resolve(executor)
-    COUNTS[(name, ex)] += 1
-    if _RECORDER is not None and ex != "reference":
-        _RECORDER.append((name, kernel, args))
-    if ex == "reference":
-        if reference is None:
-            raise ValueError(f"{name}: no reference path")
-        return ex, reference()
-    return ex, kernel.run(ex, *args, lnc=_default["lnc"])
+    """`current().dispatch(...)`: what every kernel wrapper calls."""
+    return current().dispatch(name, kernel, args, executor, reference)
 
 
 def fallback(name: str, reason: str, reference: Callable[[], Any]) -> Any:
-    """Run the torch reference instead of kernel `name` for a case the kernel does not cover; counted as
-    ("<name>.fallback", "reference") in COUNTS and by reason in FALLBACKS, never as kernel coverage."""
-    COUNTS[(f"{name}.fallback", "reference")] += 1
-    FALLBACKS[(name, reason)] += 1
-    return reference()
+    return current().fallback(name, reason, reference)
 
 
-@contextlib.contextmanager
-def record():
-    """Collect (name, kernel, args) of every kernel dispatch inside the block."""
-    global _RECORDER
-    calls: list = []
-    prev, _RECORDER = _RECORDER, calls
-    try:
-        yield calls
-    finally:
-        _RECORDER = prev
+def count(name: str, executor: str) -> None:
+    current().count(name, executor)
+
+
+def resolve(executor: str | None) -> str:
+    """The executor a `dispatch(..., executor)` call runs on (None: the current dispatcher's default)."""
+    return current().resolve(executor)
 
 
 def counts(name: str | None = None) -> dict[tuple[str, str], int]:
-    return {k: v for k, v in COUNTS.items() if name is None or k[0] == name}
+    return current().counts_of(name)
 
 
 def fallbacks(name: str | None = None) -> dict[tuple[str, str], int]:
-    return {k: v for k, v in FALLBACKS.items() if name is None or k[0] == name}
+    return current().fallbacks_of(name)
 
 
 def reset_counts() -> None:
-    COUNTS.clear()
-    FALLBACKS.clear()
+    current().reset()
+
+
+def record() -> contextlib.AbstractContextManager[list]:
+    return current().record()

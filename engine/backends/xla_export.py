@@ -39,7 +39,7 @@ def _fresh_cache(runner: Any) -> KVCache:
     c = runner.cache
     layer_ids = list(c.where)
     return KVCache(runner.cfg, c.num_slots, c.num_blocks, c.block_size, runner.dtype, layer_ids, cp=runner.par.cp,
-                   device=runner.device, scratch=True)
+                   device=runner.device, scratch=True, spare=c.spare)
 
 
 def _inputs(named: dict[str, torch.Tensor]) -> list[dict[str, Any]]:

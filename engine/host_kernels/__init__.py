@@ -124,7 +124,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _count(key: str) -> None:
-    dispatch.COUNTS[(key, EXECUTOR)] += 1
+    dispatch.count(key, EXECUTOR)
 
 
 def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: int) -> torch.Tensor:

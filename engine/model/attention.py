@@ -57,81 +57,90 @@ class Compressor(OpsUser, nn.Module):
         e = rope_tail(e, cos, sin, self.rd)
         return e.to(dtype)
 
+    # The slot state holds the raw projections (kv, gate logit + ape) of recent tokens, token p in row p % S
+    # (S = coff*m + spare rows, KVCache): a closing block reads its own m rows and, for CSA, the previous block's.
+    # Nothing moves between rows, so a token that is later rolled back (a rejected speculative draft) leaves only
+    # rows that a real token at the same position rewrites before any block reads them; S > 2m - 1 + spare keeps
+    # every row a later block needs from being overwritten by drafts. "No previous block" (block 0) is rows never
+    # written since the slot's reset (score -inf).
+
+    def _state_rows(self, positions: torch.Tensor, rows: int) -> torch.Tensor:
+        """Rows of `positions` (>= -m) in a state of `rows` rows (the dividend kept non-negative)."""
+        return (positions + rows) % rows
+
+    def _block_rows(self, w: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """State rows [.., m] of block(s) w and of the block before them."""
+        m = self.ratio
+        first = w.unsqueeze(-1) * m + torch.arange(m, device=w.device)
+        return self._state_rows(first, rows), self._state_rows(first - m, rows)
+
     # -- one sequence, n new tokens --------------------------------------------------------------------------------
     def chunk(self, kv: torch.Tensor, score: torch.Tensor, start: int, st_kv: torch.Tensor, st_score: torch.Tensor,
               pool: torch.Tensor, table: torch.Tensor, rope: Rope, dtype: torch.dtype) -> None:
         """Feed tokens at positions [start, start+n) (kv/score [n, coff*D], ape not added) through the slot state
-        `st_kv/st_score` [coff*m, coff*D]; every block that closes becomes an entry written to `pool` via `table`."""
-        m, n = self.ratio, kv.shape[0]
-        off = m if self.overlap else 0
-        r0 = start % m  # rows of the current block already in the state
-        pos = torch.arange(start, start + n, device=kv.device)
+        `st_kv/st_score` [S, coff*D]; every block that closes becomes an entry written to `pool` via `table`."""
+        m, n, rows = self.ratio, kv.shape[0], st_kv.shape[0]
+        dev = kv.device
+        r0 = start % m  # tokens of the current block already in the state
+        pos = torch.arange(start, start + n, device=dev)
         score = score + self.ape[pos % m]
-        seq_kv = torch.cat([st_kv[off: off + r0], kv], 0)  # positions start-r0 .. start+n-1
-        seq_sc = torch.cat([st_score[off: off + r0], score], 0)
+        head = self._state_rows(torch.arange(start - r0, start, device=dev), rows)
+        seq_kv = torch.cat([st_kv[head], kv], 0)  # positions start-r0 .. start+n-1
+        seq_sc = torch.cat([st_score[head], score], 0)
         n_close = (start + n) // m - start // m
         if n_close:
             blocks_kv = seq_kv[: n_close * m].view(n_close, m, -1)
             blocks_sc = seq_sc[: n_close * m].view(n_close, m, -1)
-            prev = (st_kv[:m], st_score[:m]) if self.overlap else (None, None)
-            pooled = self.ops.compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
-            w = torch.arange(start // m, start // m + n_close, device=kv.device)
-            self._store(self.finish(pooled, w * m, rope, dtype), w, pool, table)
+            prev = (None, None)
             if self.overlap:
-                st_kv[:m] = blocks_kv[-1]
-                st_score[:m] = blocks_sc[-1]
-        rest = seq_kv.shape[0] - n_close * m
-        st_kv[off: off + rest] = seq_kv[n_close * m:]
-        st_score[off: off + rest] = seq_sc[n_close * m:]
+                before = self._state_rows(torch.arange(start - r0 - m, start - r0, device=dev), rows)
+                prev = (st_kv[before], st_score[before])
+            pooled = self.ops.compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
+            w = torch.arange(start // m, start // m + n_close, device=dev)
+            self._store(self.finish(pooled, w * m, rope, dtype), w, pool, table)
+        keep = max(0, n - rows)  # the last `rows` tokens: distinct rows
+        st_kv.index_copy_(0, self._state_rows(pos[keep:], rows), kv[keep:])
+        st_score.index_copy_(0, self._state_rows(pos[keep:], rows), score[keep:])
 
     # -- B sequences, one new token each ---------------------------------------------------------------------------
     def decode(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                st_kv: torch.Tensor, st_score: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rope: Rope,
                dtype: torch.dtype) -> None:
-        """kv/score [B, coff*D] at positions pos [B]; states [S, coff*m, coff*D] indexed by slots [B]."""
-        m = self.ratio
-        off = m if self.overlap else 0
-        row = off + pos % m
+        """kv/score [B, coff*D] at positions pos [B]; states [S, rows, coff*D] indexed by slots [B]."""
+        m, rows = self.ratio, st_kv.shape[1]
+        row = self._state_rows(pos, rows)
         st_kv[slots, row] = kv
         st_score[slots, row] = score + self.ape[pos % m]
         closing = ((pos + 1) % m == 0).nonzero().flatten()
         if closing.numel() == 0:
             return
-        cs = slots[closing]
-        skv, ssc = st_kv[cs], st_score[cs]  # [C, coff*m, coff*D]
-        if self.overlap:
-            pooled = self.ops.compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m],
-                                            ssc[:, :m])[:, 0]  # [C, D]
-            st_kv[cs, :m] = skv[:, m:]
-            st_score[cs, :m] = ssc[:, m:]
-        else:
-            pooled = self.ops.compress_pool(skv, ssc, False)  # [C, D]
+        pooled = self._pool(st_kv, st_score, slots[closing], pos[closing] // m)
         w = pos[closing] // m
         self._store(self.finish(pooled, w * m, rope, dtype), w, pool, tables[closing])
+
+    def _pool(self, st_kv: torch.Tensor, st_score: torch.Tensor, slots: torch.Tensor, w: torch.Tensor,
+              ) -> torch.Tensor:
+        """The pooled entry [B, D] of block w[b] from slot slots[b]'s state (CSA: with the block before it)."""
+        cur, before = self._block_rows(w, st_kv.shape[1])  # [B, m]
+        s = slots[:, None]
+        if self.overlap:
+            return self.ops.compress_pool(st_kv[s, cur][:, None], st_score[s, cur][:, None], True, st_kv[s, before],
+                                          st_score[s, before])[:, 0]
+        return self.ops.compress_pool(st_kv[s, cur], st_score[s, cur], False)
 
     def decode_static(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                       st_kv: torch.Tensor, st_score: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
                       rope: Rope, dtype: torch.dtype) -> None:
         """`decode` with static shapes (compiled regions): every row pools, rows whose block does not close (or whose
-        entry another cp rank owns) write to the pool's scratch block, and the CSA state shift is a torch.where.
-        kv/score [B, coff*D], pos/slots [B], tables [B, NB]; states indexed by slots (padded rows: scratch slot)."""
-        m = self.ratio
-        off = m if self.overlap else 0
-        row = off + pos % m
+        entry another cp rank owns) write to the pool's scratch block. kv/score [B, coff*D], pos/slots [B], tables
+        [B, NB]; states indexed by slots (padded rows: scratch slot)."""
+        m, rows = self.ratio, st_kv.shape[1]
+        row = self._state_rows(pos, rows)
         st_kv[slots, row] = kv
         st_score[slots, row] = score + self.ape[pos % m]
         closing = (pos + 1) % m == 0  # [B]
-        skv, ssc = st_kv[slots], st_score[slots]  # [B, coff*m, coff*D]
-        if self.overlap:
-            pooled = self.ops.compress_pool(skv[:, None, m:], ssc[:, None, m:], True, skv[:, :m],
-                                            ssc[:, :m])[:, 0]  # [B, D]
-            shift = closing.view(-1, 1, 1)
-            st_kv[slots, :m] = torch.where(shift, skv[:, m:], skv[:, :m])
-            st_score[slots, :m] = torch.where(shift, ssc[:, m:], ssc[:, :m])
-        else:
-            pooled = self.ops.compress_pool(skv, ssc, False)  # [B, D]
         w = pos // m
-        entries = self.finish(pooled, w * m, rope, dtype)  # [B, D]
+        entries = self.finish(self._pool(st_kv, st_score, slots, w), w * m, rope, dtype)  # [B, D]
         keep = closing & (w % self.cp == self.rank)
         u = w // self.cp
         epb = pool.shape[1]
@@ -365,6 +374,17 @@ class Attention(OpsUser, nn.Module):
     def _owned(self, pos: torch.Tensor) -> torch.Tensor:
         return pos % self.cp == self.rank
 
+    def _ring_valid(self, pos: torch.Tensor, wl: int) -> torch.Tensor:
+        """[B, wl]: which of this rank's `wl` window-ring rows a query at pos [B] sees. Ring row i holds this rank's
+        latest position p_i = rank + cp*j <= pos with j % wl == i (rows never written hold position < 0); the
+        query sees it iff p_i >= 0 and p_i > pos - win (with spare rows for speculative drafts, the ring holds more
+        than a window)."""
+        cp = self.cp
+        jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")[:, None]  # [B, 1], >= -1
+        j = jmax - (jmax - torch.arange(wl, device=pos.device)[None] + wl) % wl
+        p = self.rank + cp * j
+        return (j >= 0) & (p > pos[:, None] - self.win)
+
     def _entries(self, g: _Group, cache: LayerCache, tables: torch.Tensor, visible: torch.Tensor,
                  aux_q: tuple | None) -> None:
         """Append this rank's compressed entries (and indexer scores) for queries with `visible` [B, T] entries."""
@@ -401,9 +421,7 @@ class Attention(OpsUser, nn.Module):
         own = self._owned(pos)
         cache.win_kv[torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl] = kv.to(cache.win_kv.dtype)
         keys = cache.win_kv[slots]  # [B, wl, D]
-        jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")  # [B]
-        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl, device=pos.device)[None]) % wl
-        g = _Group(rows=slice(None), q=q[:, None], keys=keys, valid=(j >= 0)[:, None])  # valid [B, 1, wl]
+        g = _Group(rows=slice(None), q=q[:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
         split("attn.qkv")
         if self.ratio:
             self.compressor.decode_static(*aux["c"], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_pool,
@@ -443,7 +461,7 @@ class Attention(OpsUser, nn.Module):
         keys = torch.cat([cache.win_kv[s.slot, (ppos // cp) % wl], kv[own_new].to(cache.win_kv.dtype)], 0)
         kpos = torch.cat([ppos, qpos[own_new]])
         valid = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - win)  # [n, Nw]
-        tail = max(0, n - win)  # the last `win` positions (no negative slice start: XLA does not clamp it)
+        tail = max(0, n - wl * cp)  # the last positions the ring holds (no negative slice start: XLA does not clamp)
         keep = qpos[tail:]
         keep_own = self._owned(keep)
         cache.win_kv[s.slot, (keep[keep_own] // cp) % wl] = kv[tail:][keep_own].to(cache.win_kv.dtype)
@@ -465,10 +483,7 @@ class Attention(OpsUser, nn.Module):
         own = self._owned(pos)
         cache.win_kv[slots[own], (pos[own] // cp) % wl] = kv[tok[own]].to(cache.win_kv.dtype)
         keys = cache.win_kv[slots]  # [B, wl, D]
-        # ring row i holds this rank's latest position r + cp*j <= pos with j % wl == i
-        jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")  # [B]
-        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl, device=pos.device)[None]) % wl
-        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=(j >= 0)[:, None])  # valid [B, 1, wl]
+        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
         if self.ratio:
             ckv, csc = aux["c"]
             self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_pool,

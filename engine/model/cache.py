@@ -1,10 +1,14 @@
 """Decode-time state as fixed tensors, and the per-step plan.
 
 Two kinds of storage per layer:
-* fixed **slots** (one per running sequence): the sliding-window KV ring [S, win, D] (position p at row p % win)
-  and the compressor partial state [S, coff*m, coff*D] fp32 (CSA: rows 0..m-1 = the previous complete block,
-  rows m..2m-1 = the current block; HCA: rows 0..m-1 = the current block; score rows hold gate logit + ape and
-  start at -inf, which is how "no previous block" is expressed);
+* fixed **slots** (one per running sequence): the sliding-window KV ring [S, win + spare, D] (position p at row
+  p % (win + spare); under cp, a rank's share) and the compressor partial state [S, coff*m + spare, coff*D] fp32
+  (token p's projections at row p % rows: a closing block reads its own m rows and, CSA, the previous block's;
+  score rows hold gate logit + ape and start at -inf, which is how "no previous block" is expressed). `spare` is
+  the number of speculative draft positions past the last accepted token (0 without speculation): both rings are
+  indexed by position and are that much larger, so rolling rejected drafts back needs no state change at all -
+  what they wrote is rewritten by real tokens before anything reads it, and nothing they wrote displaced a row a
+  later query needs (engine/model/attention.py);
 * a **KV pool** of `num_blocks` blocks of `block_size` token positions shared by all layers: a block holds
   block_size/m compressed entries of each compressed layer and, in CSA layers, as many indexer keys. A sequence
   owns a block table; compressed entry w of a layer with ratio m lives in block `table[w // (block_size/m)]`,
@@ -44,18 +48,24 @@ class LayerCache:
                 st[slot].fill_(float("-inf"))
 
 
+def ring_rows(win: int, cp: int, spare: int = 0) -> int:
+    """Window-ring rows per rank: this rank's share of a window (win / cp) plus room for `spare` positions past the
+    last accepted one (speculative drafts), so a rejected draft never overwrites a position a later query needs."""
+    return win // cp + -(-spare // cp)
+
+
 def _layer_spec(cfg: ModelConfig, m: int, num_slots: int, num_blocks: int, block_size: int, cp: int,
-                dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                dtype: torch.dtype, spare: int = 0) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of one layer's tensors (compress ratio m)."""
     d, di, win = cfg.head_dim, cfg.index_head_dim, cfg.window_size
-    spec = {"win_kv": ((num_slots, win // cp, d), dtype)}
+    spec = {"win_kv": ((num_slots, ring_rows(win, cp, spare), d), dtype)}
     if m:
         csa = ModelConfig.ratio_is_csa(m)
         coff = 2 if csa else 1
-        spec["cmp_kv"] = spec["cmp_score"] = ((num_slots, coff * m, coff * d), torch.float32)
+        spec["cmp_kv"] = spec["cmp_score"] = ((num_slots, coff * m + spare, coff * d), torch.float32)
         spec["cmp_pool"] = ((num_blocks, block_size // (m * cp), d), dtype)
         if csa:
-            spec["idx_kv"] = spec["idx_score"] = ((num_slots, 2 * m, 2 * di), torch.float32)
+            spec["idx_kv"] = spec["idx_score"] = ((num_slots, 2 * m + spare, 2 * di), torch.float32)
             spec["idx_pool"] = ((num_blocks, block_size // (m * cp), di), dtype)
     return spec
 
@@ -71,9 +81,11 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu", scratch: bool = False) -> None:
+                 layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu", scratch: bool = False,
+                 spare: int = 0) -> None:
         """Under context parallelism (cp > 1) this holds one rank's share: win/cp ring rows and block_size/(m*cp)
-        entries per block (engine/parallel.py)."""
+        entries per block (engine/parallel.py). `spare`: draft positions past the last accepted token that the
+        slot state must hold without displacing anything (speculative decoding; see the module docstring)."""
         for lid in layer_ids:
             m = cfg.compress_ratios[lid]
             if m and block_size % (m * cp):
@@ -82,7 +94,7 @@ class KVCache:
         if cfg.window_size % cp:
             raise ValueError(f"window_size={cfg.window_size} is not divisible by cp={cp}")
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
-        self.scratch = scratch
+        self.scratch, self.spare = scratch, spare
         extra = 1 if scratch else 0
         by_ratio: dict[int, list[int]] = {}
         for lid in layer_ids:
@@ -90,7 +102,7 @@ class KVCache:
         self.roots: dict[int, dict[str, torch.Tensor]] = {}
         self.where: dict[int, tuple[int, int]] = {}  # layer id -> (ratio, index in its ratio's roots)
         for m, lids in by_ratio.items():
-            spec = _layer_spec(cfg, m, num_slots + extra, num_blocks + extra, block_size, cp, dtype)
+            spec = _layer_spec(cfg, m, num_slots + extra, num_blocks + extra, block_size, cp, dtype, spare)
             roots = {}
             for name, (shape, dt) in spec.items():
                 fill = float("-inf") if name.endswith("_score") else 0.0

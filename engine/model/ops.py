@@ -83,10 +83,6 @@ def ops_for(kernels: Any) -> types.SimpleNamespace:
         return REFERENCE
     if name == "host":
         return _host_table()
-    from engine.stack import logical_nc_config
-    from nki_kernels import dispatch
-
-    dispatch.set_default(lnc=logical_nc_config())  # every kernel launch uses the process's LNC
     if name == "stand-in":
         return _table("stand-in")
     if name == "nki":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,10 +11,10 @@ from nki_kernels import _nki, dispatch, hc_collapse, reference, rmsnorm, swiglu
 
 
 @pytest.fixture(autouse=True)
-def _clean_counts():
-    dispatch.reset_counts()
-    yield
-    dispatch.set_default("auto")
+def _own_dispatcher():
+    """Each test's kernel calls go to a dispatcher of its own (as an engine's forward does)."""
+    with dispatch.Dispatcher().active() as d:
+        yield d
 
 
 def test_auto_is_the_stand_in_without_the_sdk():
@@ -49,15 +51,35 @@ def test_reference_runs_only_when_asked_and_is_the_shared_function(monkeypatch):
     assert dispatch.counts("rmsnorm") == {("rmsnorm", "reference"): 1}
 
 
-def test_process_default_executor():
-    dispatch.set_default("reference")
+def test_a_dispatchers_default_executor_and_counts_are_its_own():
     x = torch.randn(3, 2, 16)
     pre = torch.rand(3, 2)
+    with dispatch.Dispatcher("reference").active() as ref:
+        hc_collapse.hc_collapse(x, pre)
+    assert ref.counts_of("hc_collapse") == {("hc_collapse", "reference"): 1}
+    assert dispatch.counts("hc_collapse") == {}  # the outer dispatcher saw nothing
     hc_collapse.hc_collapse(x, pre)
-    assert dispatch.counts("hc_collapse") == {("hc_collapse", "reference"): 1}
-    dispatch.set_default("stand-in")
-    hc_collapse.hc_collapse(x, pre)
-    assert dispatch.counts("hc_collapse")[("hc_collapse", "stand-in")] == 1
+    assert dispatch.counts("hc_collapse") == {("hc_collapse", "stand-in"): 1}
+    assert ref.counts_of("hc_collapse") == {("hc_collapse", "reference"): 1}
+    with pytest.raises(ValueError, match="lnc must be 1 or 2"):
+        dispatch.Dispatcher(lnc=3)
+
+
+def test_an_engines_runner_owns_its_dispatcher() -> None:
+    """Kernel calls inside a runner's forward are counted by that runner's dispatcher (made with the process's LNC),
+    not by a module global; two engines in one process count apart."""
+    import engine
+    from engine.config import EngineConfig
+    from engine.stack import logical_nc_config
+    tiny = Path(__file__).resolve().parents[2] / "golden" / "tiny"
+    cfg = EngineConfig.from_model_dir(tiny, kernels="stand-in", max_num_seqs=1, max_num_batched_tokens=8,
+                                      num_kv_blocks=4, max_model_len=32)
+    a, b = engine.build(cfg), engine.build(cfg)
+    assert a.runner.dispatcher is not b.runner.dispatcher and a.runner.dispatcher.lnc == logical_nc_config()
+    a.add_request([1, 2, 3], None)
+    a.step()
+    assert a.runner.dispatcher.counts_of("rmsnorm") and not b.runner.dispatcher.counts_of()
+    assert not dispatch.counts()  # the test's own dispatcher saw none of it
 
 
 def test_wrappers_check_shapes_and_dtypes():
@@ -67,7 +89,7 @@ def test_wrappers_check_shapes_and_dtypes():
         swiglu.swiglu(torch.ones(4, 8, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16), 10.0)
     with pytest.raises(ValueError):
         hc_collapse.hc_collapse(torch.randn(4, 2, 8), torch.rand(4, 3))
-    assert dispatch.COUNTS == {}  # rejected before dispatch
+    assert dispatch.counts() == {}  # rejected before dispatch
 
 
 def test_kernel_handle_cannot_be_called_directly():

@@ -99,7 +99,7 @@ def _check_route(op, args, device, fake_device, monkeypatch):
     assert dict(ops.cache.conversions) == conversions  # the second call hit the cache for every weight layout
     cached = _cached_tensors(ops)
     for i, (_, lnc, kargs) in enumerate(fake_device.log):
-        assert lnc == dispatch.default_lnc()
+        assert lnc == dispatch.current().lnc
         assert not any(isinstance(a, np.ndarray) for a in kargs), [type(a).__name__ for a in kargs]
         tensors = [a for a in kargs if isinstance(a, torch.Tensor)]
         assert tensors and all(t.device == device for t in tensors), [str(t.device) for t in tensors]
