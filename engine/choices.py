@@ -6,7 +6,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["Backend", "DType", "GraphMode", "HostCompiler", "Kernels", "LoadFormat", "MoeMode", "Weights"]
+__all__ = ["Backend", "DType", "GraphMode", "HostCompiler", "Kernels", "LoadFormat", "MoeMode", "Speculative",
+           "Weights"]
 
 
 class _Choice(str, enum.Enum):
@@ -75,3 +76,9 @@ class Weights(_Choice):
 class DType(_Choice):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+
+
+class Speculative(_Choice):
+    NONE = "none"  # one token per sequence and step
+    MTP = "mtp"  # the checkpoint's MTP block drafts k tokens (applied recursively for k > 1)
+    DSPARK = "dspark"  # the checkpoint's DSpark head drafts a block of tokens in parallel (0731 / 0813 releases)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.choices import Backend, DType, GraphMode, HostCompiler, Kernels, LoadFormat, MoeMode, Weights
+from engine.choices import Backend, DType, GraphMode, HostCompiler, Kernels, LoadFormat, MoeMode, Speculative, Weights
 from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
@@ -208,6 +208,34 @@ class GraphConfig:
         object.__setattr__(self, "moe_capacity", float(self.moe_capacity))
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (vLLM's names): `method` none | mtp | dspark; `num_speculative_tokens` k drafts per
+    sequence and step (MTP: 1..4, the one block applied k times; DSpark: its checkpoint's block size unless
+    given). The slot state then holds k spare positions (engine/model/cache.py), so rejected drafts need no rollback
+    of it."""
+
+    method: Speculative = Speculative.NONE
+    num_speculative_tokens: int = 0  # 0: the method's default (MTP 1, DSpark the checkpoint's block size)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Speculative.parse(self.method, "speculative"))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method is Speculative.MTP and k > 4:
+            raise ValueError(f"num_speculative_tokens={k}: MTP drafts 1..4 tokens (one block applied recursively)")
+        if self.method is Speculative.NONE and k:
+            raise ValueError(f"num_speculative_tokens={k} without --speculative mtp | dspark")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not Speculative.NONE
+
+
 # Flat override name -> (part, field). The CLI options, the DEEPINFER_* defaults and `replace()` all use these.
 _FLAT: dict[str, tuple[str, str]] = {
     "load_format": ("model", "load_format"), "dtype": ("model", "dtype"), "with_mtp": ("model", "with_mtp"),
@@ -217,6 +245,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
     "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
+    "speculative": ("spec", "method"), "num_speculative_tokens": ("spec", "num_speculative_tokens"),
     "backend": ("", "backend"), "kernels": ("", "kernels"), "seed": ("", "seed"),
 }
 OVERRIDES = tuple(_FLAT)
@@ -228,6 +257,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     backend: Backend = Backend.HOST
     kernels: Kernels = Kernels.REFERENCE
     seed: int = 0  # seeds unseeded requests' generators (and dummy weights)
@@ -250,6 +280,30 @@ class EngineConfig:
         if self.cache.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.cache.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        self._resolve_spec()
+
+    def _resolve_spec(self) -> None:
+        """Speculation needs the checkpoint's draft head (its `mtp.*` weights loaded) and a number of drafts: the
+        method's default when not given (MTP 1, DSpark its block size)."""
+        spec, cfg = self.spec, self.model.config
+        if not spec.enabled:
+            return
+        if spec.method is Speculative.MTP and (cfg.n_mtp_layers < 1 or getattr(cfg, "has_dspark", False)):
+            raise ValueError("--speculative mtp needs a checkpoint with an MTP block (num_nextn_predict_layers >= 1"
+                             + ("; this one carries a DSpark head: use --speculative dspark)" if
+                                getattr(cfg, "has_dspark", False) else ")"))
+        if spec.method is Speculative.DSPARK and not getattr(cfg, "has_dspark", False):
+            raise ValueError("--speculative dspark needs a checkpoint with a DSpark head under mtp.* (its config "
+                             "names the DSpark fields); this one has none")
+        k = spec.num_speculative_tokens or (1 if spec.method is Speculative.MTP else int(cfg.dspark_block_size))
+        object.__setattr__(self, "spec", dataclasses.replace(spec, num_speculative_tokens=k))
+        if not self.model.with_mtp:
+            object.__setattr__(self, "model", dataclasses.replace(self.model, with_mtp=True))
+
+    @property
+    def spare_positions(self) -> int:
+        """Draft positions past the last accepted token the slot state must hold (0 without speculation)."""
+        return self.spec.num_speculative_tokens if self.spec.enabled else 0
 
     # ---- constructors -----------------------------------------------------------------------------------------
     @classmethod
@@ -327,10 +381,10 @@ def _check_names(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _assemble(model: ModelSpec, flat: dict[str, Any]) -> EngineConfig:
-    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "parallel": {}, "graph": {}, "": {}}
+    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "parallel": {}, "graph": {}, "spec": {}, "": {}}
     for name, value in flat.items():
         part, attr = _FLAT[name]
         parts[part][attr] = value
     return EngineConfig(model=dataclasses.replace(model, **parts["model"]), cache=CacheConfig(**parts["cache"]),
                         parallel=ParallelConfig(**parts["parallel"]), graph=GraphConfig(**parts["graph"]),
-                        **parts[""])
+                        spec=SpecConfig(**parts["spec"]), **parts[""])

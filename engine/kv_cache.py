@@ -92,6 +92,14 @@ class BlockManager:
             seq.block_table.append(b)
         self.peak_used_blocks = max(self.peak_used_blocks, len(self._used_blocks))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of `seq` past what `num_tokens` positions need (rejected speculative drafts)."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self._used_blocks.remove(b)
+            self._free_blocks.append(b)
+
     def free(self, seq: Sequence) -> int | None:
         """Return every block and the slot of `seq`. Returns the released slot (None if it held none)."""
         for b in reversed(seq.block_table):

@@ -23,17 +23,17 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
+
+import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import TextState
 from engine.sampler import Sampler, SamplingParams, TokenLogprobs, make_generator, token_logprobs
 from engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import DraftRequest, SpecStats, accept
 from engine.tokenizer import Tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams",
            "TokenLogprobs", "check_token_ids"]
@@ -134,6 +134,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._c = _Counters()
+        self.spec_stats = SpecStats()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | SequenceABC[int]) -> list[int]:
@@ -202,47 +203,96 @@ class LLMEngine:
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        sample = batch.sample_indices  # before advance(): chunks that end at the last token
-        num_decode = sum(1 for s, n in batch.entries if n == 1 and s.num_output_tokens and s.num_uncomputed_tokens == 1)
+        sample = batch.sample_indices  # before advance(): chunks that end at the last token (and its drafts)
+        verify = {i for i in sample if batch.entries[i][0].draft_token_ids}
+        drafts = {i: list(batch.entries[i][0].draft_token_ids) for i in verify}
+        num_decode = sum(1 + len(s.draft_token_ids) for s, n in batch.entries
+                         if s.num_output_tokens and s.num_uncomputed_tokens == 1)
         starts = [s.num_computed_tokens for s, _ in batch.entries]
-        full = [i for i, (s, n) in enumerate(batch.entries) if _new_prompt_targets(s, starts[i], n)]
+        full = sorted({i for i, (s, n) in enumerate(batch.entries) if _new_prompt_targets(s, starts[i], n)} | verify)
         # [R, V] fp32: per entry its chunk's last row, or every row of the chunk for the entries in `full`
         logits = self.runner.execute(batch.entries, full) if full else self.runner.execute(batch.entries)
         self.scheduler.advance(batch)
         self._c.steps += 1
         self._c.prefill_tokens += batch.num_batched_tokens - num_decode
-        last_row, row = [], 0
+        first_row, row = [], 0
         for i, (seq, n) in enumerate(batch.entries):
+            first_row.append(row)
             if i in full:
-                self._record_prompt_logprobs(seq, starts[i], logits[row:row + n])
+                if i not in verify:
+                    self._record_prompt_logprobs(seq, starts[i], logits[row:row + n])
                 row += n
             else:
                 row += 1
-            last_row.append(row - 1)
-        if not sample:
-            return []
-        seqs = [batch.entries[i][0] for i in sample]
-        rows = logits[[last_row[i] for i in sample]]  # [Bs, V]
-        if self.on_logits is not None:
-            self.on_logits([s.seq_id for s in seqs], rows)
-        tokens = self.sampler(rows, [s.sampling_params for s in seqs], [s.generator for s in seqs])
-        want = [j for j, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
-        lps = dict(zip(want, token_logprobs(rows[want], [tokens[j] for j in want],
-                                            [seqs[j].sampling_params.logprobs for j in want]), strict=True))
+        plain = [i for i in sample if i not in verify]
+        emitted: dict[int, tuple[list[int], torch.Tensor]] = {}  # entry -> (tokens, the rows they come from)
+        if plain:
+            seqs = [batch.entries[i][0] for i in plain]
+            rows = logits[[first_row[i] + (batch.entries[i][1] - 1 if i in full else 0) for i in plain]]  # [Bs, V]
+            tokens = self.sampler(rows, [s.sampling_params for s in seqs], [s.generator for s in seqs])
+            emitted.update({i: ([tok], rows[j: j + 1]) for j, (i, tok) in enumerate(zip(plain, tokens, strict=True))})
+        for i in sorted(verify):
+            seq, n = batch.entries[i]
+            rows = logits[first_row[i]: first_row[i] + n]  # [1 + k, V]
+            toks, accepted = accept(rows, drafts[i], seq.sampling_params, seq.generator)
+            self.spec_stats.add(len(drafts[i]), accepted)
+            emitted[i] = (toks, rows[: len(toks)])
+        if self.on_logits is not None and emitted:
+            order = sorted(emitted)
+            self.on_logits([batch.entries[i][0].seq_id for i in order for _ in emitted[i][0]],
+                           torch.cat([emitted[i][1] for i in order]))
+        outputs = [self._emit(batch.entries[i][0], *emitted[i], i in verify) for i in sorted(emitted)]
+        if self.config.spec.enabled:
+            self._draft(batch, starts)
+        return outputs
+
+    def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor, verified: bool) -> RequestOutput:
+        """Append `tokens` (each sampled from its row of `rows`) to `seq` one by one, stopping at the first that
+        finishes it (a stop token or string, max_tokens, max_model_len): the rest are dropped. One output."""
         now = time.perf_counter()
-        outputs = []
-        for j, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+        p = seq.sampling_params
+        kept, delta, stop_reason = [], "", None
+        for tok in tokens:
             seq.append_token(tok, now)
+            kept.append(tok)
             self._c.generated_tokens += 1
-            reason, stop_reason, delta = self._check_stop(seq, tok)
+            reason, stop_reason, d = self._check_stop(seq, tok)
+            delta += d
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._c.finished += 1
-            prompt_lps = None
-            if seq.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 1:
-                prompt_lps = [None, *seq.prompt_logprobs]
-            outputs.append(self._output(seq, [tok], delta, stop_reason, [lps[j]] if j in lps else None, prompt_lps))
-        return outputs
+                break
+        if verified:
+            self.scheduler.settle(seq)
+        lps = None
+        if p.logprobs is not None:
+            lps = token_logprobs(rows[: len(kept)], kept, [p.logprobs] * len(kept))
+        prompt_lps = None
+        if p.prompt_logprobs is not None and seq.num_output_tokens == len(kept):  # the first token(s)
+            prompt_lps = [None, *seq.prompt_logprobs]
+        return self._output(seq, kept, delta, stop_reason, lps, prompt_lps)
+
+    def _draft(self, batch: ScheduledBatch, starts: list[int]) -> None:
+        """After a step: the draft head catches up over every position whose target state is now final and
+        proposes drafts for the sequences that decode next (engine/runner.py `draft`)."""
+        k = self.config.spec.num_speculative_tokens
+        requests = []
+        for i, (seq, _) in enumerate(batch.entries):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens <= starts[i]:
+                continue
+            n_final = seq.num_computed_tokens - starts[i]  # the chunk, or the last token + accepted drafts
+            end = starts[i] + n_final
+            decoding = seq.num_uncomputed_tokens == 1
+            room = min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                       self.config.cache.max_model_len - seq.num_tokens) if decoding else 0
+            requests.append(DraftRequest(entry=i, slot=seq.slot, start=starts[i], n=n_final,
+                                         block_table=list(seq.block_table), want=max(0, room),
+                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1]))
+        if not requests:
+            return
+        for req, toks in zip(requests, self.runner.draft(requests), strict=True):
+            seq = batch.entries[req.entry][0]
+            seq.draft_token_ids = list(toks[: req.want])
 
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, start: int, chunk: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from engine.model.model import Transformer
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer
 from engine.regions import RegionRunner
+from engine.speculative import DraftRequest
 from nki_kernels.dispatch import Dispatcher
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -38,8 +39,7 @@ class SequenceLike(Protocol):
     block_table: list[int]
     num_computed_tokens: int
 
-    @property
-    def all_token_ids(self) -> list[int]: ...
+    def step_token_ids(self, start: int, n: int) -> list[int]: ...
 
 
 class ModelRunner:
@@ -67,8 +67,11 @@ class ModelRunner:
         self.timer = RegionTimer(enabled=graph.region_timing, synchronize=self.backend.synchronize)
         self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,
-                             cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER)
+                             cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER,
+                             spare=config.spare_positions)
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
+        self.keep_hidden = config.spec.enabled
+        self._last: tuple[list[SeqStep], torch.Tensor] | None = None
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -107,6 +110,8 @@ class ModelRunner:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
             x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
             last = [s.token_start + s.n - 1 for s in steps]
+        if self.keep_hidden:  # the draft head reads the target's final streams of this step (`draft`)
+            self._last = (steps, x[: int(input_ids.shape[0])])
         if return_hidden:
             return x
         with self.timer.region("head"):
@@ -130,6 +135,18 @@ class ModelRunner:
         their chunk instead, in place. Does not advance num_computed_tokens."""
         steps, ids = _describe(batch)
         return self.forward(_to_steps(steps), torch.tensor(ids, dtype=torch.long), _logit_index(steps, full_logits))
+
+
+    def draft(self, requests: Seq[DraftRequest]) -> list[list[int]]:
+        """The draft head after a step (engine/llm.py): catch up over each request's final positions with the
+        target's streams there (kept by the last forward) and propose `want` drafts; the drafted ids per request."""
+        if self._last is None:
+            raise RuntimeError("draft() before any forward of this runner")
+        with self.backend.grad_context(), self.dispatcher.active():
+            from engine.model.draft import draft_for_requests
+
+            steps, hidden = self._last
+            return draft_for_requests(self.model, self.cache, self.config, steps, hidden, list(requests))
 
 
 class DistributedRunner:
@@ -167,6 +184,10 @@ class DistributedRunner:
         self._send(("free", slot))
         self.runner.free_slot(slot)
 
+    def draft(self, requests: Seq[DraftRequest]) -> list[list[int]]:
+        self._send(("draft", list(requests)))  # every rank runs the draft head: its attention is sharded too
+        return self.runner.draft(requests)
+
     def shutdown(self) -> None:
         self._send(("stop",))
 
@@ -175,7 +196,7 @@ def _describe(batch: Seq[tuple[SequenceLike, int]]) -> tuple[list[tuple[int, int
     steps, ids, offset = [], [], 0
     for seq, n in batch:
         start = seq.num_computed_tokens
-        ids.extend(seq.all_token_ids[start: start + n])
+        ids.extend(seq.step_token_ids(start, n))
         steps.append((seq.slot, start, n, offset, list(seq.block_table)))
         offset += n
     return steps, ids
@@ -209,6 +230,8 @@ def worker_loop(runner: ModelRunner) -> None:
             runner.forward(_to_steps(msg[1]), torch.tensor(msg[2], dtype=torch.long))
         elif msg[0] == "free":
             runner.free_slot(msg[1])
+        elif msg[0] == "draft":
+            runner.draft(msg[1])
         elif msg[0] == "stop":
             return
         else:

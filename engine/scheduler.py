@@ -47,8 +47,9 @@ class ScheduledBatch:
 
     @property
     def sample_indices(self) -> list[int]:
-        """Entries whose chunk reaches the last token: they produce a new token this step."""
-        return [i for i, (s, n) in enumerate(self.entries) if s.num_computed_tokens + n == s.num_tokens]
+        """Entries whose chunk reaches the last token (with its drafts, if any): they produce new tokens."""
+        return [i for i, (s, n) in enumerate(self.entries)
+                if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
 
 
 class Scheduler:
@@ -108,9 +109,11 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         plan: dict[Sequence, int] = {}  # insertion order = batch order: decodes, then prefill chunks
         for seq in self.running:
-            if budget and seq.num_uncomputed_tokens == 1:
-                plan[seq] = 1
-                budget -= 1
+            if budget and seq.num_uncomputed_tokens == 1:  # a decode (with its drafts: a verify step)
+                if len(seq.draft_token_ids) >= budget:
+                    seq.draft_token_ids = seq.draft_token_ids[: budget - 1]
+                plan[seq] = 1 + len(seq.draft_token_ids)
+                budget -= plan[seq]
         for seq in self.running:
             if budget and seq not in plan and seq.num_uncomputed_tokens:
                 plan[seq] = min(seq.num_uncomputed_tokens, budget)
@@ -162,9 +165,18 @@ class Scheduler:
         return batch
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After the runner executed `batch`: those tokens are now in the KV state."""
+        """After the runner executed `batch`: those tokens are now in the KV state (a verify step's drafts only as
+        far as `settle` says)."""
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+
+    def settle(self, seq: Sequence) -> None:
+        """After a verify step appended the accepted drafts and the bonus token: everything before the last token is
+        computed (the accepted drafts' state is the target's), the rejected drafts' blocks go back to the pool."""
+        seq.clear_drafts()
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.trim(seq, seq.num_tokens)
 
     # ---- internals ------------------------------------------------------------------------------------------
     @staticmethod
@@ -180,6 +192,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
+        seq.clear_drafts()
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, seq)

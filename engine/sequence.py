@@ -3,7 +3,10 @@
 Token bookkeeping is position arithmetic: tokens `[0, num_computed_tokens)` are in the KV state of `slot` and the
 blocks of `block_table`; the next engine step processes `all_token_ids[num_computed_tokens : +n]`. When a step
 reaches the last token, the sampled token is appended and exactly one token is again uncomputed (decode). A
-preempted sequence drops its state (`num_computed_tokens = 0`) and recomputes prompt + output so far.
+preempted sequence drops its state (`num_computed_tokens = 0`) and recomputes prompt + output so far. With
+speculative decoding a decode step also processes the sequence's `draft_token_ids` after its last token (a verify
+step); the accepted ones and a bonus token are appended, and the state past them is simply not counted as
+computed (engine/model/cache.py keeps spare rows for them).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class Sequence:
         self.num_preemptions = 0
         # `sampling_params.prompt_logprobs`: those of prompt tokens 1.. so far (kept across a preemption).
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # Speculative decoding: tokens a draft head proposed after the last token (not part of the output until the
+        # target accepts them), and the draft distributions they were drawn from ([k, V] fp32; rejection sampling).
+        self.draft_token_ids: list[int] = []
+        self.draft_logits: torch.Tensor | None = None
         # Metrics (time.perf_counter() seconds).
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
@@ -82,6 +89,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self._token_ids) - self.num_computed_tokens
+
+    def step_token_ids(self, start: int, n: int) -> list[int]:
+        """Tokens at positions [start, start + n): the sequence's own, then its drafts (a verify step)."""
+        toks = self._token_ids[start: start + n]
+        if len(toks) < n:
+            toks = toks + self.draft_token_ids[: n - len(toks)]
+        return toks
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_logits = None
 
     @property
     def last_token_id(self) -> int:

@@ -26,9 +26,12 @@ NO_EOS = 10**9  # an EOS id the fake vocabulary never produces
 def fake_config(max_num_seqs: int = 4, budget: int = 32, num_kv_blocks: int = 16, block_size: int = 8,
                 max_model_len: int = 256, *, vocab_size: int = 97, eos_token_id: int = NO_EOS,
                 model_dir: str | None = None, **settings) -> EngineConfig:
-    """An engine config for the fake runner: a sliding-only ModelConfig (any block size fits) of its vocabulary."""
-    cfg = ModelConfig(vocab_size=vocab_size, n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(0,),
-                      eos_token_id=eos_token_id, max_position_embeddings=max(max_model_len, 4096))
+    """An engine config for the fake runner: a sliding-only ModelConfig (any block size fits) of its vocabulary
+    (with an MTP layer when `speculative` is among the settings)."""
+    mtp = int(settings.get("speculative", "none") != "none")
+    cfg = ModelConfig(vocab_size=vocab_size, n_layers=1, n_mtp_layers=mtp, n_hash_layers=0,
+                      compress_ratios=(0,) * (1 + mtp), eos_token_id=eos_token_id,
+                      max_position_embeddings=max(max_model_len, 4096))
     return EngineConfig.from_model_config(cfg, model_dir=model_dir, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=budget, num_kv_blocks=num_kv_blocks,
                                           block_size=block_size, max_model_len=max_model_len, **settings)
@@ -41,14 +44,16 @@ class FakeRunner:
         self.block_size, self.max_model_len, self.vocab_size = block_size, max_model_len, vocab_size
         self.step_delay_s = step_delay_s
         self.slot_pos = [0] * max_num_seqs  # tokens processed in each slot since its last reset
-        self.slot_hash = [0] * max_num_seqs
+        self.slot_hashes = [[0] for _ in range(max_num_seqs)]  # hash of the first j tokens, j = 0..slot_pos
+        self.draft_tail = [0] * max_num_seqs  # draft positions the slot's last step processed (may roll back)
         self.num_calls = 0
         self.num_tokens = 0
         self.freed: list[int] = []
 
     def free_slot(self, slot: int) -> None:
         self.slot_pos[slot] = 0
-        self.slot_hash[slot] = 0
+        self.slot_hashes[slot] = [0]
+        self.draft_tail[slot] = 0
         self.freed.append(slot)
 
     def execute(self, batch: list, full_logits=()) -> torch.Tensor:
@@ -60,19 +65,25 @@ class FakeRunner:
         rows = []
         for i, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
-            assert n >= 1 and start + n <= seq.num_tokens, (seq, n)
-            assert self.slot_pos[seq.slot] == start, f"slot {seq.slot} holds {self.slot_pos[seq.slot]} tokens, " \
-                                                     f"{seq!r} resumes at {start}"
+            drafts = len(seq.draft_token_ids)
+            assert n >= 1 and start + n <= seq.num_tokens + drafts, (seq, n)
+            pos, tail = self.slot_pos[seq.slot], self.draft_tail[seq.slot]
+            # a sequence resumes where its state ends, or inside the draft positions its last step processed
+            assert pos - tail <= start <= pos, f"slot {seq.slot} holds {pos} tokens ({tail} drafts), {seq!r} " \
+                                               f"resumes at {start}"
             need = -(-(start + n) // self.block_size)
             assert len(seq.block_table) >= need, f"{seq!r} needs {need} blocks"
             assert start + n <= self.max_model_len
-            h = self.slot_hash[seq.slot]
-            for j, t in enumerate(seq.all_token_ids[start:start + n]):
+            hashes = self.slot_hashes[seq.slot][: start + 1]
+            h = hashes[-1]
+            for j, t in enumerate(seq.step_token_ids(start, n)):
                 h = (h * 1_000_003 + t + 1) % _MOD
+                hashes.append(h)
                 if i in full_logits or j == n - 1:
                     rows.append(self.logits_for(seq, start + j + 1, h))
-            self.slot_hash[seq.slot] = h
+            self.slot_hashes[seq.slot] = hashes
             self.slot_pos[seq.slot] = start + n
+            self.draft_tail[seq.slot] = max(0, start + n - seq.num_tokens)
         self.num_calls += 1
         self.num_tokens += sum(n for _, n in batch)
         if self.step_delay_s:
@@ -80,7 +91,8 @@ class FakeRunner:
         return torch.stack(rows)  # [R, V]
 
     def logits_for(self, seq, end: int, h: int) -> torch.Tensor:
-        """Logits [V] after `seq.all_token_ids[:end]` (rolling hash `h`); subclasses may model something else."""
+        """Logits [V] after the first `end` tokens of `seq` with its drafts (rolling hash `h`); subclasses may model
+        something else."""
         return self.logits_for_hash(h)
 
     def logits_for_hash(self, h: int) -> torch.Tensor:
@@ -165,7 +177,7 @@ class ByteRunner(FakeRunner):
 
     def logits_for(self, seq, end: int, h: int) -> torch.Tensor:
         out = torch.full((self.vocab_size,), -1e4)  # [V]
-        out[next_token(seq.all_token_ids[:end])] = 0.0
+        out[next_token(seq.step_token_ids(0, end))] = 0.0
         return out
 
 
@@ -178,3 +190,31 @@ def byte_engine(*, max_num_seqs: int = 8, num_kv_blocks: int = 64, block_size: i
                       eos_token_id=EOS)
     runner = ByteRunner(max_num_seqs, num_kv_blocks, block_size, max_model_len, **runner_kw)
     return LLMEngine(cfg, runner, tokenizer=ByteTokenizer())
+
+
+class SpecFakeRunner(FakeRunner):
+    """`FakeRunner` with a draft head: it proposes the model's own greedy continuation, except that every position p
+    with p % `wrong_every` == 1 gets a wrong token (so acceptance is partial and every accept length occurs)."""
+
+    def __init__(self, *args, wrong_every: int = 3, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.wrong_every = wrong_every
+        self.draft_calls: list[list] = []
+
+    def draft(self, requests: list) -> list[list[int]]:
+        self.draft_calls.append(list(requests))
+        out = []
+        for r in requests:
+            end = r.start + r.n  # the target state is final up to here: hashes[end] covers tokens [0, end)
+            assert self.slot_pos[r.slot] >= end and r.next_ids and len(r.next_ids) == r.n
+            h = self.slot_hashes[r.slot][end]
+            h = (h * 1_000_003 + r.next_ids[-1] + 1) % _MOD  # + the bonus token at position `end`
+            toks = []
+            for j in range(r.want):
+                t = int(self.logits_for_hash(h).argmax())
+                if (end + 1 + j) % self.wrong_every == 1:
+                    t = (t + 1) % self.vocab_size
+                toks.append(t)
+                h = (h * 1_000_003 + t + 1) % _MOD
+            out.append(toks)
+        return out

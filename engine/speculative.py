@@ -1,0 +1,131 @@
+"""Speculative decoding: which drafted tokens the target accepts, and the numbers that say how well drafting works.
+
+A verify step runs the target over a sequence's last token and its k drafts d_1..d_k (positions t..t+k) and returns
+k + 1 logits rows: row i is the target's distribution p_i of the token at t + 1 + i.
+
+* Greedy requests: accept d_1..d_a while d_i = argmax p_{i-1}; the next token is argmax p_a (the "bonus": a
+  correction where a draft was wrong, a free extra token where all k were right). The output is exactly the plain
+  greedy output.
+* Sampled requests (temperature > 0): the standard rejection rule (Leviathan et al. 2023; Chen et al. 2023) with
+  the draft distribution q_i = the point mass on d_i (drafts are always the draft head's argmax, so every rank of a
+  cp job drafts the same tokens without sharing a generator): accept d_i with probability min(1, p(d_i) / q(d_i)) =
+  p(d_i); at the first rejection draw the token from norm(max(0, p - q)) = p with d_i removed; after k acceptances
+  draw the bonus from p_k. Each emitted token is then distributed exactly as a token sampled from the target (p
+  under the request's own temperature / top-k / top-p, `probs`), whatever the draft head proposed. Uniforms come
+  from the request's own generator.
+
+`SpecStats` counts drafts, accepted drafts and accepted drafts per position (vLLM's `spec_decode` counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampler import SamplingParams, top_k_top_p_probs
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from, [R, V] fp32 over the vocabulary (temperature, top-k, top-p)."""
+    logits = logits.float()
+    if params.top_k <= 0 and params.top_p >= 1:
+        return torch.softmax(logits / params.temperature, dim=-1)
+    sorted_p, idx = top_k_top_p_probs(logits, [params] * logits.shape[0])
+    return torch.zeros_like(sorted_p).scatter_(-1, idx, sorted_p)
+
+
+def _draw(p: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from distribution p [V] with one uniform of `generator` (inverse CDF, as the sampler draws)."""
+    u = torch.rand(1, generator=generator)
+    cdf = p.cumsum(-1)
+    i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    last = int((p > 0).nonzero().max())
+    return min(i, last)
+
+
+def accept(target: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
+           generator: torch.Generator | None) -> tuple[list[int], int]:
+    """(tokens to append, accepted drafts): target [k+1, V] fp32 rows of a verify step, `drafts` the k drafted ids
+    (the draft head's argmax). The tokens are the accepted drafts and one more (correction or bonus)."""
+    k = len(drafts)
+    if target.shape[0] != k + 1:
+        raise ValueError(f"a verify step of {k} drafts has {k + 1} target rows, got {target.shape[0]}")
+    if params.greedy:
+        best = target.argmax(-1).tolist()
+        a = 0
+        while a < k and drafts[a] == best[a]:
+            a += 1
+        return [*drafts[:a], int(best[a])], a
+    if generator is None:
+        raise ValueError("a sampled request's verify step needs its generator")
+    p = probs(target, params)
+    for i, d in enumerate(drafts):
+        if float(torch.rand(1, generator=generator)) < float(p[i, d]):  # accept with probability p(d) / 1
+            continue
+        residual = p[i].clone()
+        residual[d] = 0.0  # max(0, p - q) for q the point mass on d
+        if float(residual.sum()) <= 0:  # p is the point mass on d: rejecting had probability 0 (rounding)
+            residual = p[i]
+        return [*drafts[:i], _draw(residual, generator)], i
+    return [*drafts, _draw(p[k], generator)], k
+
+
+@dataclass
+class DraftRequest:
+    """One sequence's share of a draft call after a step (engine/llm.py -> runner.draft): the step processed positions
+    [start, ...) of `slot` as batch entry `entry`; positions [start, start + n) now have their final target state
+    (a prefill chunk: all of it; a verify step: the last token and the accepted drafts) and `next_ids[j]` is the token
+    at start + j + 1. `want` drafts are asked for (0: the draft head only catches up over those positions)."""
+
+    entry: int
+    slot: int
+    start: int
+    n: int
+    block_table: list[int]
+    want: int
+    next_ids: list[int]
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculation counters (vLLM's spec_decode metrics): verify steps with drafts (`num_drafts`),
+    drafted tokens, accepted drafts, and accepted drafts per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for lst in (self.accepted_per_pos, self.drafted_per_pos):
+            while len(lst) < drafted:
+                lst.append(0)
+        for i in range(drafted):
+            self.drafted_per_pos[i] += 1
+            self.accepted_per_pos[i] += int(i < accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (NaN before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step: 1 + accepted drafts (NaN before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+    def per_position(self) -> list[float]:
+        """Acceptance rate of each draft position."""
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=True)]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length,
+                "acceptance_rate_per_position": self.per_position()}
