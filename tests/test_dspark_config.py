@@ -94,3 +94,24 @@ def test_dspark_checkpoint_layout_loads_strictly(tmp_path) -> None:
     assert (got["mtp.2.markov_head.markov_w1.weight"] - w["mtp.2.markov_head.markov_w1.weight"]).abs().max() < 0.05
     main = load_checkpoint(tmp_path, cfg, dtype=torch.float32, include_mtp=False)  # the main model alone
     assert not any(n.startswith("mtp.") for n in main)
+
+
+def test_committed_tiny_dspark_is_tiny_plus_a_dspark_head() -> None:
+    """golden/tiny-dspark (golden/train_draft_heads.py): tiny's main tensors byte for byte, a DSpark head under
+    mtp.*, loadable strictly by its own config."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    golden = Path(__file__).resolve().parent.parent / "golden"
+    cfg = ModelConfig.from_json(golden / "tiny-dspark")
+    tiny = ModelConfig.from_json(golden / "tiny")
+    assert cfg.has_dspark and cfg.n_mtp_layers == 2 and cfg.dspark_block_size == 5
+    assert dataclasses.replace(cfg, n_mtp_layers=1, compress_ratios=cfg.compress_ratios[:5], dspark_block_size=0,
+                               dspark_noise_token_id=0, dspark_target_layer_ids=(), dspark_markov_rank=0) == tiny
+    a, b = load_file(str(golden / "tiny" / "model.safetensors")), load_file(str(golden / "tiny-dspark" /
+                                                                              "model.safetensors"))
+    main = [k for k in a if not k.startswith("mtp.")]
+    assert main and all(k in b and a[k].dtype == b[k].dtype and a[k].view(torch.uint8).equal(b[k].view(torch.uint8))
+                        for k in main)
+    assert set(load_checkpoint(golden / "tiny-dspark", cfg, dtype=torch.float32)) == set(expected_tensors(cfg))
