@@ -1,9 +1,16 @@
 """The DSpark draft head of DeepSeek-V4-Flash-0731 / -Pro-0813 (stored under `mtp.*`), as model code.
 
-Pinned from public ports (read, not copied; the report and golden/README.md say what each source gives):
-DeepSeek's own `DSparkAttention` / `DSparkBlock` / `forward_spec` (in the V4.1-Flash `inference/model.py`, whose
-DSpark head is the same design), TensorRT-LLM `modeling_dspark.py` (a port of the V4-Pro-DSpark reference), vLLM
-`deepseek_v4/nvidia/dspark.py` + `qwen3_dspark.py`, and `deepseek-ai/DeepSpec` (training).
+Pinned from public code (read, not copied). DeepSeek's own `DSparkAttention` / `DSparkBlock` / `forward_spec`
+(the V4.1-Flash `inference/model.py`, a public vendored copy: same DSpark design on a newer backbone) gives the
+block input, the positions, the window + whole-block key set, the capture (mean over hc of the streams entering the
+target layers) and the sequential Markov loop. TensorRT-LLM `_torch/models/modeling_dspark.py` (a port of the
+V4-Pro-DSpark reference) gives the V4 layout under `mtp.*`: main_proj (FP8) + main_norm on stage 0, norm + hc head +
+heads on the last stage, every stage's own wkv / kv_norm over the shared main_x, plain RoPE, the sink. vLLM
+`models/deepseek_v4/nvidia/dspark.py` + `qwen3_dspark.py` give the head names (`markov_head.markov_w1/w2`,
+`confidence_head.proj`, bias-free), the confidence on the hc-head output before `norm`, and sigmoid(confidence).
+`deepseek-ai/DeepSpec` gives the confidence cut and the training recipe. Configs of the 0731 release as quoted by
+third parties: dspark_block_size 5, dspark_noise_token_id 128799, dspark_target_layer_ids [40, 41, 42],
+dspark_markov_rank 256, 43 + 3 compress_ratios (the Pro-0813 values, e.g. its block size, were not found).
 
 * **Context**: the residual streams *entering* main layers `dspark_target_layer_ids` (mean over the hc streams),
   concatenated -> `mtp.0.main_proj` (FP8) -> `mtp.0.main_norm` = main_x, one vector per target position, shared by
