@@ -219,7 +219,7 @@ def hf_to_official(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 # parameters, then its FFN; make_tiny_model.py draws its random weights in this order).
 _GLOBAL_ORDER = ("embed.", "layers.", "norm.", "head.", "hc_head_", "mtp.")
 _LAYER_ORDER = ("attn.", "attn_norm.", "ffn_norm.", "hc_attn_", "hc_ffn_", "ffn.", "e_proj.", "h_proj.", "enorm.",
-                "hnorm.", "norm.", "hc_head_")
+                "hnorm.", "main_proj.", "main_norm.", "norm.", "hc_head_", "markov_head.", "confidence_head.")
 
 
 def _rank(name: str, order: tuple[str, ...]) -> int:
@@ -249,7 +249,7 @@ def _expected(cfg: ModelConfig, include_mtp: bool) -> tuple[tuple[str, tuple[int
 _FP8_SUFFIXES = frozenset({
     "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
     "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
-    "ffn.shared_experts.w3.weight", "e_proj.weight", "h_proj.weight",
+    "ffn.shared_experts.w3.weight", "e_proj.weight", "h_proj.weight", "main_proj.weight",
 })
 
 

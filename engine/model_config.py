@@ -44,6 +44,7 @@ _FIXED = {
     "n_group": 1,
     "topk_group": 1,
     "model_type": "deepseek_v4",
+    "dspark_markov_head_type": "vanilla",  # TensorRT-LLM reads it (default "vanilla"); the DSpark Markov head is that
 }
 _IGNORED = {
     "architectures", "transformers_version", "torch_dtype", "use_cache", "initializer_range", "attention_dropout",
@@ -73,6 +74,7 @@ REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_hash_layers", "
 _OFFICIAL_TO_HF = {v: k for k, v in _HF_TO_OFFICIAL.items() if k != v}
 _OFFICIAL_TO_HF.update(compress_ratios="layer_types", rope_head_dim="qk_rope_head_dim or partial_rotary_factor",
                        n_hash_layers="num_hash_layers or mlp_layer_types")
+_DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 
 class ConfigError(ValueError):
@@ -124,6 +126,15 @@ class ModelConfig:
     dtype: str = "fp8"
     scale_fmt: str | None = "ue8m0"
     expert_dtype: str | None = "fp4"
+    # DSpark draft head (the 0731 / 0813 releases; engine/model/dspark.py). dspark_block_size 0 = none: the
+    # `n_mtp_layers` draft layers are MTP blocks. Otherwise they are the DSpark stages `mtp.0..n-1`, the block
+    # holds dspark_block_size drafts, its input is [bonus token, dspark_noise_token_id x (size - 1)], the context is
+    # the residual streams entering dspark_target_layer_ids (mean over the hc streams, concatenated), and the Markov
+    # head has rank dspark_markov_rank. Left out of config_hash() and the JSON while 0, so MTP configs keep theirs.
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
 
     def __post_init__(self) -> None:
         ratios = tuple(int(r) for r in self.compress_ratios)
@@ -132,6 +143,7 @@ class ModelConfig:
         if len(ratios) == self.n_layers and self.n_mtp_layers:
             ratios = ratios + (0,) * self.n_mtp_layers  # HF truncates the list to the main layers
         object.__setattr__(self, "compress_ratios", ratios)  # normalisation inside the constructor only
+        object.__setattr__(self, "dspark_target_layer_ids", tuple(int(i) for i in self.dspark_target_layer_ids))
         for f in dataclasses.fields(self):  # 16 vs 16.0 must not change config_hash()
             v = getattr(self, f.name)
             if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
@@ -166,8 +178,32 @@ class ModelConfig:
             errs.append(f"dtype={self.dtype!r} is not 'fp8' or 'bf16'")
         if self.expert_dtype not in (None, "fp4", "fp8", "bf16"):
             errs.append(f"expert_dtype={self.expert_dtype!r} is not None, 'fp4', 'fp8' or 'bf16'")
+        errs += self._dspark_errors()
         if errs:
             raise ConfigError("invalid DeepSeek-V4 config: " + "; ".join(errs))
+
+    def _dspark_errors(self) -> list[str]:
+        if not self.dspark_block_size:
+            if self.dspark_target_layer_ids or self.dspark_markov_rank or self.dspark_noise_token_id:
+                return ["dspark_* fields given without dspark_block_size"]
+            return []
+        errs = []
+        if self.dspark_block_size < 1:
+            errs.append(f"dspark_block_size={self.dspark_block_size} must be >= 1")
+        if self.n_mtp_layers < 1:
+            errs.append("a DSpark head needs n_mtp_layers >= 1 draft stages")
+        if any(r != 0 for r in self.compress_ratios[self.n_layers:]):
+            errs.append(f"DSpark stages attend over a dense window (compress ratio 0), got "
+                        f"{list(self.compress_ratios[self.n_layers:])}")
+        ids = self.dspark_target_layer_ids
+        if not ids or any(not 0 <= i < self.n_layers for i in ids) or list(ids) != sorted(set(ids)):
+            errs.append(f"dspark_target_layer_ids={list(ids)} must be strictly increasing main-layer ids in "
+                        f"[0, {self.n_layers})")
+        if self.dspark_markov_rank < 1:
+            errs.append(f"dspark_markov_rank={self.dspark_markov_rank} must be >= 1")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            errs.append(f"dspark_noise_token_id={self.dspark_noise_token_id} outside the vocabulary")
+        return errs
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
@@ -198,14 +234,30 @@ class ModelConfig:
     def is_hash_layer(self, layer_id: int) -> bool:
         return layer_id < self.n_hash_layers
 
+    @property
+    def has_dspark(self) -> bool:
+        """The draft layers are DSpark stages (else MTP blocks)."""
+        return self.dspark_block_size > 0
+
+    def _fields(self) -> dict[str, Any]:
+        """Every field, without the DSpark ones when there is no DSpark head (so configs from before those fields
+        existed keep their hash and JSON)."""
+        d = dataclasses.asdict(self)
+        if not self.has_dspark:
+            for k in _DSPARK_FIELDS:
+                d.pop(k)
+        return d
+
     def config_hash(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        blob = json.dumps(self._fields(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_official_json(self) -> dict[str, Any]:
         """The official `inference/config.json` spelling of this config."""
-        d = dataclasses.asdict(self)
+        d = self._fields()
         d["compress_ratios"] = list(self.compress_ratios)
+        if self.has_dspark:
+            d["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
         return d
 
     def to_hf_json(self) -> dict[str, Any]:
@@ -299,13 +351,14 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
         elif key in _HF_TO_OFFICIAL:
             _put(out, _HF_TO_OFFICIAL[key], value, key)
         elif key in fields:
-            if key == "compress_ratios":
+            if key in ("compress_ratios", "dspark_target_layer_ids"):
                 value = tuple(value)
             _put(out, key, value, key)
         elif key not in _IGNORED:
             unknown.append(key)
     if unknown:
         raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    _dspark_stages(raw, out)
 
     _rope_keys(raw, out)
     if "compress_ratios" not in out and raw.get("layer_types"):
@@ -337,6 +390,18 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
         if "scale_fmt" in q:
             _put(out, "scale_fmt", q["scale_fmt"], "quantization_config")
     return out
+
+
+def _dspark_stages(raw: dict[str, Any], out: dict[str, Any]) -> None:
+    """The HF config.json of the DSpark releases keeps `num_nextn_predict_layers: 1` while `compress_ratios` lists
+    the main layers plus one entry per DSpark stage (V4-Flash-0731: 43 + 3 = 46, per the public ports); the stage
+    count is that tail (TensorRT-LLM counts the `mtp.<s>` prefixes of the weight index instead). The official
+    `inference/config.json` spelling (`n_mtp_layers`) is taken as it is."""
+    if not out.get("dspark_block_size") or "n_mtp_layers" in raw or "num_nextn_predict_layers" not in raw:
+        return
+    ratios, n_layers = out.get("compress_ratios"), out.get("n_layers")
+    if ratios is not None and n_layers is not None and len(ratios) > n_layers:
+        out["n_mtp_layers"] = len(ratios) - n_layers
 
 
 def _rope_keys(raw: dict[str, Any], out: dict[str, Any]) -> None:

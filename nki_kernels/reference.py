@@ -257,7 +257,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     pre = torch.sigmoid(scale[0] * mix[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * mix[:, n:2 * n] + base[n:2 * n])
     comb = (scale[2] * mix[:, 2 * n:] + base[2 * n:]).view(-1, n, n)
-    comb = comb.softmax(-1).add_(hc_eps)
+    comb = comb.softmax(-1)
+    comb = comb + hc_eps if comb.requires_grad else comb.add_(hc_eps)  # in place would break autograd (training)
     return pre, post, _sinkhorn_(comb, iters, hc_eps)
 
 

@@ -114,6 +114,16 @@ class MTPBlock(Block):
         self.hc_head_scale = _empty(1)
 
 
+def draft_block(cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> Block:
+    """The draft layer `mtp.<layer_id - n_layers>`: an MTP block, or a DSpark stage when the config has a DSpark
+    head (engine/model/dspark.py; the 0731 / 0813 releases keep their DSpark stages under `mtp.*`)."""
+    if cfg.has_dspark:
+        from engine.model.dspark import DSparkBlock
+
+        return DSparkBlock(cfg, layer_id, par)
+    return MTPBlock(cfg, layer_id, par)
+
+
 class Transformer(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel | None = None, with_mtp: bool = True) -> None:
         super().__init__()
@@ -126,7 +136,7 @@ class Transformer(OpsUser, nn.Module):
         self.hc_head_base = _empty(cfg.hc_mult)
         self.hc_head_scale = _empty(1)
         self.mtp = nn.ModuleList(
-            [MTPBlock(cfg, cfg.n_layers + i, par) for i in range(cfg.n_mtp_layers if with_mtp else 0)])
+            [draft_block(cfg, cfg.n_layers + i, par) for i in range(cfg.n_mtp_layers if with_mtp else 0)])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -187,13 +197,20 @@ class Transformer(OpsUser, nn.Module):
         h = self.ops.rms_norm(h, (norm or self.norm).weight, self.cfg.norm_eps)
         return self.head(h.float())
 
-    def mtp_logits(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
-                   k: int = 0) -> torch.Tensor:
-        """MTP block k: streams x [T, n, dim] at positions t and the ids of tokens t+1 -> logits for tokens t+2."""
+    def mtp_streams(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+                    k: int = 0) -> torch.Tensor:
+        """MTP block k: streams x [T, n, dim] at positions t (the main model's last-layer streams, or the block's
+        own output when it drafts recursively) and the ids of tokens t+1 -> the block's output streams [T, n, dim]
+        (before its hc_head). Writes the block's window KV at positions t (engine/model/draft.py)."""
         blk: MTPBlock = self.mtp[k]
         eps = self.cfg.norm_eps
         e = self.ops.rms_norm(self.embed.weight[next_ids].to(self.dtype), blk.enorm.weight, eps)
         h = self.ops.rms_norm(x, blk.hnorm.weight, eps)
         x0 = blk.e_proj(e).unsqueeze(1) + blk.h_proj(h)
-        x1 = blk(x0, plan, cache, next_ids)
-        return self.logits(x1, blk, blk.norm)
+        return blk(x0, plan, cache, next_ids)
+
+    def mtp_logits(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+                   k: int = 0) -> torch.Tensor:
+        """MTP block k: streams x [T, n, dim] at positions t and the ids of tokens t+1 -> logits for tokens t+2."""
+        blk: MTPBlock = self.mtp[k]
+        return self.logits(self.mtp_streams(x, next_ids, plan, cache, k), blk, blk.norm)

@@ -1,0 +1,126 @@
+"""Speculative drafting with V4's MTP block (`mtp.0.*` of the preview checkpoints), and what every draft head hands
+the engine loop: a `Proposal` of k tokens per sequence with the distributions they were drawn from.
+
+The MTP block (official `inference/model.py` `MTPBlock`; spec §2.7) maps the main model's last-layer streams at
+position t and the token at t+1 to logits for the token at t+2. Drafting k tokens after a verify step (the way
+vLLM's and SGLang's MTP proposers drive it; vLLM `deepseek_v4/nvidia/mtp.py` re-feeds the block's own output
+streams, "the flat pre-hc_head residual", as the next step's hidden state):
+
+1. **catch-up**: the block runs over every position whose target state is final this step - the positions the
+   target just processed whose input tokens were accepted (a prefill chunk: all of them) - with the target's
+   streams there and the next committed token (for the last one: the bonus token the target just sampled). This
+   writes the block's window KV at those positions; the last row's logits give draft 1 (the token after the bonus).
+2. **recursion** (k > 1): draft j+1 comes from the block at the next position, fed its own output streams of the
+   previous row and draft j. These rows write window KV at positions whose target state does not exist yet.
+
+State of the MTP layer per sequence: its sliding-window KV ring (`KVCache.layers[n_layers]`, [win, head_dim] per
+slot, position p in row p % win; no compressor, no pool entries: compress ratio 0). The catch-up writes the truth;
+the recursion's rows are speculative and would overwrite ring rows of positions p - win that later queries still
+need, so `propose_mtp` saves the ring rows of the drafting slots before the recursion and puts them back after it.
+After a `propose_mtp` call the MTP state is exactly "catch-up done through the last final position": rejected
+drafts need no MTP rollback, as long as the next call's catch-up covers precisely the positions that became final
+(it rewrites the bonus position, which the recursion had filled speculatively, with the target's state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.cache import KVCache, SeqStep, StepPlan
+from engine.model.model import Transformer
+
+# sample(logits [B, V] fp32, j) -> token ids [B]: how draft j (0-based) is drawn from its distribution.
+Sampler = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def greedy(logits: torch.Tensor, j: int = 0) -> torch.Tensor:
+    """The greedy draft: argmax of each row."""
+    return logits.argmax(-1)
+
+
+@dataclass
+class DraftInput:
+    """One sequence's share of a draft call: the target just processed positions [start, start + n) of slot `slot`
+    and their states are final (n = 1 + accepted drafts after a verify step; a prefill chunk's length after one)."""
+
+    slot: int
+    start: int
+    n: int
+    block_table: torch.Tensor  # the sequence's block table (the MTP layer is sliding-only: read for the plan only)
+
+    @property
+    def last(self) -> int:
+        """The last final position: the drafts are the tokens at last + 2, last + 3, ... (last + 1 = the bonus)."""
+        return self.start + self.n - 1
+
+
+@dataclass
+class Proposal:
+    """Drafts for B sequences: `tokens` [B, k] int64 (token j = position last + 2 + j); `logits` [B, k, vocab] fp32,
+    the distribution each was drawn from (what rejection sampling divides by); `num_proposed` [B] int64, how many
+    leading drafts to verify (DSpark's confidence truncation; k for MTP); `confidence` [B, k] fp32 raw logits of
+    DSpark's confidence head (None for MTP)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    num_proposed: torch.Tensor
+    confidence: torch.Tensor | None = None
+
+
+def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
+    out, t = [], 0
+    for s in seqs:
+        out.append(SeqStep(slot=s.slot, start=s.start, n=s.n, token_start=t, block_table=s.block_table))
+        t += s.n
+    return out
+
+
+def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
+                 next_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Run the MTP block over the final positions of `seqs` (rows back to back: hidden [T, n, dim] = the target's
+    last-layer streams there, next_ids [T] = the committed token at each position + 1) and write its window KV.
+    Returns the block's output streams of each sequence's last row [B, n, dim]."""
+    steps = _steps(seqs)
+    if hidden.shape[0] != steps[-1].token_start + steps[-1].n or next_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} / next_ids {tuple(next_ids.shape)}: expected one row per "
+                         f"final position ({sum(s.n for s in seqs)})")
+    plan = StepPlan.build(steps, block_size, device=hidden.device)
+    out = model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
+    last = torch.tensor([s.token_start + s.n - 1 for s in steps], device=hidden.device)
+    return out[last]
+
+
+def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
+                next_ids: torch.Tensor, num_tokens: int, block_size: int,
+                sample: Sampler = greedy) -> Proposal:
+    """k = `num_tokens` MTP drafts for each sequence of `seqs`, after the target step that made their positions
+    [start, start + n) final: catch-up (`mtp_catch_up`, persistent) then k - 1 recursive steps (speculative: the
+    MTP ring rows they overwrite are restored before returning). See the module docstring."""
+    if model.cfg.has_dspark or len(model.mtp) != 1:
+        raise ValueError(f"MTP drafting needs exactly one MTP block, the model has {len(model.mtp)} draft layers"
+                         + (" (DSpark stages)" if model.cfg.has_dspark else ""))
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens={num_tokens}: draft at least one token")
+    blk = model.mtp[0]
+    x = mtp_catch_up(model, cache, seqs, hidden, next_ids, block_size)  # [B, n, dim]
+    logits = [model.logits(x, blk, blk.norm)]
+    tokens = [sample(logits[0], 0)]
+    if num_tokens > 1:
+        ring = cache.layers[blk.layer_id].win_kv
+        slots = torch.tensor([s.slot for s in seqs], device=ring.device)
+        saved = ring[slots].clone()
+        try:
+            for j in range(1, num_tokens):
+                steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=s.block_table)
+                         for i, s in enumerate(seqs)]
+                plan = StepPlan.build(steps, block_size, device=x.device)
+                x = model.mtp_streams(x, tokens[-1], plan, cache)
+                logits.append(model.logits(x, blk, blk.norm))
+                tokens.append(sample(logits[-1], j))
+        finally:
+            ring[slots] = saved
+    k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=x.device)
+    return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=k)

@@ -1,0 +1,261 @@
+"""The DSpark draft head of DeepSeek-V4-Flash-0731 / -Pro-0813 (stored under `mtp.*`), as model code.
+
+Pinned from public code (read, not copied). DeepSeek's own `DSparkAttention` / `DSparkBlock` / `forward_spec`
+(the V4.1-Flash `inference/model.py`, a public vendored copy: same DSpark design on a newer backbone) gives the
+block input, the positions, the window + whole-block key set, the capture (mean over hc of the streams entering the
+target layers) and the sequential Markov loop. TensorRT-LLM `_torch/models/modeling_dspark.py` (a port of the
+V4-Pro-DSpark reference) gives the V4 layout under `mtp.*`: main_proj (FP8) + main_norm on stage 0, norm + hc head +
+heads on the last stage, every stage's own wkv / kv_norm over the shared main_x, plain RoPE, the sink. vLLM
+`models/deepseek_v4/nvidia/dspark.py` + `qwen3_dspark.py` give the head names (`markov_head.markov_w1/w2`,
+`confidence_head.proj`, bias-free), the confidence on the hc-head output before `norm`, and sigmoid(confidence).
+`deepseek-ai/DeepSpec` gives the confidence cut and the training recipe. Configs of the 0731 release as quoted by
+third parties: dspark_block_size 5, dspark_noise_token_id 128799, dspark_target_layer_ids [40, 41, 42],
+dspark_markov_rank 256, 43 + 3 compress_ratios (the Pro-0813 values, e.g. its block size, were not found).
+
+* **Context**: the residual streams *entering* main layers `dspark_target_layer_ids` (mean over the hc streams),
+  concatenated -> `mtp.0.main_proj` (FP8) -> `mtp.0.main_norm` = main_x, one vector per target position, shared by
+  every stage. Each stage turns main_x at position p into a window key with its own `attn.wkv` + `attn.kv_norm` +
+  RoPE at p, kept in that stage's ring (KVCache layer n_layers + s, [win, head_dim] per slot, position p in row
+  p % win).
+* **Block**: after the target's last final position p (bonus token b = the token at p + 1), the input is
+  [b, noise x (block_size - 1)] at positions p + 1 .. p + block_size, embedded with the shared embedding and copied
+  into the hc streams. Each stage is a V4 block (mHC, attention, MoE) whose attention is dense: every block query
+  attends to the ring (the last `window_size` context positions <= p) and to **all** block positions (non-causal
+  inside the block), with the sink; plain RoPE (compress ratio 0: `rope_theta`, no YaRN).
+* **Heads** (last stage): `hc_head_*` collapses the streams to h; base logits = head(norm(h)) (shared head);
+  the Markov head adds a low-rank bigram bias: logits_k = base_k + markov_w2(markov_w1[prev_k]) with
+  prev_0 = b and prev_k = draft k-1 (sequential, drafts drawn left to right); the confidence head gives
+  c_k = proj([h_k ; markov_w1[prev_k]]) (fp32, raw logit); the proposal is cut before the first k with
+  sigmoid(c_k) < threshold (threshold <= 0: no cut). Draft k (0-based) is the token at p + 2 + k.
+
+Not pinned by public material (choices made here, said again in the report): whether the confidence head reads h
+before `norm` (DeepSeek's V4.1 code and vLLM) or after it (TensorRT-LLM passes the normed one) - before, here; the
+FP8 quantisation simulation of the window keys (official only; the engine does none anywhere); the threshold (no
+published value; 0 = off, as every port runs by default).
+
+State and rollback: only the stages' rings, and they hold context keys of *final* positions only (written by
+`write_context` from the target's captured streams after each step); the block's own keys are never stored. So
+rejected drafts need no DSpark rollback, as long as the engine writes context for exactly the positions that
+became final. Preemption: the slot is reset and the context rebuilt with the prompt's re-prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.attention import Attention, _Group
+from engine.model.cache import KVCache, LayerCache, StepPlan
+from engine.model.draft import DraftInput, Proposal, Sampler, greedy
+from engine.model.layers import Embedding, Linear, RMSNorm, _empty
+from engine.model.model import Block, Transformer
+from engine.parallel import Parallel
+from nki_kernels.reference import hc_head
+
+
+class MarkovHead(nn.Module):
+    """`markov_head.markov_w1` [vocab, rank] (previous token -> rank) and `markov_w2` [vocab, rank] (rank -> a
+    logit bias over the vocabulary): DeepSpec's VanillaMarkov, the names vLLM loads from `mtp.<last>.markov_head`."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = Embedding(vocab_size, rank)
+        self.markov_w2 = Linear(rank, vocab_size)
+
+    def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """markov_w1[prev] in fp32: [...] -> [..., rank]."""
+        return self.markov_w1.weight[prev_ids].float()
+
+    def bias(self, emb: torch.Tensor) -> torch.Tensor:
+        """The logit bias of a Markov embedding, fp32: [..., rank] -> [..., vocab]."""
+        return self.markov_w2(emb.float())
+
+
+class ConfidenceHead(nn.Module):
+    """`confidence_head.proj` [1, dim + rank], no bias (stored bf16, computed in fp32)."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.proj = Linear(dim + rank, 1)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits: h [..., dim], emb [..., rank] -> [...] fp32."""
+        return self.proj(torch.cat([h.float(), emb.float()], -1)).squeeze(-1)
+
+
+class DSparkAttention(Attention):
+    """A stage's attention: the V4 attention weights of a sliding layer, run over [context ring | whole block]."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
+        super().__init__(cfg, layer_id, par)
+        if self.ratio:
+            raise ValueError(f"DSpark stage {layer_id}: compress ratio {self.ratio}, expected 0 (dense window)")
+
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Window keys of the context: main_x [T, dim] at positions [T] -> [T, head_dim] (kv_norm, RoPE at p)."""
+        cos, sin = self.rope.cos_sin(positions)
+        kv = self.ops.rms_norm(self.wkv(main_x), self.kv_norm.weight, self.eps)
+        return self._rope_tail(kv, cos, sin)
+
+    def write_context(self, main_x: torch.Tensor, seqs: list[DraftInput], cache: LayerCache) -> None:
+        """Store the context keys of positions [start, start + n) of each sequence (rows of main_x back to back)
+        in its ring; only the last `window_size` positions of a long run (earlier ones would be overwritten) and,
+        under cp, this rank's positions."""
+        pos = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(main_x.device)
+        slots = torch.cat([torch.full((s.n,), s.slot) for s in seqs]).to(main_x.device)
+        last = torch.cat([torch.full((s.n,), s.last) for s in seqs]).to(main_x.device)
+        keep = (pos > last - self.win) & self._owned(pos)
+        kv = self.context_kv(main_x[keep], pos[keep])
+        wl = cache.win_kv.shape[1]
+        cache.win_kv[slots[keep], (pos[keep] // self.cp) % wl] = kv.to(cache.win_kv.dtype)
+
+    def ring_context(self, slots: torch.Tensor, last: torch.Tensor,
+                     cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's window of context keys for sequences whose last context position is last [B]: keys
+        [B, wl, head_dim] and which rows hold a position <= last (the ring is filled for every final position)."""
+        wl = cache.win_kv.shape[1]
+        jmax = torch.div(last - self.rank, self.cp, rounding_mode="floor")  # [B]
+        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl, device=last.device)[None]) % wl
+        return cache.win_kv[slots], j >= 0
+
+    def block(self, h: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """h [B*bs, dim] (attn_norm applied) at block positions pos [B*bs]; ctx [B, N, head_dim] with ctx_valid
+        [B, N] -> [B*bs, G*o_lora] (before wo_b). Every query sees every valid context key and every block key."""
+        b, n = ctx_valid.shape
+        bs = h.shape[0] // b
+        cos, sin = self.rope.cos_sin(pos)
+        q, kv, _ = self._qkv(h, cos, sin)
+        keys = torch.cat([ctx, kv.view(b, bs, -1).to(ctx.dtype)], 1)  # [B, N + bs, head_dim]
+        in_block = torch.full((b, bs, bs), self.rank == 0, dtype=torch.bool, device=h.device)  # counted once (cp)
+        valid = torch.cat([ctx_valid[:, None].expand(b, bs, n), in_block], -1)  # [B, bs, N + bs]
+        g = _Group(rows=slice(None), q=q.view(b, bs, self.n_heads, self.head_dim), keys=keys, valid=valid)
+        o = self._attend([g])[0].flatten(0, 1)  # [B*bs, H, head_dim]
+        return self._out(o, cos, sin)
+
+
+class DSparkBlock(Block):
+    """DSpark stage s = `mtp.<s>`: a V4 block with `DSparkAttention`; stage 0 also has `main_proj` + `main_norm`,
+    the last stage `norm`, `hc_head_*`, `markov_head`, `confidence_head`."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
+        super().__init__(cfg, layer_id, par)
+        self.attn = DSparkAttention(cfg, layer_id, par)
+        self.stage = layer_id - cfg.n_layers
+        if self.stage == 0:
+            self.main_proj = Linear(cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim)
+            self.main_norm = RMSNorm(cfg.dim)
+        if self.stage == cfg.n_mtp_layers - 1:
+            self.norm = RMSNorm(cfg.dim)
+            self.hc_head_fn = _empty(cfg.hc_mult, cfg.hc_dim)
+            self.hc_head_base = _empty(cfg.hc_mult)
+            self.hc_head_scale = _empty(1)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank)
+            self.confidence_head = ConfidenceHead(cfg.dim, cfg.dspark_markov_rank)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        raise TypeError("a DSpark stage runs a whole draft block: engine.model.dspark.propose_dspark")
+
+    def block_forward(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
+                      ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Streams x [B*bs, n, dim] of the block (ids / positions [B*bs]) -> [B*bs, n, dim]."""
+        x = self.hc_site(x, "attn", lambda h: self.attn.block(h, pos, ctx, ctx_valid))
+        return self.hc_site(x, "ffn", lambda h: self.ffn(h, ids))
+
+
+def _stages(model: Transformer) -> list[DSparkBlock]:
+    if not model.cfg.has_dspark or not len(model.mtp):
+        raise ValueError("the model has no DSpark head (dspark_block_size = 0, or loaded without its draft layers)")
+    return list(model.mtp)
+
+
+def hidden_and_capture(model: Transformer, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+                       layer_ids: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Transformer.hidden` that also returns DSpark's context input: the streams entering each target layer
+    (`layer_ids`, default the config's dspark_target_layer_ids), averaged over the hc streams and concatenated ->
+    (last-layer streams [T, n, dim], captured [T, ncap*dim])."""
+    ids = set(model.cfg.dspark_target_layer_ids if layer_ids is None else layer_ids)
+    x, caps = model.streams(input_ids), []
+    for layer in model.layers:
+        if layer.layer_id in ids:
+            caps.append(x.float().mean(1).to(x.dtype))
+        x = layer(x, plan, cache, input_ids)
+    return x, torch.cat(caps, -1)
+
+
+def main_context(model: Transformer, captured: torch.Tensor) -> torch.Tensor:
+    """main_x = main_norm(main_proj(captured)): [T, ncap*dim] -> [T, dim] (stage 0's; every stage's input)."""
+    s0 = _stages(model)[0]
+    return model.ops.rms_norm(s0.main_proj(captured.to(model.dtype)), s0.main_norm.weight, model.cfg.norm_eps)
+
+
+def write_context(model: Transformer, cache: KVCache, seqs: list[DraftInput], captured: torch.Tensor) -> None:
+    """After a target step: write the context keys of the positions that became final (rows of `captured` back to
+    back, `hidden_and_capture`'s output for exactly those rows) into every stage's ring."""
+    main_x = main_context(model, captured)
+    for st in _stages(model):
+        st.attn.write_context(main_x, seqs, cache.layers[st.layer_id])
+
+
+def block_streams(model: Transformer, ids: torch.Tensor, pos: torch.Tensor,
+                  context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The stages over a block: ids / pos [B, bs], `context` per stage (keys [B, N, head_dim], valid [B, N]) ->
+    the last stage's streams [B*bs, n, dim]."""
+    x = model.streams(ids.flatten())
+    for st, (ctx, valid) in zip(_stages(model), context, strict=True):
+        x = st.block_forward(x, ids.flatten(), pos.flatten(), ctx, valid)
+    return x
+
+
+def block_head(model: Transformer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last stage's streams [M, n, dim] -> (h [M, dim] = hc_head output before `norm`, base logits [M, vocab] fp32)."""
+    last, c = _stages(model)[-1], model.cfg
+    h = hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
+    return h, model.head(model.ops.rms_norm(h, last.norm.weight, c.norm_eps).float())
+
+
+def teacher_forced(model: Transformer, base: torch.Tensor, h: torch.Tensor,
+                   prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Markov-corrected logits and confidence logits for given previous tokens (training; the sequential proposal
+    feeds its own drafts instead): base [..., vocab], h [..., dim], prev_ids [...] -> ([..., vocab], [...])."""
+    last = _stages(model)[-1]
+    emb = last.markov_head.embed(prev_ids)
+    return base + last.markov_head.bias(emb), last.confidence_head(h, emb)
+
+
+def confident_prefix(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """How many leading drafts to keep: the index of the first k with sigmoid(c_k) < threshold, else all;
+    threshold <= 0 keeps all. confidence [B, bs] -> [B] int64."""
+    b, bs = confidence.shape
+    if threshold <= 0:
+        return torch.full((b,), bs, dtype=torch.long, device=confidence.device)
+    below = torch.sigmoid(confidence) < threshold
+    first = torch.where(below, torch.arange(bs, device=confidence.device), bs)
+    return first.min(-1).values
+
+
+def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last: torch.Tensor,
+                   bonus: torch.Tensor, sample: Sampler = greedy, threshold: float = 0.0) -> Proposal:
+    """One DSpark block per sequence: slots [B], last [B] = the last final position (its context written by
+    `write_context`), bonus [B] = the token at last + 1. Returns dspark_block_size drafts (tokens at last + 2 ...),
+    drawn left to right through the Markov head, and how many survive the confidence cut."""
+    stages, cfg = _stages(model), model.cfg
+    bs = cfg.dspark_block_size
+    dev = model.embed.weight.device
+    slots, last, bonus = slots.to(dev), last.to(dev), bonus.to(dev)
+    ids = torch.full((len(slots), bs), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+    ids[:, 0] = bonus
+    pos = last[:, None] + 1 + torch.arange(bs, device=dev)
+    context = [st.attn.ring_context(slots, last, cache.layers[st.layer_id]) for st in stages]
+    h, base = block_head(model, block_streams(model, ids, pos, context))
+    h, base = h.view(len(slots), bs, -1), base.view(len(slots), bs, -1)
+    markov = stages[-1].markov_head
+    prev, tokens, logits, embs = bonus, [], [], []
+    for k in range(bs):
+        embs.append(markov.embed(prev))
+        logits.append(base[:, k] + markov.bias(embs[-1]))
+        prev = sample(logits[-1], k)
+        tokens.append(prev)
+    confidence = stages[-1].confidence_head(h, torch.stack(embs, 1))
+    return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1),
+                    num_proposed=confident_prefix(confidence, threshold), confidence=confidence)
