@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from deepinfer_bench.report import DEFAULT_MODEL_DIR
-from engine.config import Backend, DType, GraphMode, HostCompiler, Kernels, MoeMode, Weights
+from engine.config import Backend, DType, GraphMode, HostCompiler, Kernels, MoeMode, Speculative, Weights
 
 PANEL = "Engine options"
 
@@ -39,6 +39,8 @@ class EngineArgs:
     weights: Weights | None = None
     moe: MoeMode | None = None
     host_compiler: HostCompiler | None = None
+    speculative: Speculative | None = None
+    num_speculative_tokens: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_kv_blocks: int | None = None
@@ -88,6 +90,13 @@ _OPTIONS: dict[str, Any] = {
                                           "T*K < local experts, else grouped on the host, dense on a device).")],
     "host_compiler": Annotated[HostCompiler | None, _opt("--host-compiler", help="torch.compile backend of region "
                                                          "graphs on the host (default: DEEPINFER_HOST_COMPILER)")],
+    "speculative": Annotated[Speculative | None, _opt("--speculative", help="Speculative decoding with the "
+                                                      "checkpoint's own draft head: mtp (the MTP block, preview "
+                                                      "checkpoints) or dspark (the DSpark head, 0731 / 0813 "
+                                                      "releases); none (default).")],
+    "num_speculative_tokens": Annotated[int | None, _opt("--num-speculative-tokens", min=1, max=8,
+                                                         help="Drafts per sequence and step (MTP 1..4, default 1; "
+                                                         "DSpark: its block size by default).")],
     "max_num_seqs": Annotated[int | None, _opt("--max-num-seqs", min=1, help="Largest running batch (KV slots).")],
     "max_num_batched_tokens": Annotated[int | None, _opt("--max-num-batched-tokens", min=1,
                                                          help="Token budget per engine step (chunked prefill).")],

@@ -37,8 +37,8 @@ from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
            "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "MoeMode",
-           "ParallelConfig", "Weights", "Workload", "check_layout", "default_block_size", "resolve_backend",
-           "resolve_graph_mode"]
+           "ParallelConfig", "SpecConfig", "Speculative", "Weights", "Workload", "check_layout", "default_block_size",
+           "resolve_backend", "resolve_graph_mode"]
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

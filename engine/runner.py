@@ -71,7 +71,8 @@ class ModelRunner:
                              spare=config.spare_positions)
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.keep_hidden = config.spec.enabled
-        self._last: tuple[list[SeqStep], torch.Tensor] | None = None
+        self.capture = str(config.spec.method) == "dspark"
+        self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -102,16 +103,24 @@ class ModelRunner:
             if len(s.block_table) < need:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
         self.num_steps += 1
-        if self.regions is not None and self.batch_decode and steps and all(s.n == 1 for s in steps):
+        captured = None
+        if self.regions is not None and self.batch_decode and steps and all(s.n == 1 for s in steps) \
+                and not self.capture:
             # pure decode: region graphs; rows in step order, then the bucket's padding rows
             x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None
         else:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
-            x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
+            if self.capture:  # DSpark's context: the streams entering its target layers
+                from engine.model.dspark import hidden_and_capture
+
+                x, captured = hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
+            else:
+                x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
             last = [s.token_start + s.n - 1 for s in steps]
         if self.keep_hidden:  # the draft head reads the target's final streams of this step (`draft`)
-            self._last = (steps, x[: int(input_ids.shape[0])])
+            t = int(input_ids.shape[0])
+            self._last = (steps, x[:t], None if captured is None else captured[:t])
         if return_hidden:
             return x
         with self.timer.region("head"):
@@ -145,8 +154,8 @@ class ModelRunner:
         with self.backend.grad_context(), self.dispatcher.active():
             from engine.model.draft import draft_for_requests
 
-            steps, hidden = self._last
-            return draft_for_requests(self.model, self.cache, self.config, steps, hidden, list(requests))
+            steps, hidden, captured = self._last
+            return draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured, list(requests))
 
 
 class DistributedRunner:

@@ -114,10 +114,7 @@ class DSparkAttention(Attention):
                      cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's window of context keys for sequences whose last context position is last [B]: keys
         [B, wl, head_dim] and which rows hold a position <= last (the ring is filled for every final position)."""
-        wl = cache.win_kv.shape[1]
-        jmax = torch.div(last - self.rank, self.cp, rounding_mode="floor")  # [B]
-        j = jmax[:, None] - (jmax[:, None] - torch.arange(wl, device=last.device)[None]) % wl
-        return cache.win_kv[slots], j >= 0
+        return cache.win_kv[slots], self._ring_valid(last, cache.win_kv.shape[1])  # the window up to `last`
 
     def block(self, h: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
         """h [B*bs, dim] (attn_norm applied) at block positions pos [B*bs]; ctx [B, N, head_dim] with ctx_valid
