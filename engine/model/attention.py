@@ -188,7 +188,8 @@ def global_topk(cands: torch.Tensor, k: int) -> torch.Tensor:
 def floor_mod(a: torch.Tensor, m: int) -> torch.Tensor:
     """`a % m` of an int tensor with Python's sign rule (in [0, m) for m > 0, also for negative a), spelled with a
     floor division: `%` lowers to StableHLO `remainder`, which takes the dividend's sign (upstream torch-mlir), and
-    a negative ring index there read the wrong window rows (a logit error of up to 4.7 on the tiny model)."""
+    the ring index's negative dividends there mask the wrong window rows (emulated on the host with torch.fmod:
+    golden 10/12, |dlogit| up to 5.6)."""
     return a - torch.div(a, m, rounding_mode="floor") * m
 
 
