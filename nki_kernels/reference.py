@@ -104,7 +104,10 @@ def dequant_rows(k: int) -> int:
 def ue8m0_decode(scale_u8: torch.Tensor) -> torch.Tensor:
     """UE8M0 bytes (uint8) -> float32 2**(b - 127) (b = 255 -> NaN), exactly and without a bitcast or exp2: the
     product of the powers 2**(+-2**i) selected by the bits of |b - 127| (every partial product is a power of two
-    between the result and 1, so each multiply is exact; b = 0 gives the fp32 subnormal 2**-127)."""
+    between the result and 1, so each multiply is exact; b = 0 gives the fp32 subnormal 2**-127).
+    Portable spelling (it lowers through upstream torch-mlir to StableHLO as meant): bits tested with `&` (no `>>`
+    on int tensors, which torch-mlir does not lower) and every compare on the int32 value, never on the uint8
+    bytes (torch-mlir emits uint8 compares as signed)."""
     k = scale_u8.to(torch.int32) - 127
     neg = k < 0
     mag = k.abs()
@@ -112,8 +115,8 @@ def ue8m0_decode(scale_u8: torch.Tensor) -> torch.Tensor:
     for i in range(7):  # |k| <= 127 (128 only for b = 255, which is NaN below)
         up, down = 2.0 ** (1 << i), 2.0 ** -(1 << i)
         f = torch.where(neg, down, up)
-        out = out * torch.where(((mag >> i) & 1) == 1, f, torch.ones_like(f))
-    return torch.where(scale_u8 == 255, torch.full_like(out, float("nan")), out)
+        out = out * torch.where((mag & (1 << i)) != 0, f, torch.ones_like(f))
+    return torch.where(k == 128, torch.full_like(out, float("nan")), out)  # b = 255
 
 
 _LUT_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -152,7 +155,8 @@ def fp4_dequant_rows(packed_u8: torch.Tensor, scale_u8: torch.Tensor, r0: int, r
     `formats.dequant_fp4`."""
     b = packed_u8[r0:r1]
     rows, k = b.shape[0], b.shape[1] * 2
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(rows, k)  # element 2j = low nibble of byte j
+    # element 2j = low nibble of byte j; the high nibble by an (unsigned, exact) floor division: no `>>` in graphs
+    codes = torch.stack((b & 0x0F, torch.div(b, 16, rounding_mode="floor")), dim=-1).reshape(rows, k)
     vals = _lut(_E2M1_LUT, codes)
     s = ue8m0_decode(scale_u8[r0:r1])  # [R, K/32]
     return vals.view(rows, k // 32, 32).mul_(s[:, :, None]).view(rows, k)
@@ -328,15 +332,18 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv:
         return (kv * score.softmax(dim=-2)).sum(dim=-2)
     *lead, w, m, c = kv.shape
     d = c // 2
-    slots_kv = kv.new_zeros(*lead, w, 2 * m, d)
-    slots_sc = kv.new_full((*lead, w, 2 * m, d), float("-inf"))
-    slots_kv[..., m:, :] = kv[..., d:]
-    slots_sc[..., m:, :] = score[..., d:]
-    slots_kv[..., 1:, :m, :] = kv[..., :-1, :, :d]
-    slots_sc[..., 1:, :m, :] = score[..., :-1, :, :d]
+    # The 2m slots of every block are built by concatenation, not by slice assignment into a buffer: an open-ended
+    # or empty (W = 1, a decode step) slice assignment does not lower through upstream torch-mlir. Same values.
     if prev_kv is not None:
-        slots_kv[..., 0, :m, :] = prev_kv[..., :d].float()
-        slots_sc[..., 0, :m, :] = prev_score[..., :d].float()
+        first_kv, first_sc = prev_kv[..., :d].float().unsqueeze(-3), prev_score[..., :d].float().unsqueeze(-3)
+    else:
+        first_kv = kv.new_zeros(*lead, 1, m, d)
+        first_sc = kv.new_full((*lead, 1, m, d), float("-inf"))
+    if w > 1:  # block w >= 1 pools the first-half channels of block w - 1
+        first_kv = torch.cat([first_kv, kv[..., : w - 1, :, :d]], dim=-3)
+        first_sc = torch.cat([first_sc, score[..., : w - 1, :, :d]], dim=-3)
+    slots_kv = torch.cat([first_kv, kv[..., d:]], dim=-2)  # [..., W, 2m, d]
+    slots_sc = torch.cat([first_sc, score[..., d:]], dim=-2)
     return (slots_kv * slots_sc.softmax(dim=-2)).sum(dim=-2)
 
 
@@ -359,9 +366,23 @@ def index_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> tuple
     pos = torch.arange(n, device=scores.device)
     visible = pos < num_visible.unsqueeze(-1)  # [B, T, N]
     masked = scores.float().masked_fill(~visible, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, T, k']
+    order = torch.topk(order_key(masked, pos), kk, dim=-1).indices  # [B, T, k'], (score desc, index asc)
     valid = order < num_visible.unsqueeze(-1)
     return order, valid
+
+
+def order_key(scores: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is (score descending, then `tie` ascending): a top-k or sort of the keys
+    orders like a stable descending sort of the scores, without `sort(stable=True)` (which upstream torch-mlir
+    does not lower) and whatever the device's sort does with ties, because keys of distinct (score, tie) pairs
+    differ. scores fp32 (finite or -inf; -0.0 counts as 0.0, as a float compare sees it), tie: int64 in
+    [0, 2**32), broadcast against scores. The score's bits, read as an int32 and made monotonic (a negative float's
+    bits count down as it grows), take the high 32 bits; 2**32 - 1 - tie the low 32."""
+    s = scores.float()
+    s = torch.where(s == 0, torch.zeros_like(s), s)  # -0.0 -> +0.0 (a where, not `+ 0.0`: no simplifier drops it)
+    bits = s.view(torch.int32).to(torch.int64)
+    mono = torch.where(bits < 0, -(2 ** 31) - 1 - bits, bits)
+    return mono * 2 ** 32 + (2 ** 32 - 1 - tie)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from engine.model.layers import Linear, RMSNorm, Rope, _empty
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import no_split
-from nki_kernels.reference import index_topk, rope_apply, sparse_attn_merge
+from nki_kernels.reference import index_topk, order_key, rope_apply, sparse_attn_merge
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
@@ -186,12 +186,20 @@ class Indexer(OpsUser, nn.Module):
 
 def global_topk(cands: torch.Tensor, k: int) -> torch.Tensor:
     """Merge per-rank top-k candidates into the global top-k with the cp=1 order (score desc, then entry id asc).
-    cands [..., R*K, 2] = (score, global id), -inf score for padding -> chosen ids [..., k] (-1 where none)."""
+    cands [..., R*K, 2] = (score, global id), -inf score for padding -> chosen ids [..., k] (-1 where none).
+    Ordered by `order_key` (no stable sort: ranks own distinct ids, so only padding rows tie, and they all give -1)."""
     sc, gid = cands[..., 0], cands[..., 1]
-    by_id = torch.sort(gid.masked_fill(torch.isinf(sc), float(2 ** 24)), dim=-1, stable=True).indices
-    sc, gid = sc.gather(-1, by_id), gid.gather(-1, by_id)
-    top = torch.sort(sc, dim=-1, descending=True, stable=True).indices[..., :k]
-    return gid.gather(-1, top).masked_fill(torch.isinf(sc.gather(-1, top)), -1).long()
+    pad = torch.isinf(sc)
+    top = torch.topk(order_key(sc, gid.masked_fill(pad, float(2 ** 24)).long()), k, dim=-1).indices
+    return gid.gather(-1, top).masked_fill(pad.gather(-1, top), -1).long()
+
+
+def floor_mod(a: torch.Tensor, m: int) -> torch.Tensor:
+    """`a % m` of an int tensor with Python's sign rule (in [0, m) for m > 0, also for negative a), spelled with a
+    floor division: `%` lowers to StableHLO `remainder`, which takes the dividend's sign (upstream torch-mlir), and
+    the ring index's negative dividends there mask the wrong window rows (emulated on the host with torch.fmod:
+    golden 10/12, |dlogit| up to 5.6)."""
+    return a - torch.div(a, m, rounding_mode="floor") * m
 
 
 def gather_entries(pool: torch.Tensor, tables: torch.Tensor, num: int) -> torch.Tensor:
@@ -236,6 +244,14 @@ class _Group:
     scores: torch.Tensor | None = None  # [B, T, E] indexer scores of this rank's entries (CSA)
     visible: torch.Tensor | None = None  # [B, T] global count of causal entries
     ids: torch.Tensor | None = None  # [E] global entry ids of this rank's entries
+
+    def keep_entries(self, keep: torch.Tensor) -> None:
+        """valid &= keep on the entry columns (keep [B, T, E]; window columns untouched). A new mask, not an
+        in-place `valid[..., n_win:] &= keep`: open-ended slice assignment does not lower through upstream
+        torch-mlir. Same values."""
+        if self.n_win:
+            keep = torch.cat([keep.new_ones(*keep.shape[:-1], self.n_win), keep], -1)
+        self.valid = self.valid & keep
 
 
 class Attention(OpsUser, nn.Module):
@@ -325,7 +341,7 @@ class Attention(OpsUser, nn.Module):
             for g, p in zip(groups, picks, strict=True):
                 if p is not None:
                     sel = torch.zeros(g.scores.shape, dtype=torch.bool, device=g.scores.device).scatter_(-1, p[0], p[1])
-                    g.valid[..., g.n_win:] &= sel
+                    g.keep_entries(sel)
             return
         cands = []
         for g, p in zip(groups, picks, strict=True):
@@ -347,7 +363,7 @@ class Attention(OpsUser, nn.Module):
             b, tq, _ = g.scores.shape
             ch = chosen[off: off + b * tq].view(b, tq, 1, -1)
             off += b * tq
-            g.valid[..., g.n_win:] &= (g.ids.view(1, 1, -1, 1) == ch).any(-1)
+            g.keep_entries((g.ids.view(1, 1, -1, 1) == ch).any(-1))
 
     def _attend(self, groups: list[_Group]) -> list[torch.Tensor]:
         """Attention of every group over this rank's keys; under cp the shares are merged with ONE all-gather."""
@@ -381,7 +397,7 @@ class Attention(OpsUser, nn.Module):
         than a window)."""
         cp = self.cp
         jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")[:, None]  # [B, 1], >= -1
-        j = jmax - (jmax - torch.arange(wl, device=pos.device)[None] + wl) % wl
+        j = jmax - floor_mod(jmax - torch.arange(wl, device=pos.device)[None], wl)
         p = self.rank + cp * j
         return (j >= 0) & (p > pos[:, None] - self.win)
 
