@@ -87,7 +87,7 @@ def test_index_topk_equals_the_stable_sort_definition():
         s = _ties((2, 3, n))
         vis = torch.randint(0, n + 1, (2, 3), generator=g)
         order, valid = index_topk(s, vis, k)
-        assert all(torch.equal(a, b) for a, b in zip(index_topk(s, vis, k, bitcast=False), (order, valid)))
+        assert all(torch.equal(a, b) for a, b in zip(index_topk(s, vis, k, bitcast=False), (order, valid), strict=True))
         masked = s.masked_fill(~(torch.arange(n) < vis.unsqueeze(-1)), float("-inf"))
         want = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :min(k, n)]
         assert torch.equal(order, want)

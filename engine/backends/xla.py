@@ -24,7 +24,6 @@ processes (pytorch/xla#5005, #9089), so cp > 1 is refused there (`check_parallel
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 import warnings
 from collections.abc import Callable
