@@ -50,7 +50,7 @@ class RegionsSpec:
     @property
     def max_len(self) -> int:
         """Context a run needs: prefill, warm-up, and the longer of the timed steps and an --overhead run."""
-        return self.context + self.warmup + max(self.steps, OVERHEAD_ROUND_STEPS * 3 + 3) + 1
+        return self.context + self.warmup + max(self.steps, OVERHEAD_ROUND_STEPS * 3 + 3) + 2
 
 
 OVERHEAD_ROUND_STEPS = 20
@@ -86,22 +86,25 @@ def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
         if not decoding:
             return
         state["decode"] += 1
-        if state["decode"] > spec.warmup:
+        if spec.warmup < state["decode"] <= spec.warmup + spec.steps:
             state["step_ms"].append(seconds * 1e3)
         if state["decode"] == spec.warmup:  # warmed up: what follows is measured
             runner.timer.reset()
             state["shapes"] = len(runner.regions.compiled) if runner.regions is not None else 0
             state["before"] = runner.backend.counters()
+        if state["decode"] == spec.warmup + spec.steps:  # measured; the step after it (sequences finish) is not
+            state["after"], state["timing"] = runner.backend.counters(), [asdict(r) for r in runner.timer.rows()]
 
-    run_batch(engine, _prompts(engine, spec), spec.warmup + spec.steps + 1, on_step=on_step)
-    after = runner.backend.counters()
+    # one decode step more than measured: the last one frees the slots (a copy of each finished slot's index)
+    run_batch(engine, _prompts(engine, spec), spec.warmup + spec.steps + 2, on_step=on_step)
+    after = state["after"]
     graph = region_summary(runner)
     graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - state["shapes"]  # a new block bucket
     graph["device"] = after.device
     n = len(state["step_ms"])
     graph["per_step"] = {k: v / n for k, v in after.minus(state["before"]).items()}
     graph["fallback_ops"] = after.fallback_ops
-    return {"step_ms": state["step_ms"], "timing": [asdict(r) for r in runner.timer.rows()], "graph": graph,
+    return {"step_ms": state["step_ms"], "timing": state["timing"], "graph": graph,
             "collectives": runner.par.report()}
 
 
