@@ -1,7 +1,7 @@
 """Golden outputs of `golden/tiny-official` from DeepSeek's own inference code (official numerics).
 
     python golden/make_official_golden.py --official-src DIR                # golden/official/golden.{json,safetensors}
-    python golden/make_official_golden.py --official-src DIR --cross-check  # vs HF: golden/official/crosscheck.json
+    python golden/official_crosscheck.py --official-src DIR                 # vs HF: golden/official/crosscheck.json
 
 DIR is a local copy of the official `inference/` folder (model.py; never vendored into this repo). The public mirror
 this project read: `git clone https://github.com/Nicooo-Wang/DeepSeek-V4-Pro-code && git -C DeepSeek-V4-Pro-code
@@ -298,19 +298,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="default dtype of the official run: bfloat16 = what the official code runs (the golden); "
                         "float32 = its simulation steps without the bf16 roundings (a staging target)")
-    p.add_argument("--cross-check", action="store_true",
-                   help="the official code (simulation off / on, fp32 / bf16) vs HF fp32 (writes crosscheck.json)")
     args = p.parse_args()
     from engine.backends.host import setup_host_process
 
     setup_host_process(threads=1)  # MKL's reproducible mode, one thread (tiny matmuls; no oversubscription)
     dtype = getattr(torch, args.dtype)
-    out = args.out or (OUT_DIR if dtype == torch.bfloat16 or args.cross_check else GOLDEN_DIR / "official-fp32")
-    if args.cross_check:
-        from golden.official_crosscheck import cross_check
-
-        cross_check(load_official(args.official_src), args.model_dir, out)
-        return
+    out = args.out or (OUT_DIR if dtype == torch.bfloat16 else GOLDEN_DIR / "official-fp32")
     meta = make_golden(args.official_src, args.model_dir, out, dtype)
     for e in meta["prompts"]:
         print(f"{e['name']:>14}: prompt {e['prompt_len']:4d} + {e['max_new_tokens']} tokens, "

@@ -1,4 +1,7 @@
-"""The official inference code vs the HF reference on golden/tiny-official (`make_official_golden.py --cross-check`).
+"""The official inference code vs the HF reference on golden/tiny-official.
+
+    python golden/official_crosscheck.py --official-src DIR   # writes golden/official/crosscheck.json (~25 min)
+
 
 1. Free-running, simulation off, fp32: the official code (with golden/official_kernels.py) and HF fp32 each decode
    every golden prompt greedily; tokens must agree and logits to ~1e-5. This validates the CPU kernels: with the
@@ -15,14 +18,26 @@ Writes `crosscheck.json` next to the golden (the numbers golden/README.md quotes
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from golden.make_official_golden import golden_prompts, run_official
-from golden.official_kernels import Simulation
+if __package__ in (None, ""):  # run as a script: the repo root on the path, like make_official_golden.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import ModelConfig  # noqa: E402
+from golden.make_official_golden import (  # noqa: E402
+    HOW_TO_GET,
+    MODEL_DIR,
+    OUT_DIR,
+    golden_prompts,
+    load_official,
+    run_official,  # noqa: E402
+)
+from golden.official_kernels import Simulation  # noqa: E402
 
 OFF = Simulation(act=False, kv_fp8=False, indexer_fp4=False)
 ALL = Simulation()
@@ -113,3 +128,20 @@ def cross_check(module, model_dir: Path, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "crosscheck.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="The official code (simulation off / on, fp32 / bf16) vs HF fp32 on "
+                                "golden/tiny-official; writes crosscheck.json.")
+    p.add_argument("--official-src", type=Path, required=True, help=f"the official inference/ folder ({HOW_TO_GET})")
+    p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
+    p.add_argument("--out", type=Path, default=OUT_DIR)
+    args = p.parse_args()
+    from engine.backends.host import setup_host_process
+
+    setup_host_process(threads=1)  # as make_official_golden.py: MKL's reproducible mode, one thread
+    cross_check(load_official(args.official_src), args.model_dir, args.out)
+
+
+if __name__ == "__main__":
+    main()
