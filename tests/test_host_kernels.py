@@ -557,7 +557,7 @@ def test_golden_with_host_kernels_matches() -> None:
     assert (run.table["tokens_matched"] == run.table["tokens_total"]).all()
     counts = {(k, ex): n for k, ex, n in zip(run.kernels["dispatch_key"], run.kernels["executor"], run.kernels["calls"],
                                               strict=True)}  # the engine's own dispatcher counted them
-    for key in ("fp8", "fp4", "linear", "hc_mixes", "rms_norm", "hc_collapse", "hc_expand", "sparse_attn"):
+    for key in ("fp8", "fp4", "linear", "hc_mixes", "rms_norm", "hc_collapse", "hc_expand", "sparse_attn", "moe_ffn"):
         assert counts.get((f"host.{key}", "host"), 0) > 0, key  # ran natively inside the model
     keys = set(run.kernels["dispatch_key"])
     assert {"host.fp8", "host.fp4", "host.linear"} <= keys
