@@ -43,7 +43,7 @@ import torch
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c", "gemv_avx512.h",
                                                           "gemv_avx2.h"))
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
-NAMES = " and ".join(src.name for src in COMPILED)
+NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name}"  # "gemv.c, mhc.c and moe.c"
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
