@@ -2,7 +2,8 @@
 the same weights. Returns data; the CLI renders it.
 
 Measured, interleaved (engine, HF, engine, HF, ...; medians), with the same torch thread count on both sides:
-* batch-1 greedy decode, ms per token, for every engine graph mode and for HF; the engine's batch-B decode (the
+* batch-1 greedy decode, ms per token, for every engine graph mode (and every other kernel table asked for) and
+  for HF; the engine's batch-B decode for each B asked for (the
   engine through its own step - scheduler, runner, sampler - as every command drives it: deepinfer_bench/batch_run.py;
   HF: one forward with its cache and an argmax);
 * prefill: TTFT of one `prefill_len`-token prompt (engine: queueing to the first token; HF: one forward, last
@@ -26,7 +27,7 @@ from deepinfer_bench.batch_run import random_prompts, run_batch
 from engine.config import Workload
 from engine.profiling import quantiles
 
-COLUMNS = ["system", "weights", "dtype", "batch_size", "prompt_len", "decode_steps", "ms_per_step_p50",
+COLUMNS = ["system", "kernels", "weights", "dtype", "batch_size", "prompt_len", "decode_steps", "ms_per_step_p50",
            "ms_per_step_p90", "ms_per_token_p50", "decode_tok_s", "weight_bytes_per_step", "achieved_gb_s",
            "roof_fraction"]
 PREFILL_COLUMNS = ["system", "prompt_len", "repeats", "ttft_ms_p50", "ttft_ms_p90", "prefill_tok_s"]
@@ -126,40 +127,47 @@ def workload(batch: int, prompt_len: int, steps: int, prefill_len: int = 0) -> W
                     max_num_batched_tokens=max(512, batch * prompt_len, prefill_len))
 
 
-def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int = 32, repeats: int = 3,
-              threads: int = 1, graph_modes: tuple[str, ...] = ("eager", "layer"), prefill_len: int = 0,
-              ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
-    """Returns (decode table, prefill table, ratios). `prefill_len` 0: no prefill measurement. Graph modes other
-    than `eager` compile region graphs during the warm-up, which is not timed."""
+def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batch: int | tuple[int, ...] = 32,
+                     repeats: int = 3, threads: int = 1, graph_modes: tuple[str, ...] = ("eager", "layer"),
+                     prefill_len: int = 0, kernels_also: tuple[str, ...] = (),
+                     ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
+    """Returns (decode table, prefill table, ratios). `batch`: the batch size(s) of the batched-decode measurement.
+    `kernels_also`: other kernel tables (`--kernels`) timed in the same run beside `config`'s, for every graph mode
+    (engines "deepinfer[<mode>,<kernels>]"). `prefill_len` 0: no prefill measurement. Graph modes other than `eager`
+    compile region graphs during the warm-up, which is not timed."""
     import engine as engine_pkg
     from deepinfer_bench.reference import build_hf_model
     from engine.launch import load_weights
     from engine.runner import parse_dtype
 
+    batches = (batch,) if isinstance(batch, int) else tuple(batch)
     torch.set_num_threads(threads)
     cfg = config.model.config
     dtype = parse_dtype(config.model.dtype)
     bandwidth = memory_bandwidth_gb_s()
     hf = build_hf_model(cfg, load_weights(config, stored=False), dtype=dtype)
     state = load_weights(config)
-    engines = {mode: engine_pkg.build(config.replace(graph_mode=mode), weights=state, threads=threads)
-               for mode in graph_modes}
+    variants = {mode: config.replace(graph_mode=mode) for mode in graph_modes}
+    variants |= {f"{mode},{k}": config.replace(graph_mode=mode, kernels=k)
+                 for mode in graph_modes for k in kernels_also}
+    engines = {label: engine_pkg.build(c, weights=state, threads=threads) for label, c in variants.items()}
     del state
     samples: dict[tuple[str, int], list[float]] = {}
     ttft: dict[str, list[float]] = {}
     for eng in engines.values():  # warm up (and compile) every shape that is timed
-        _engine_decode_times(eng, 1, prompt_len, 2, 0)
-        _engine_decode_times(eng, batch, prompt_len, 2, 0)
+        for b in (1, *batches):
+            _engine_decode_times(eng, b, prompt_len, 2, 0)
     _hf_decode_times(hf, prompt_len, 2, 0, cfg.vocab_size)
     for r in range(repeats):
-        for mode, eng in engines.items():
-            samples.setdefault((f"deepinfer[{mode}]", 1), []).extend(
+        for label, eng in engines.items():
+            samples.setdefault((f"deepinfer[{label}]", 1), []).extend(
                 _engine_decode_times(eng, 1, prompt_len, steps, r))
         samples.setdefault(("hf-transformers", 1), []).extend(
             _hf_decode_times(hf, prompt_len, steps, r, cfg.vocab_size))
-        for mode, eng in engines.items():
-            samples.setdefault((f"deepinfer[{mode}]", batch), []).extend(
-                _engine_decode_times(eng, batch, prompt_len, steps, r))
+        for b in batches:
+            for label, eng in engines.items():
+                samples.setdefault((f"deepinfer[{label}]", b), []).extend(
+                    _engine_decode_times(eng, b, prompt_len, steps, r))
         if prefill_len:
             first = next(iter(engines))
             ttft.setdefault(f"deepinfer[{first}]", []).append(_engine_ttft(engines[first], prefill_len, r))
@@ -171,7 +179,8 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
         is_hf = system.startswith("hf")
         nbytes = hf_read_bytes(cfg, dtype.itemsize, b) if is_hf else engine_read_bytes(model, b)
         gbs = nbytes / p50 / 1e9
-        rows.append({"system": system, "weights": "dequant" if is_hf else str(config.model.weights),
+        kernels = "-" if is_hf else str(variants[system.removeprefix("deepinfer[").removesuffix("]")].kernels)
+        rows.append({"system": system, "kernels": kernels, "weights": "dequant" if is_hf else str(config.model.weights),
                      "dtype": str(dtype).removeprefix("torch."), "batch_size": b, "prompt_len": prompt_len,
                      "decode_steps": len(times), "ms_per_step_p50": p50 * 1e3, "ms_per_step_p90": p90 * 1e3,
                      "ms_per_token_p50": p50 * 1e3 / b, "decode_tok_s": b / p50, "weight_bytes_per_step": nbytes,
@@ -185,35 +194,41 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
     ratios: dict[str, float] = {"b1_target": TARGET_B1_RATIO, "batch_target": TARGET_BATCH_SPEEDUP,
                                 "ttft_target": TARGET_TTFT_RATIO, "torch_threads": threads,
                                 "memory_bandwidth_gb_s": bandwidth}
-    for mode in graph_modes:
-        e1 = df[(df.system == f"deepinfer[{mode}]") & (df.batch_size == 1)].iloc[0]
-        eb = df[(df.system == f"deepinfer[{mode}]") & (df.batch_size == batch)].iloc[0]
-        ratios[f"{mode}:b1_ms_per_token_engine_over_hf"] = float(e1.ms_per_token_p50 / h1.ms_per_token_p50)
-        ratios[f"{mode}:b{batch}_tok_s_over_b1"] = float(eb.decode_tok_s / e1.decode_tok_s)
-        ratios[f"{mode}:b1_ms_per_token_over_eager"] = float(
-            e1.ms_per_token_p50 / df[(df.system == f"deepinfer[{graph_modes[0]}]") & (df.batch_size == 1)].iloc[0]
-            .ms_per_token_p50)
+
+    def row(label: str, b: int) -> pd.Series:
+        return df[(df.system == f"deepinfer[{label}]") & (df.batch_size == b)].iloc[0]
+
+    for label in engines:
+        e1 = row(label, 1)
+        ratios[f"{label}:b1_ms_per_token_engine_over_hf"] = float(e1.ms_per_token_p50 / h1.ms_per_token_p50)
+        for b in batches:
+            ratios[f"{label}:b{b}_tok_s_over_b1"] = float(row(label, b).decode_tok_s / e1.decode_tok_s)
+        ratios[f"{label}:b1_ms_per_token_over_eager"] = float(
+            e1.ms_per_token_p50 / row(graph_modes[0], 1).ms_per_token_p50)
     if len(pre) == 2:
         ratios["ttft_engine_over_hf"] = float(pre.ttft_ms_p50.iloc[0] / pre.ttft_ms_p50.iloc[1])
     return df, pre, ratios
 
 
-def targets(ratios: dict[str, float], graph_modes: tuple[str, ...], batch: int, prefill_len: int) -> pd.DataFrame:
-    """The run's ratios against their targets, one row per (graph mode, measure)."""
+def targets(ratios: dict[str, float], graph_modes: tuple[str, ...], batch: int | tuple[int, ...],
+            prefill_len: int, kernels_also: tuple[str, ...] = ()) -> pd.DataFrame:
+    """The run's ratios against their targets, one row per (engine, measure)."""
+    batches = (batch,) if isinstance(batch, int) else tuple(batch)
     rows = []
-    for mode in graph_modes:
-        b1 = ratios[f"{mode}:b1_ms_per_token_engine_over_hf"]
-        bk = ratios[f"{mode}:b{batch}_tok_s_over_b1"]
-        rows += [{"graph_mode": mode, "measure": "batch-1 ms/token, engine / HF", "value": b1,
-                  "target": f"<= {ratios['b1_target']}", "met": b1 <= ratios["b1_target"]},
-                 {"graph_mode": mode, "measure": f"batch-{batch} tok/s / batch-1 tok/s (engine)", "value": bk,
-                  "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]}]
-        if mode != graph_modes[0]:
-            v = ratios[f"{mode}:b1_ms_per_token_over_eager"]
-            rows.append({"graph_mode": mode, "measure": f"batch-1 ms/token, {mode} / {graph_modes[0]}", "value": v,
+    for label in [*graph_modes, *(f"{m},{k}" for m in graph_modes for k in kernels_also)]:
+        b1 = ratios[f"{label}:b1_ms_per_token_engine_over_hf"]
+        rows.append({"engine": label, "measure": "batch-1 ms/token, engine / HF", "value": b1,
+                     "target": f"<= {ratios['b1_target']}", "met": b1 <= ratios["b1_target"]})
+        for b in batches:
+            bk = ratios[f"{label}:b{b}_tok_s_over_b1"]
+            rows.append({"engine": label, "measure": f"batch-{b} tok/s / batch-1 tok/s (engine)", "value": bk,
+                         "target": f">= {ratios['batch_target']}", "met": bk >= ratios["batch_target"]})
+        if label != graph_modes[0]:
+            v = ratios[f"{label}:b1_ms_per_token_over_eager"]
+            rows.append({"engine": label, "measure": f"batch-1 ms/token, {label} / {graph_modes[0]}", "value": v,
                          "target": "<= 1", "met": v <= 1.0})
     if "ttft_engine_over_hf" in ratios:
         v = ratios["ttft_engine_over_hf"]
-        rows.append({"graph_mode": graph_modes[0], "measure": f"TTFT of {prefill_len} tokens, engine / HF",
+        rows.append({"engine": graph_modes[0], "measure": f"TTFT of {prefill_len} tokens, engine / HF",
                      "value": v, "target": f"<= {ratios['ttft_target']}", "met": v <= ratios["ttft_target"]})
-    return pd.DataFrame(rows, columns=["graph_mode", "measure", "value", "target", "met"])
+    return pd.DataFrame(rows, columns=["engine", "measure", "value", "target", "met"])

@@ -24,9 +24,22 @@ def env_tables() -> tuple[list[tuple[str, pd.DataFrame]], dict[str, str | None]]
     rows = [{"item": k, "value": str(v)} for k, v in st["versions"].items()]
     rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
     rows += [{"item": f"host_math.{k}", "value": str(v)} for k, v in st["host_math"].items()]
+    rows.append({"item": "kernels auto", "value": _kernels_auto(envs.DEEPINFER_BACKEND)})
     tables.append(("Stack (torch / XLA / Neuron)", pd.DataFrame(rows)))
     kernels = st.get("host_kernels") or {}
     if kernels.get("variants"):
         tables.append((f"--kernels host builds on this CPU (chosen: {kernels.get('chosen')})", pd.DataFrame(
             [{"build": name, "status": str(status)} for name, status in kernels["variants"].items()])))
     return tables, {"neuron_ls": st["neuron_ls"], "graph_hash": envs.graph_hash()}
+
+
+def _kernels_auto(backend: str) -> str:
+    """What `--kernels auto` (the default) resolves to on DEEPINFER_BACKEND here, and why (builds the host kernels
+    once where the host backend would)."""
+    from engine.config import resolve_backend, resolve_kernels
+
+    try:
+        kernels, why = resolve_kernels("auto", resolve_backend(backend))
+    except ValueError as e:  # a bad DEEPINFER_BACKEND: say so here, the flags table shows the value
+        return f"unresolved: {e}"
+    return f"{kernels} ({why})"

@@ -80,8 +80,10 @@ _OPTIONS: dict[str, Any] = {
     "backend": Annotated[Backend | None, _opt("--backend", help="host (CPU torch), xla (torch-xla device), neuron, "
                                               "or auto (default: DEEPINFER_BACKEND)")],
     "kernels": Annotated[Kernels | None, _opt("--kernels", help="Op implementation inside the model: torch "
-                                              "reference, NKI kernels on the NumPy stand-in, NKI on Neuron, or "
-                                              "host (native CPU GEMV kernels for the decode GEMMs).")],
+                                              "reference, NKI kernels on the NumPy stand-in, NKI on Neuron, host "
+                                              "(native CPU kernels for the decode GEMMs and per-token ops), or auto "
+                                              "(default: host on the host backend where they build, else "
+                                              "reference; meta.json says which and why).")],
     "weights": Annotated[Weights | None, _opt("--weights", help="FP8/FP4 weights as stored (the GEMMs read the "
                                               "checkpoint's bytes; default) or dequantised at load.")],
     "moe": Annotated[MoeMode | None, _opt("--moe", help="Routed experts in decode graphs: grouped (each chosen "

@@ -57,6 +57,7 @@ class MoeMode(_Choice):
 
 
 class Kernels(_Choice):
+    AUTO = "auto"  # resolved by config.resolve_kernels: host where the native kernels build and run, else reference
     REFERENCE = "reference"  # the torch formulation of every op (nki_kernels/reference.py)
     STAND_IN = "stand-in"  # the NKI kernels executed on the NumPy stand-in, inside the model (host only)
     NKI = "nki"  # the NKI kernels on a Neuron device

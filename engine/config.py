@@ -10,7 +10,9 @@
 * `graph: GraphConfig` - how decode steps are cut into graphs (mode, batch buckets, host compiler, region timing,
   MoE capacity);
 * `backend` (host | xla | neuron; "auto" is resolved here, in `resolve_backend`, and nowhere else) and `kernels`
-  (which implementation of the kernel ops runs inside the model).
+  (which implementation of the kernel ops runs inside the model; "auto", the default, is resolved here too, in
+  `resolve_kernels`: the native host kernels where they build and run, else the reference; `kernels_requested` and
+  `kernels_why` say what was asked and why, in `to_dict()`).
 
 `EngineConfig.from_model_dir(dir, workload=..., **overrides)` is the constructor every command uses; overrides are
 flat names (`max_num_seqs=3`, `graph_mode="layer"`, `cp=4`; None = not given). Defaults come from the `DEEPINFER_*`
@@ -38,7 +40,7 @@ from engine.model_config import ConfigError, ModelConfig
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
            "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "MoeMode",
            "ParallelConfig", "SpecConfig", "Speculative", "Weights", "Workload", "check_layout", "default_block_size",
-           "resolve_backend", "resolve_graph_mode"]
+           "resolve_backend", "resolve_graph_mode", "resolve_kernels"]
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -110,6 +112,26 @@ def resolve_graph_mode(requested: GraphMode | str, backend: Backend) -> GraphMod
     if mode is not GraphMode.AUTO:
         return mode
     return GraphMode.EAGER if backend is Backend.HOST else GraphMode.LAYER
+
+
+def resolve_kernels(requested: Kernels | str, backend: Backend) -> tuple[Kernels, str]:
+    """The one place `--kernels auto` is resolved, with the reason (results metadata): the native host kernels
+    (engine/host_kernels: the fastest exact path there) on the host backend where their library builds and loads
+    on this CPU with this compiler (the best build the CPU runs, `host_kernels.build_info()`); the torch reference
+    everywhere else (a device backend, no C compiler, a failed build). A kernel table that is given is kept as it is
+    (the backend checks it: engine/backends `get_backend`)."""
+    want = Kernels.parse(requested, "kernels")
+    if want is not Kernels.AUTO:
+        return want, "given"
+    if backend is not Backend.HOST:
+        return Kernels.REFERENCE, f"auto: the {backend} backend runs the reference (the native kernels are CPU-only)"
+    from engine import host_kernels
+
+    try:
+        lib = host_kernels.ensure_loaded()  # builds once per (sources, compiler, CPU), then a cached load
+    except host_kernels.HostKernelError as e:
+        return Kernels.REFERENCE, f"auto: the native host kernels are unavailable here ({e})"
+    return Kernels.HOST, f"auto: native host kernels, {lib.variant} build: {host_kernels.build_info()['why']}"
 
 
 def resolve_backend(requested: Backend | str) -> Backend:
@@ -259,15 +281,21 @@ class EngineConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     backend: Backend = Backend.HOST
-    kernels: Kernels = Kernels.REFERENCE
+    kernels: Kernels = Kernels.AUTO  # "auto" is resolved in __post_init__ (`resolve_kernels`)
     seed: int = 0  # seeds unseeded requests' generators (and dummy weights)
+    # what --kernels asked for (auto, or the table itself) and why `kernels` is what it is (for results metadata)
+    kernels_requested: Kernels = field(default=Kernels.AUTO, init=False, compare=False)
+    kernels_why: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", resolve_backend(self.backend))
         if self.graph.mode is GraphMode.AUTO:
             mode = resolve_graph_mode(self.graph.mode, self.backend)
             object.__setattr__(self, "graph", dataclasses.replace(self.graph, mode=mode))
-        object.__setattr__(self, "kernels", Kernels.parse(self.kernels, "kernels"))
+        requested = Kernels.parse(self.kernels, "kernels")
+        kernels, why = resolve_kernels(requested, self.backend)
+        for name, value in (("kernels", kernels), ("kernels_requested", requested), ("kernels_why", why)):
+            object.__setattr__(self, name, value)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         cfg, cp, bs = self.model.config, self.parallel.cp, self.cache.block_size
@@ -341,6 +369,8 @@ class EngineConfig:
         """A new config with `overrides` (flat names; None values ignored) applied to this one."""
         given = _check_names({k: v for k, v in overrides.items() if v is not None})
         flat = self.flat()
+        if self.kernels_requested is Kernels.AUTO:
+            flat["kernels"] = Kernels.AUTO  # resolved again for the new settings (e.g. another backend)
         cfg = self.model.config
         if "cp" in given and "block_size" not in given and flat["block_size"] == default_block_size(cfg, self.cp):
             given["block_size"] = default_block_size(cfg, int(given["cp"]))  # a defaulted block size follows cp
@@ -355,7 +385,8 @@ class EngineConfig:
         """JSON-ready record for results metadata (the model config as its hash plus the directory)."""
         d = {k: (v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v)
              for k, v in self.flat().items()}
-        d.update(model_dir=self.model.model_dir, model_config_hash=self.model.config.config_hash(),
+        d.update(kernels_requested=self.kernels_requested.value, kernels_why=self.kernels_why,
+                 model_dir=self.model.model_dir, model_config_hash=self.model.config.config_hash(),
                  config_hash=self.config_hash())
         return d
 

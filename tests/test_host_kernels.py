@@ -510,7 +510,7 @@ def test_small_op_custom_ops_trace_without_graph_breaks() -> None:
 
 
 @pytest.mark.parametrize("cc,expect", [("no-such-cc-deepinfer", "C compiler 'no-such-cc-deepinfer' not found"),
-                                       ("false", "compiling gemv.c and mhc.c with false failed")])
+                                       ("false", "compiling gemv.c, mhc.c and moe.c with false failed")])
 def test_a_missing_or_failing_compiler_is_one_clear_error(cc: str, expect: str, tmp_path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture) -> None:
@@ -557,7 +557,7 @@ def test_golden_with_host_kernels_matches() -> None:
     assert (run.table["tokens_matched"] == run.table["tokens_total"]).all()
     counts = {(k, ex): n for k, ex, n in zip(run.kernels["dispatch_key"], run.kernels["executor"], run.kernels["calls"],
                                               strict=True)}  # the engine's own dispatcher counted them
-    for key in ("fp8", "fp4", "linear", "hc_mixes", "rms_norm", "hc_collapse", "hc_expand", "sparse_attn"):
+    for key in ("fp8", "fp4", "linear", "hc_mixes", "rms_norm", "hc_collapse", "hc_expand", "sparse_attn", "moe_ffn"):
         assert counts.get((f"host.{key}", "host"), 0) > 0, key  # ran natively inside the model
     keys = set(run.kernels["dispatch_key"])
     assert {"host.fp8", "host.fp4", "host.linear"} <= keys

@@ -240,10 +240,12 @@ def test_csa_layer_decode_graph_is_portable(monkeypatch: pytest.MonkeyPatch):
                       index_head_dim=32, index_topk=2, swiglu_limit=1.0, max_position_embeddings=256)
     weights = random_weights(cfg, 0, with_mtp=False)
     prompts = [[5, 9, 2], list(range(3, 14))]  # decode from inside the window and across it (8), past topk entries
-    want, _ = greedy(build(cfg, weights, max_model_len=64, graph_mode="eager"), prompts, 6)
+    # the reference table: the ops device graphs run (the native host kernels are opaque custom ops in a graph)
+    want, _ = greedy(build(cfg, weights, max_model_len=64, graph_mode="eager", kernels="reference"), prompts, 6)
     lint = LintBackend()
     _graphs_via(lint, monkeypatch)
-    got, _ = greedy(build(cfg, weights, max_model_len=64, graph_mode="layer", host_compiler="aot_eager"), prompts, 6)
+    got, _ = greedy(build(cfg, weights, max_model_len=64, graph_mode="layer", host_compiler="aot_eager",
+                          kernels="reference"), prompts, 6)
     assert got == want
     assert lint.graphs == 3  # the layer + embed + head, one batch/block bucket
     assert lint.problems == []
@@ -257,13 +259,14 @@ def test_golden_model_decode_graphs_are_portable(monkeypatch: pytest.MonkeyPatch
     from deepinfer_bench.golden import GOLDEN_DIR, golden_config, load_golden
     from engine.llm import greedy_with_logits
 
-    cfg = golden_config(graph_mode="eager")
+    cfg = golden_config(graph_mode="eager", kernels="reference")  # the ops device graphs run
     _, prompts = load_golden(GOLDEN_DIR, cfg.model.config)
     chosen = [p.prompt_ids for p in prompts if p.name in ("text_hi", "ids_17", "ids_21_nobos")]  # window 16 crossed
     want, _ = greedy_with_logits(engine.build(cfg), chosen, 6)
     lint = LintBackend()
     _graphs_via(lint, monkeypatch)
-    got, _ = greedy_with_logits(engine.build(golden_config(graph_mode="layer", host_compiler="aot_eager")), chosen, 6)
+    got, _ = greedy_with_logits(engine.build(golden_config(graph_mode="layer", host_compiler="aot_eager",
+                                                           kernels="reference")), chosen, 6)
     assert got == want
     assert lint.graphs == 6  # 4 layer structures + embed + head, one batch/block bucket
     assert lint.problems == []

@@ -46,6 +46,9 @@ def _prompts(lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
 
 
 def _engine(cfg: ModelConfig, **settings: object):
+    # the reference table unless a test says otherwise: these tests count the region graphs' launches and MoE paths
+    # of the torch ops (--kernels host runs its own MoE call in eager steps; tests/test_host_kernels.py covers it)
+    settings = {"kernels": "reference", **settings}
     return build(cfg, random_weights(cfg, 0, with_mtp=False), max_model_len=256, **settings)
 
 

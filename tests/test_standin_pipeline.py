@@ -191,14 +191,14 @@ def test_tiny_model_decode_graphs_through_the_standin(tmp_path: Path, monkeypatc
     from engine.backends.standin_pipeline import StandinPipeline
     from engine.llm import greedy_with_logits
 
-    cfg = golden_config(graph_mode="eager")
+    cfg = golden_config(graph_mode="eager", kernels="reference")
     _, prompts = load_golden(GOLDEN_DIR, cfg.model.config)
     chosen = [p.prompt_ids for p in prompts if p.name in ("text_hi", "ids_17", "ids_21_nobos")]
     want, want_logits = greedy_with_logits(engine.build(cfg), chosen, 8)
     pipe = StandinPipeline(dump_dir=tmp_path)
     monkeypatch.setattr(HostBackend, "compile_region", lambda self, region: pipe.compile_region(region))
     monkeypatch.setattr(HostBackend, "compile_fn", lambda self, fn, name: pipe.compile_fn(fn, name))
-    eng = engine.build(golden_config(graph_mode="layer", host_compiler="aot_eager"))
+    eng = engine.build(golden_config(graph_mode="layer", host_compiler="aot_eager", kernels="reference"))
     got, logits = greedy_with_logits(eng, chosen, 8)
     assert got == want
     assert max(float((a - b).abs().max()) for a, b in zip(logits, want_logits, strict=True)) < 1e-4

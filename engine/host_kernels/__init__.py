@@ -25,6 +25,12 @@ hundreds of microseconds as chains of torch ops (on the tiny model they were ~45
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
 fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above).
 
+`moe.c` holds the MoE FFN of a decode step after the gate (routed experts in expert order, each on its tokens with
+the routing weight before w2, plus the shared expert) as one native call over the same GEMMs (`moe_ffn`, key
+"host.moe_ffn"; engine/model/moe.py `MoE.forward` calls it when the op table has it): the ~15 torch ops and op-table
+calls per (token, expert) pair were the largest non-GEMM cost of a mid-model batch-1 step. Native for CPU fp32 x of
+at most max_m("mhc") rows (and each weight format's own limit), else the module's op-by-op path, counted by reason.
+
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
 portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
 `engine.envs.host_kernel_cache_dir()` and loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to
@@ -39,6 +45,7 @@ same way."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +57,7 @@ from engine.host_kernels.build import summary as _summary
 from nki_kernels import dispatch, reference
 
 __all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant",
-           "ensure_loaded", "library", "load", "max_m", "stack_linear", "summary", "why_not"]
+           "ensure_loaded", "library", "load", "max_m", "moe_ffn", "stack_linear", "summary", "why_not"]
 
 # Largest x row count each native kernel takes, per build ("mhc": the small per-token ops but sparse_attn, which has
 # its own); above it the reference (MKL on dequantised chunks; torch's batched ops) is as fast or faster.
@@ -59,12 +66,13 @@ __all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", 
 #   FP8 0.9-0.97x, FP4 1.26x. From M ~ 4 on both are FMA-bound; the crossover is where the reference's one-off
 #   decode / widening of the weight stops paying for MKL's faster GEMM.
 # * avx2 (Zen 3, 2 cores shared with other jobs): head 3.0x at 32, 0.84x at 64; FP8 1.05-1.7x at 64, 0.5-0.9x at 128;
-#   FP4 1.0-2.0x at 128, 0.7x at 256; small ops 1.7-2.3x and sparse_attn 1.3x at 64.
+#   FP4 1.0-2.0x at 128, 0.7x at 256; small ops 1.7-2.3x and sparse_attn 1.3x at 64. A later run (2026-12-03, load
+#   ~9 on the 2 cores, interleaved): FP8 1.3-5.3x at 32 but 0.94-0.99x (fp8_4096, wo_b) at 64, hence FP8 <= 32.
 # * portable (no AVX2): 1.7-8x at M = 1, but head 0.81x and FP8 0.44-2.2x at 4, FP4 6.9x at 4 and 0.6x at 16,
 #   sparse_attn 0.93-1.08x at 1 (0: never native) and 0.45x at 4; the other small ops 1.5-3x up to 64.
 _AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 32, "fp8": 64, "fp4": 128, "mhc": 64, "sparse_attn": 64},
+         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64},
          "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 
@@ -350,6 +358,58 @@ def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor
     return (fp8_linear if fmt == "fp8" else fp4_linear)(x, stack[e], scales[e])
 
 
+_FMT_CODE = {None: 0, "fp8": 1, "fp4": 2}  # moe.c's weight formats
+_FMT_DTYPE = {None: torch.bfloat16, "fp8": torch.uint8, "fp4": torch.uint8}
+_FMT_KEY = {None: "linear", "fp8": "fp8", "fp4": "fp4"}
+
+
+def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit: float, e_lo: int,
+            routed: tuple[str | None, tuple[torch.Tensor | None, ...]],
+            shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None,
+            ref: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The MoE FFN of a decode step (engine/model/moe.py `MoE.forward` after the gate: routed experts + shared
+    expert) as one native call (moe.c `dk_moe_ffn`), else `ref()` (the module's own op-by-op path), counted by
+    reason under "host.moe_ffn". x [T, D] fp32, weights / indices [T, K] (fp32 / int64) -> fp32 [T, D].
+    `routed` = (fmt, (w1, s1, w3, s3, w2, s2)): the local experts' stacks [E_local, ...] from expert e_lo on, scales
+    None for bf16 weights (fmt None); `shared` the same for the shared expert's [I, D] / [D, I] tensors (None: no
+    shared expert). The GEMMs are the ones `linear` / `fp8_linear` / `fp4_linear` run, in the module's order, so
+    results equal the op-by-op host path up to silu's exp (libm's expf, within an ulp or two)."""
+    t = x.shape[0] if x.dim() == 2 else 0
+    parts = [routed] + ([shared] if shared is not None else [])
+    why = _why_not_rows("mhc", t, x, weights, indices)
+    if why is None and (x.dtype is not torch.float32 or weights.dtype is not torch.float32
+                        or indices.dtype is not torch.int64):
+        why = "dtype"
+    if why is None and (x.dim() != 2 or weights.shape != indices.shape or indices.dim() != 2
+                        or indices.shape[0] != t):
+        why = "shape"
+    if why is None:
+        for fmt, ts in parts:
+            if fmt not in _FMT_CODE or ts[0].dtype is not _FMT_DTYPE[fmt] or ts[2].dtype is not _FMT_DTYPE[fmt] \
+                    or ts[4].dtype is not _FMT_DTYPE[fmt] or any(u is not None and not u.is_contiguous() for u in ts):
+                why = "dtype"
+            elif ts[0].shape[-2] != routed[1][0].shape[-2]:
+                why = "shape"
+            elif t > max_m(_FMT_KEY[fmt]):
+                why = f"M > {max_m(_FMT_KEY[fmt])}"
+    if why is not None:
+        return dispatch.fallback("host.moe_ffn", why, ref)
+    _count("host.moe_ffn")
+    fmt_r, rw = routed
+    e_n, inter = rw[0].shape[0], rw[0].shape[1]
+    d, k = x.shape[1], indices.shape[1]
+    xf, wf, idx = x.contiguous(), weights.contiguous(), indices.contiguous()
+    y = torch.empty(t, d)
+    ptrs = [(ctypes.c_void_p * 6)(*[u.data_ptr() if u is not None else None for u in ts]) for _, ts in parts]
+    rc = _native().lib.dk_moe_ffn(
+        xf.data_ptr(), t, d, inter, limit, idx.data_ptr(), wf.data_ptr(), k, e_lo, e_n, _FMT_CODE[fmt_r], ptrs[0],
+        _FMT_CODE[shared[0]] if shared is not None else 0, ptrs[1] if shared is not None else None, y.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"host kernel moe_ffn: out of memory for x [{t}, {d}]")
+    return y
+
+
 def _native_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Callable[..., Any]:
     """`impl` registered as the custom op `deepinfer::host_<name>` (shapes from `fake`), and the op table's entry
     point: the custom op while torch.compile traces (compiled graphs call the same native code without a graph
@@ -382,7 +442,7 @@ stack_linear = _native_op("stack_linear", stack_linear_impl,
 # these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
 NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn}
+    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn, "moe_ffn": moe_ffn}
 
 
 def ensure_loaded() -> HostLibrary:

@@ -1,5 +1,5 @@
-"""Building, choosing and loading the native host-kernel library (gemv.c + mhc.c): one build per instruction-set
-variant, and the best one the CPU runs.
+"""Building, choosing and loading the native host-kernel library (gemv.c + mhc.c + moe.c): one build per
+instruction-set variant, and the best one the CPU runs.
 
     variant       compiler flags (beside BASE_FLAGS)               the CPU must report
     avx512-vbmi   -mavx2 -mfma -mavx512f -mavx512bw -mavx512vbmi   avx avx2 fma avx512f avx512bw avx512vbmi
@@ -40,9 +40,10 @@ from typing import Any
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "gemv_avx512.h", "gemv_avx2.h"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c", "gemv_avx512.h",
+                                                          "gemv_avx2.h"))
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
-NAMES = " and ".join(src.name for src in COMPILED)
+NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name}"  # "gemv.c, mhc.c and moe.c"
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -231,8 +232,10 @@ class HostLibrary:
         lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
         lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
         lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
+        lib.dk_moe_ffn.argtypes = [p, i64, i64, i64, f32, p, p, i64, i64, i64, i32, p, i32, p, p, i32]
         for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_max_threads, lib.dk_last_threads,
-                  lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn):
+                  lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn,
+                  lib.dk_moe_ffn):
             f.restype = i32
         self.lib = lib
 

@@ -234,8 +234,21 @@ class MoE(OpsUser, nn.Module):
         if self.par is not None:
             return self._forward_ep(x, input_ids, grouped=grouped)
         weights, indices = self.gate(x, input_ids)
+        native = getattr(self.ops, "moe_ffn", None)  # the host table's one-call MoE FFN (engine/host_kernels)
+        if native is not None and self._stacked and not (grouped and self.capacity > 0) \
+                and not torch.compiler.is_compiling():
+            return native(x, weights, indices, self.experts[self.local.start].limit, self.local.start,
+                          self._weights_of(None), self._weights_of(self.shared_experts),
+                          lambda: self.routed(x, weights, indices, grouped) + self.shared_experts(x)).to(x.dtype)
         y = self.routed(x, weights, indices, grouped) + self.shared_experts(x)
         return y.to(x.dtype)
+
+    def _weights_of(self, ex: Expert | None) -> tuple[str | None, tuple[torch.Tensor | None, ...]]:
+        """(fmt, (w1, s1, w3, s3, w2, s2)) of expert `ex`, or of the routed stacks (None): the native MoE's inputs."""
+        fmt = (ex or self.experts[self.local.start]).w1.fmt
+        if ex is None:
+            return fmt, tuple(getattr(self, f"stack_{w}{a}", None) for w in ("w1", "w3", "w2") for a in ("", "_scale"))
+        return fmt, tuple(getattr(getattr(ex, w), a, None) for w in ("w1", "w3", "w2") for a in ("weight", "scale"))
 
     def forward_static(self, x: torch.Tensor, input_ids: torch.Tensor,
                        split: Callable[[str], None] = no_split) -> torch.Tensor:

@@ -8,7 +8,8 @@
 * `host`: the reference table with `linear` / `fp8_linear` / `fp4_linear` on native CPU GEMV kernels and the small
   per-token ops (`hc_mixes`, `hc_collapse`, `hc_expand`, `rms_norm`, `sparse_attn`) on native ones for decode-size
   inputs (engine/host_kernels; its `stack_linear` reads the chosen expert's weight in place instead of gathering a
-  copy).
+  copy), plus `moe_ffn`, the MoE FFN after the gate in one native call (engine/model/moe.py `MoE.forward` uses it
+  where the table has it).
 
 Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
 another). Besides the kernel ops, the table has two composites the model needs (`with_composites`): `attn_out_expand`,

@@ -1,0 +1,108 @@
+"""`--kernels host`'s one-call MoE FFN (engine/host_kernels/moe.c `dk_moe_ffn`, `host_kernels.moe_ffn`) against the
+same FFN written op by op with the torch reference (nki_kernels/reference.py): routed experts in expert order with
+the routing weight before w2, plus the shared expert; stored FP4 / FP8 and bf16 weights; and the cases it leaves to
+the module's own path (counted by reason)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import host_kernels as H
+from nki_kernels import dispatch, formats
+from nki_kernels import reference as R
+
+E, K, D, INTER = 6, 2, 256, 128
+
+
+def _quant(w: torch.Tensor, fmt: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if fmt is None:
+        return w.bfloat16(), None
+    q, s = formats.quant_fp8_block(w) if fmt == "fp8" else formats.quant_fp4(w)
+    return q.view(torch.uint8), s.view(torch.uint8)  # the stored bytes, as the engine holds them
+
+
+def _expert(g: torch.Generator, fmt: str | None) -> tuple[torch.Tensor | None, ...]:
+    """(w1, s1, w3, s3, w2, s2) of one expert in format fmt."""
+    out: list[torch.Tensor | None] = []
+    for n, k in ((INTER, D), (INTER, D), (D, INTER)):
+        out += _quant(torch.randn(n, k, generator=g) / k**0.5, fmt)
+    return tuple(out)
+
+
+def _gemm(fmt: str | None, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    if fmt is None:
+        return R.linear(x, w)
+    return (R.fp8_linear if fmt == "fp8" else R.fp4_linear)(x, w, s)
+
+
+def _ffn_ref(fmt, p, x, wt, limit):
+    h = R.swiglu(_gemm(fmt, x, p[0], p[1]), _gemm(fmt, x, p[2], p[3]), limit)
+    return _gemm(fmt, h if wt is None else h * wt, p[4], p[5])
+
+
+def _moe_ref(x, weights, indices, limit, e_lo, routed, shared):
+    """engine/model/moe.py routed_local + shared expert, with the reference's ops."""
+    fmt, stacks = routed
+    y = torch.zeros(x.shape)
+    for j in range(stacks[0].shape[0]):
+        tok, k = torch.where(indices == e_lo + j)
+        if len(tok):
+            p = [None if s is None else s[j] for s in stacks]
+            y.index_add_(0, tok, _ffn_ref(fmt, p, x[tok], weights[tok, k, None], limit))
+    if shared is not None:
+        y = y + _ffn_ref(shared[0], shared[1], x, None, limit)
+    return y
+
+
+def _case(t: int, fmt_r: str | None, fmt_s: str | None, seed: int = 0, e_lo: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    experts = [_expert(g, fmt_r) for _ in range(E)]
+    stacks = tuple(None if experts[0][i] is None else torch.stack([ex[i] for ex in experts]) for i in range(6))
+    x = torch.randn(t, D, generator=g)
+    indices = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) + e_lo
+    weights = torch.rand(t, K, generator=g) + 0.25
+    return x, weights, indices, (fmt_r, stacks), (fmt_s, _expert(g, fmt_s))
+
+
+def _bound(ref: torch.Tensor) -> torch.Tensor:
+    # fp32 sums of up to D = 256 terms in another order (at most 2 * L * u of the sum of |terms|, with |terms|
+    # bounded here by a few times the output scale) plus silu's exp (libm's expf vs torch's: 1-2 ulp)
+    return 2 * D * 2.0**-24 * 8 * (ref.abs() + ref.abs().mean()) + 1e-6
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("fmt_r,fmt_s", [("fp4", "fp8"), ("fp8", "fp8"), (None, None), ("fp4", None)])
+@pytest.mark.parametrize("limit", [10.0, 0.5, 0.0])
+def test_moe_ffn_matches_the_reference(t: int, fmt_r: str | None, fmt_s: str | None, limit: float) -> None:
+    x, weights, indices, routed, shared = _case(t, fmt_r, fmt_s, seed=t)
+    ref = _moe_ref(x, weights, indices, limit, 0, routed, shared)
+    dispatch.reset_counts()
+    got = H.moe_ffn(x, weights, indices, limit, 0, routed, shared, lambda: pytest.fail("fell back"))
+    assert dispatch.counts() == {("host.moe_ffn", "host"): 1}
+    assert got.dtype is torch.float32 and got.shape == ref.shape
+    assert ((got - ref).abs() <= _bound(ref)).all(), float((got - ref).abs().max())
+
+
+def test_moe_ffn_local_experts_and_no_shared_expert() -> None:
+    """Expert parallelism: the stacks hold experts e_lo.. only; pairs routed elsewhere add nothing here."""
+    x, weights, indices, routed, _ = _case(5, "fp4", None, seed=9, e_lo=0)
+    fmt, stacks = routed
+    local = (fmt, tuple(None if s is None else s[2:5] for s in stacks))  # experts 2, 3, 4 of 6
+    ref = _moe_ref(x, weights, indices, 10.0, 2, local, None)
+    got = H.moe_ffn(x, weights, indices, 10.0, 2, local, None, lambda: pytest.fail("fell back"))
+    assert ((got - ref).abs() <= _bound(ref)).all()
+    assert ref.abs().sum() > 0  # some pairs were local
+
+
+def test_moe_ffn_leaves_other_cases_to_the_module_counted() -> None:
+    x, weights, indices, routed, shared = _case(2, "fp4", "fp8")
+    sentinel = torch.full((2, D), 7.0)
+    cases = {"dtype": (x.bfloat16(), weights, indices, routed, shared),
+             "M > ": (torch.randn(H.max_m("mhc") + 1, D), weights, indices, routed, shared)}
+    for why, (xx, ww, ii, rr, ss) in cases.items():
+        dispatch.reset_counts()
+        assert H.moe_ffn(xx, ww, ii, 10.0, 0, rr, ss, lambda: sentinel) is sentinel
+        assert dispatch.counts() == {("host.moe_ffn.fallback", "reference"): 1}, why
+        assert [r for (k, r) in dispatch.fallbacks()] == [r for (k, r) in dispatch.fallbacks() if r.startswith(why)]
+        assert len(dispatch.fallbacks()) == 1, why
