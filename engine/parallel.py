@@ -14,7 +14,8 @@ Layout (cp ranks, the same `--cp N` for both):
 
 Collectives are c10d's in-place ones (`dist.all_gather` / `dist.all_reduce`), or - when the backend that joined the
 group says so (`Parallel.functional`, set by its `join_group`: TorchNeuron) - the functional collectives of
-`torch.distributed._functional_collectives` (`all_gather_into_tensor`, `all_reduce`), which return new tensors and
+`torch.distributed._functional_collectives` (`all_gather_tensor`, `all_reduce`: the graph ops
+`_c10d_functional.all_gather_into_tensor` / `all_reduce`), which return new tensors and
 may sit inside a compiled graph (`torch.compile(fullgraph=True)` traces them as graph ops). The model calls the same
 two methods either way; it never tests a device type.
 
@@ -89,7 +90,7 @@ class Parallel:
 
             if not torch.compiler.is_compiling():
                 self._tick(f"{key}:all_gather")
-            gathered = funcol.all_gather_into_tensor(t.contiguous(), 0, self.group)  # [cp * t.shape[0], ...]
+            gathered = funcol.all_gather_tensor(t.contiguous(), 0, self.group)  # [cp * t.shape[0], ...]
             return list(gathered.chunk(self.cp, 0))
         self._tick(f"{key}:all_gather")
         out = [torch.empty_like(t) for _ in range(self.cp)]

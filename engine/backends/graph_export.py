@@ -123,10 +123,12 @@ def compile_each(be: Any, specs: list[GraphSpec], dynamo_backend: Callable[[str]
                 graph(*spec.args)
             row.update(status="pass", error=None, ncc_error=None)
         except Exception as e:  # noqa: BLE001 - one graph's failure is a row of the report, not the end of it
-            text = str(e).strip()
-            first = text.splitlines()[0][:400] if text else type(e).__name__
-            code = NCC_CODE.search(text)
-            row.update(status="fail", error=f"{type(e).__name__}: {first}", ncc_error=code.group(0) if code else None)
+            root = getattr(e, "inner_exception", None) or e  # Dynamo wraps a compiler's error (BackendCompilerFailed)
+            text = str(root).strip()
+            first = text.splitlines()[0][:400] if text else type(root).__name__
+            code = NCC_CODE.search(text) or NCC_CODE.search(str(e))
+            row.update(status="fail", error=f"{type(root).__name__}: {first}",
+                       ncc_error=code.group(0) if code else None)
         row["seconds"] = round(time.perf_counter() - t0, 3)
         row["_t0"] = t0
         if after is not None:

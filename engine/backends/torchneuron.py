@@ -160,9 +160,14 @@ class TorchNeuronBackend:
         return "TorchNeuron (torch.compile backend=\"neuron\", neuronx-cc NEFFs) on a Neuron device"
 
     @property
+    def device_name(self) -> str:
+        """`neuron:<index>` of this rank (set by `setup_process`)."""
+        return f"neuron:{self._index}"
+
+    @property
     def device(self) -> torch.device:
         if self._device is None:
-            self._device = torch.device(f"neuron:{self._index}")
+            self._device = torch.device(self.device_name)  # TorchNeuron registers "neuron" as the PrivateUse1 name
             self._counters.device = str(self._device)
         return self._device
 
