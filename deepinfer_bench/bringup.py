@@ -148,7 +148,7 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
             failed = step
         if progress is not None:
             progress(step, row["status"])
-    df = pd.DataFrame(rows, columns=COLUMNS)
+    df = pd.DataFrame(rows, columns=COLUMNS).astype({"exit_code": "Int64"})
     meta = {"backend": plan.backend, "model_dir": plan.model_dir, "compile_sizes": list(plan.compile_sizes),
             "skip": sorted(plan.skip), "first_failure": failed, "ok": failed is None,
             "not_run": [r["step"] for r in rows if r["status"] == "not run"], **plan.extra}
@@ -165,15 +165,16 @@ def _last_line(log: Path) -> str | None:
 
 def markdown(df: pd.DataFrame, meta: dict[str, Any], measured_on: str) -> str:
     """The report: verdict line, what the numbers are, one table row per step."""
-    verdict = ("all steps that can run here passed" if meta["ok"]
+    not_run = ", ".join(meta["not_run"]) or "none"
+    verdict = (f"every step that ran passed (not run: {not_run})" if meta["ok"]
                else f"stopped: step **{meta['first_failure']}** failed")
     lines = [f"# deepinfer bringup: --backend {meta['backend']}", "", f"{verdict}.", "",
              f"Measured on: {measured_on}.", "",
              "| step | status | seconds | exit | command / reason |", "|---|---|---|---|---|"]
     for r in df.itertuples():
-        what = r.command or ""
-        if r.reason:
-            what = f"{what} - {r.reason}" if what else r.reason
+        command = "" if pd.isna(r.command) else r.command
+        reason = "" if pd.isna(r.reason) else r.reason
+        what = f"{command} - {reason}" if command and reason else command or reason
         secs = "" if pd.isna(r.seconds) else f"{r.seconds:.1f}"
         code = "" if pd.isna(r.exit_code) else str(int(r.exit_code))
         lines.append(f"| {r.step} | {r.status} | {secs} | {code} | {what.replace('|', '/')} |")

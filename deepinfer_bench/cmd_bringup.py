@@ -65,5 +65,5 @@ def bringup_cmd(
     if not meta["ok"]:
         err_console.print(f"[red]stopped at step {meta['first_failure']}[/red] -> {run_dir / 'bringup.md'}")
         raise typer.Exit(1)
-    err_console.print(f"[green]every step that can run here passed[/green] (not run: "
+    err_console.print(f"[green]every step that ran passed[/green] (not run: "
                       f"{', '.join(meta['not_run']) or 'none'}) -> {run_dir / 'bringup.md'}")
