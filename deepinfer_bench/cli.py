@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import deepinfer_bench.cmd_bringup  # noqa: F401
 import deepinfer_bench.cmd_compile  # noqa: F401
 import deepinfer_bench.cmd_engine_vs_hf  # noqa: F401
 import deepinfer_bench.cmd_generate  # noqa: F401

@@ -34,6 +34,10 @@ def golden_cmd(
                       f"{config.model.weights}; max_num_seqs "
                       f"{c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}, num_kv_blocks "
                       f"{c.num_kv_blocks} x {c.block_size}[/dim]")
+    if str(config.backend) != "host":
+        from engine.backends import measured_on
+
+        err_console.print(f"[dim]measured on: {measured_on(config.backend)}[/dim]")
     run = run_golden(config, golden_dir, progress=True)
     render_df(run.table, f"golden vs HF reference ({config.model.dtype}, cp={config.cp}, graph {config.graph.mode})")
     if run.collectives and (report_collectives or config.cp > 1):

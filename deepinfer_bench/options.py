@@ -58,15 +58,20 @@ class EngineArgs:
 
         return ModelConfig.from_json(self.model_dir)
 
-    def config(self, model_config: Any = None, *, workload: Any = None, **suggested: Any) -> Any:
+    def config(self, model_config: Any = None, *, workload: Any = None, compile_only: bool = False,
+               **suggested: Any) -> Any:
         """The EngineConfig of this command: `suggested` settings, overridden by what the user gave; the engine
         sized for `workload` (engine.config.Workload) where neither set a size (EngineConfig.from_model_config:
-        after cp is known, torchrun's WORLD_SIZE under torchrun)."""
+        after cp is known, torchrun's WORLD_SIZE under torchrun). Its backend's stack is checked here, so a missing
+        one is a single line before the command prints anything (`compile_only`: no device needed)."""
+        from engine.backends import check_available
         from engine.config import EngineConfig
 
         cfg = model_config if model_config is not None else self.model_config()
-        return EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), workload=workload,
-                                              **{**suggested, **self.overrides()})
+        config = EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), workload=workload,
+                                                **{**suggested, **self.overrides()})
+        check_available(config.backend, compile_only=compile_only)
+        return config
 
 
 _OPTIONS: dict[str, Any] = {
@@ -77,8 +82,9 @@ _OPTIONS: dict[str, Any] = {
     "graph_mode": Annotated[GraphMode | None, _opt("--graph-mode", help="Decode as eager ops, region graphs (two "
                                                    "per layer) or layer graphs; auto: eager on the host, "
                                                    "layer on xla/neuron (default: DEEPINFER_NEURON_GRAPH_MODE)")],
-    "backend": Annotated[Backend | None, _opt("--backend", help="host (CPU torch), xla (torch-xla device), neuron, "
-                                              "or auto (default: DEEPINFER_BACKEND)")],
+    "backend": Annotated[Backend | None, _opt("--backend", help="host (CPU torch), xla (the PyTorch/XLA lane), "
+                                              "neuron (TorchNeuron), neuron-standin (TorchNeuron's compile pipeline "
+                                              "on a CPU stand-in) or auto (default: DEEPINFER_BACKEND)")],
     "kernels": Annotated[Kernels | None, _opt("--kernels", help="Op implementation inside the model: torch "
                                               "reference, NKI kernels on the NumPy stand-in, NKI on Neuron, host "
                                               "(native CPU kernels for the decode GEMMs and per-token ops), or auto "

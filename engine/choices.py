@@ -31,8 +31,9 @@ class _Choice(str, enum.Enum):
 class Backend(_Choice):
     AUTO = "auto"  # resolved by `resolve_backend` when the config is built; a built config never holds it
     HOST = "host"  # CPU torch
-    XLA = "xla"  # a torch-xla device (PJRT_DEVICE picks it: CPU here, the Neuron PJRT plugin on a trn2)
-    NEURON = "neuron"  # xla on the Neuron PJRT device, with the Neuron runtime environment
+    XLA = "xla"  # the PyTorch/XLA lane: a torch-xla device (PJRT CPU here; the legacy Neuron PJRT stack elsewhere)
+    NEURON = "neuron"  # TorchNeuron: the native `neuron` device, torch.compile(backend="neuron") graphs
+    NEURON_STANDIN = "neuron-standin"  # the same backend, its compile step on a CPU stand-in (torch-mlir + XLA CPU)
 
 
 class GraphMode(_Choice):

@@ -9,10 +9,10 @@
 * `parallel: ParallelConfig` - context/expert-parallel ranks;
 * `graph: GraphConfig` - how decode steps are cut into graphs (mode, batch buckets, host compiler, region timing,
   MoE capacity);
-* `backend` (host | xla | neuron; "auto" is resolved here, in `resolve_backend`, and nowhere else) and `kernels`
-  (which implementation of the kernel ops runs inside the model; "auto", the default, is resolved here too, in
-  `resolve_kernels`: the native host kernels where they build and run, else the reference; `kernels_requested` and
-  `kernels_why` say what was asked and why, in `to_dict()`).
+* `backend` (host | xla | neuron | neuron-standin; "auto" is resolved here, in `resolve_backend`, and nowhere else)
+  and `kernels` (which implementation of the kernel ops runs inside the model; "auto", the default, is resolved here
+  too, in `resolve_kernels`: the native host kernels where they build and run, else the reference;
+  `kernels_requested` and `kernels_why` say what was asked and why, in `to_dict()`).
 
 `EngineConfig.from_model_dir(dir, workload=..., **overrides)` is the constructor every command uses; overrides are
 flat names (`max_num_seqs=3`, `graph_mode="layer"`, `cp=4`; None = not given). Defaults come from the `DEEPINFER_*`
@@ -106,8 +106,8 @@ class Workload:
 
 def resolve_graph_mode(requested: GraphMode | str, backend: Backend) -> GraphMode:
     """The one place graph mode "auto" is resolved: eager ops on the host (no compile time; `layer` is the faster
-    compiled option there); `layer` graphs on a device backend (xla, neuron), where eager decode runs each op as its
-    own device graph and its data-dependent routing (nonzero, bincount) syncs with the host every step."""
+    compiled option there); `layer` graphs on a graph backend (xla, neuron, neuron-standin), where eager decode runs
+    each op as its own device graph and its data-dependent routing (nonzero, bincount) syncs with the host."""
     mode = GraphMode.parse(requested, "graph mode")
     if mode is not GraphMode.AUTO:
         return mode
@@ -135,16 +135,19 @@ def resolve_kernels(requested: Kernels | str, backend: Backend) -> tuple[Kernels
 
 
 def resolve_backend(requested: Backend | str) -> Backend:
-    """The one place "auto" is resolved: neuron on a machine with a Neuron device and torch-neuronx, else host
-    (xla is never chosen automatically: on a CPU it is a verification path, not a faster one)."""
+    """The one place "auto" is resolved (engine/stack.py `neuron_stack` tells the stacks apart): a Neuron device with
+    TorchNeuron (native torch-neuronx >= 2.13) -> neuron; a Neuron device with the legacy PyTorch/XLA torch-neuronx
+    -> xla (on the Neuron PJRT device); anything else -> host, including TorchNeuron installed without a device.
+    neuron-standin and xla on PJRT CPU are verification paths, never chosen automatically."""
     want = Backend.parse(requested, "backend")
     if want is not Backend.AUTO:
         return want
-    import glob
-    import importlib.util
+    from engine.stack import neuron_stack
 
-    has_device = bool(glob.glob("/dev/neuron*"))
-    return Backend.NEURON if has_device and importlib.util.find_spec("torch_neuronx") is not None else Backend.HOST
+    stack = neuron_stack()
+    if not stack.device:
+        return Backend.HOST
+    return {"torchneuron": Backend.NEURON, "xla": Backend.XLA}.get(stack.kind, Backend.HOST)
 
 
 def _positive_ints(obj: Any, names: tuple[str, ...]) -> None:

@@ -38,8 +38,9 @@ class Envs:
     DEEPINFER_HOST_COMPILER: str = _flag(
         "inductor", "torch.compile backend for region graphs on the host: inductor, aot_eager, eager (dynamo "
         "capture only) or none (no compile; same static-shape code)", graph=True, choices=HostCompiler.values())
-    DEEPINFER_BACKEND: str = _flag("auto", "Engine backend: auto (neuron where a Neuron device is, else host), host "
-                                   "(CPU torch), xla (a torch-xla device) or neuron", graph=True,
+    DEEPINFER_BACKEND: str = _flag("auto", "Engine backend: auto (neuron where a Neuron device and TorchNeuron are, "
+                                   "else host), host (CPU torch), xla (the PyTorch/XLA lane), neuron (TorchNeuron) "
+                                   "or neuron-standin (TorchNeuron's compile pipeline on a CPU stand-in)", graph=True,
                                    choices=Backend.values())
     DEEPINFER_KERNEL_EXECUTOR: str = _flag(
         "auto", "Where `deepinfer kernels` runs the NKI kernels: auto, stand-in, simulator or neuron", graph=True,
@@ -77,7 +78,8 @@ class Envs:
                 for f in dataclasses.fields(Envs) if f.name != "recorded"]
 
 
-_RECORDED_PREFIXES = ("NEURON_", "NKI_", "XLA_", "PJRT_", "TPU_", "CPU_NUM_DEVICES", "MASTER_ADDR", "MASTER_PORT",
+_RECORDED_PREFIXES = ("NEURON_", "NKI_", "TORCH_NEURONX_", "XLA_", "PJRT_", "TPU_", "CPU_NUM_DEVICES", "MASTER_ADDR",
+                      "MASTER_PORT",
                       "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MKL_", "OMP_NUM_THREADS")
 
 
@@ -153,7 +155,12 @@ def host_kernel_cache_dir(envs: Envs | None = None) -> Path:
     envs = envs or get_envs()
     if envs.DEEPINFER_HOST_KERNEL_CACHE:
         return Path(envs.DEEPINFER_HOST_KERNEL_CACHE).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer" / "host_kernels"
+    return cache_root() / "host_kernels"
+
+
+def cache_root() -> Path:
+    """This user's deepinfer cache directory: $XDG_CACHE_HOME/deepinfer, else ~/.cache/deepinfer."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
 
 
 def environ() -> MutableMapping[str, str]:

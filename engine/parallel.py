@@ -12,6 +12,13 @@ Layout (cp ranks, the same `--cp N` for both):
   1/cp share of the tokens, packs (x, routing weights, expert ids) into ONE fp32 tensor, one all-gather, computes its
   experts for every token, and one all-reduce combines (the shared expert is added by the token's owner).
 
+Collectives are c10d's in-place ones (`dist.all_gather` / `dist.all_reduce`), or - when the backend that joined the
+group says so (`Parallel.functional`, set by its `join_group`: TorchNeuron) - the functional collectives of
+`torch.distributed._functional_collectives` (`all_gather_tensor`, `all_reduce`: the graph ops
+`_c10d_functional.all_gather_into_tensor` / `all_reduce`), which return new tensors and
+may sit inside a compiled graph (`torch.compile(fullgraph=True)` traces them as graph ops). The model calls the same
+two methods either way; it never tests a device type.
+
 Rank launch: `launch(job, cp, ...)` spawns cp processes on this host (gloo) and supervises them: a rank that raises
 or dies ends the whole job within a bounded time, naming the rank and the error; no orphans. Under `torchrun`
 (WORLD_SIZE set) the current process is one rank and its backend's `join_group` joins torchrun's group.
@@ -59,6 +66,9 @@ class Parallel:
     counts: Counter = field(default_factory=Counter)
     kill_at: int | None = None  # fault injection for tests: SIGKILL this rank at its n-th collective
     backend: Any = None  # the engine backend that joined this group (engine/backends), for the rank's job
+    # functional collectives (graph-legal; the backend's choice, see the module doc). Their calls are counted when
+    # they run outside a compiled graph; inside one they are graph ops, traced once, so not counted per execution.
+    functional: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -75,12 +85,27 @@ class Parallel:
 
     def all_gather(self, t: torch.Tensor, key: str) -> list[torch.Tensor]:
         """All ranks' `t` (same shape on every rank), in rank order."""
+        if self.functional:
+            from torch.distributed import _functional_collectives as funcol
+
+            if not torch.compiler.is_compiling():
+                self._tick(f"{key}:all_gather")
+            gathered = funcol.all_gather_tensor(t.contiguous(), 0, self.group)  # [cp * t.shape[0], ...]
+            return list(gathered.chunk(self.cp, 0))
         self._tick(f"{key}:all_gather")
         out = [torch.empty_like(t) for _ in range(self.cp)]
         dist.all_gather(out, t.contiguous(), group=self.group)
         return out
 
     def all_reduce(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """The sum over ranks of `t` (in place for c10d's collective; a new tensor for the functional one: use the
+        returned tensor)."""
+        if self.functional:
+            from torch.distributed import _functional_collectives as funcol
+
+            if not torch.compiler.is_compiling():
+                self._tick(f"{key}:all_reduce")
+            return funcol.all_reduce(t, "sum", self.group)
         self._tick(f"{key}:all_reduce")
         dist.all_reduce(t, group=self.group)
         return t
@@ -98,12 +123,13 @@ class Parallel:
 
 
 def join_group(dist_backend: str, init_method: str, world: int, timeout_s: float, rank: int | None = None,
-               backend: Any = None) -> Parallel:
+               backend: Any = None, functional: bool = False) -> Parallel:
     """Join the job's process group (`dist_backend` over `init_method`; `rank` None: the rendezvous assigns it, as
     torchrun's env:// and torch-xla's xla:// do) and make the gloo control group that rank 0's step messages travel
     on. A group whose world size is not the job's (a runtime not configured for several processes reports 1, and
     collectives would then silently reduce over one rank) is refused. The engine's backends call this from their
-    `join_group` (engine/backends); `backend` is kept on the returned Parallel for the rank's job."""
+    `join_group` (engine/backends); `backend` is kept on the returned Parallel for the rank's job, `functional` picks
+    the functional collectives (see the module doc)."""
     timeout = _dt.timedelta(seconds=timeout_s)
     ranks = {} if rank is None else {"rank": rank, "world_size": world}
     dist.init_process_group(dist_backend, init_method=init_method, timeout=timeout, **ranks)
@@ -111,7 +137,7 @@ def join_group(dist_backend: str, init_method: str, world: int, timeout_s: float
         raise RuntimeError(f"the {dist_backend} process group has world size {dist.get_world_size()}, the job has "
                            f"{world} ranks: the runtime is not configured for multiple processes")
     return Parallel(rank=dist.get_rank(), cp=world, group=dist.group.WORLD, control_group=_control_group(),
-                    backend=backend)
+                    backend=backend, functional=functional)
 
 
 def _control_group() -> Any:

@@ -2,15 +2,30 @@
 
 Versions of torch / torch-xla / torch-neuronx / neuronx-cc / nki (installed distributions, without importing
 them), the PJRT device torch-xla would use, the logical NeuronCore config (LNC, read once from
-NEURON_LOGICAL_NC_CONFIG; trn2's default is 2) and, where the Neuron tools are installed, `neuron-ls`. The NKI
-kernels were written for NKI 0.6 (`.view()` semantics, signatures checked by nki_kernels/static_check.py):
-`check_nki_version` refuses another major.minor with a clear message.
+NEURON_LOGICAL_NC_CONFIG; trn2's default is 2) and, where the Neuron tools are installed, `neuron-ls`.
+
+**Which Neuron stack** (`neuron_stack()`): torch-neuronx comes in two kinds that share a name. TorchNeuron (the native
+PyTorch backend, torch-neuronx >= 2.13 with torch 2.13 / 2.14, Neuron SDK 2.33+: a `neuron` device, `nki_op` and
+`wrap_nki`) is what `--backend neuron` runs on; torch-neuronx <= 2.9 is the PyTorch/XLA stack (torch-xla on the
+Neuron PJRT device, unsupported for inference on trn2 from SDK 2.34), which the engine runs as `--backend xla` with
+PJRT_DEVICE=NEURON. The PyPI "torch-neuronx" (1.0) is a placeholder. The kind is read from the installed
+distribution's version; only when no distribution metadata exists (a source tree) is the module imported to look
+for `nki_op` / `wrap_nki`.
+
+The NKI kernels were written for NKI 0.6 (`.view()` semantics, signatures checked by nki_kernels/static_check.py):
+`check_nki_version` refuses another major.minor with a clear message. (TorchNeuron's SDK 2.33 / 2.34 ship NKI 0.7 /
+0.8: moving the pin is issue 21 item 6, not done.)
 """
 
 from __future__ import annotations
 
+import glob
+import importlib
+import importlib.util
 import shutil
 import subprocess
+import sys
+from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from typing import Any
@@ -20,6 +35,7 @@ from engine.envs import get_envs
 STACK_PACKAGES = ("torch", "torch-xla", "torch-neuronx", "neuronx-cc", "nki", "libneuronxla", "transformers")
 NKI_SUPPORTED = ("0.6",)  # major.minor the kernels were written and checked for
 TRN2_DEFAULT_LNC = 2
+TORCHNEURON_MIN = (2, 13)  # torch-neuronx 2.13.x / 2.14.x: the native backend (TorchNeuron); <= 2.9: PyTorch/XLA
 
 
 def versions() -> dict[str, str | None]:
@@ -55,6 +71,86 @@ def check_nki_version(version: str | None) -> None:
         raise ValueError(f"nki {version} is installed; the NKI kernels here were written and checked for nki "
                          f"{' / '.join(NKI_SUPPORTED)} (.view() semantics and the signatures in "
                          f"nki_kernels/static_check.py); install nki {NKI_SUPPORTED[-1]}.x or run --kernels reference")
+
+
+@dataclass(frozen=True)
+class NeuronStack:
+    """Which Neuron stack this Python environment has (`neuron_stack()`).
+
+    kind: "torchneuron" (native torch-neuronx >= 2.13: `--backend neuron`), "xla" (torch-neuronx on PyTorch/XLA,
+    <= 2.9: `--backend xla` with PJRT_DEVICE=NEURON), "placeholder" (the PyPI stub) or "absent"."""
+
+    kind: str
+    version: str | None  # torch-neuronx's version (distribution metadata, else the module's __version__)
+    device: bool  # a Neuron device node exists (/dev/neuron*)
+    why: str = ""  # how the kind was told
+
+    @property
+    def native(self) -> bool:
+        return self.kind == "torchneuron"
+
+    def describe(self) -> str:
+        v = f"torch-neuronx {self.version}" if self.version else "torch-neuronx"
+        what = {"torchneuron": f"{v} (TorchNeuron, the native backend)",
+                "xla": f"{v} (the PyTorch/XLA stack)", "placeholder": f"{v} (the PyPI placeholder, not the SDK)",
+                "absent": "no torch-neuronx"}[self.kind]
+        return f"{what}; Neuron device: {'yes' if self.device else 'none visible (no /dev/neuron*)'}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "torch_neuronx": self.version, "device": self.device, "why": self.why}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def _module_kind() -> tuple[str, str | None, str] | None:
+    """torch_neuronx without distribution metadata (a source tree, a test's fake): importable? native API?"""
+    mod = sys.modules.get("torch_neuronx")
+    if mod is None:
+        try:
+            if importlib.util.find_spec("torch_neuronx") is None:
+                return None
+        except (ImportError, ValueError):
+            return None
+        try:
+            mod = importlib.import_module("torch_neuronx")
+        except Exception as e:  # noqa: BLE001 - the placeholder raises ImportError; anything else: not usable
+            return "placeholder", None, f"import torch_neuronx failed: {type(e).__name__}: {e}"
+    version = getattr(mod, "__version__", None)
+    if hasattr(mod, "nki_op") and hasattr(mod, "wrap_nki"):
+        return "torchneuron", version, "module has nki_op and wrap_nki"
+    return "xla", version, "module has no nki_op / wrap_nki"
+
+
+def has_neuron_device() -> bool:
+    """A Neuron device node exists (the probe vllm-neuron uses)."""
+    return bool(glob.glob("/dev/neuron*"))
+
+
+def neuron_stack() -> NeuronStack:
+    """The Neuron stack of this environment, without importing torch-neuronx when its distribution is installed
+    (the version tells the kind: >= 2.13 TorchNeuron, < 2 the PyPI placeholder, else PyTorch/XLA)."""
+    device = has_neuron_device()
+    try:
+        version: str | None = metadata.version("torch-neuronx")
+    except metadata.PackageNotFoundError:
+        version = None
+    if version is not None:
+        vt = _version_tuple(version)
+        if vt < (2,):
+            return NeuronStack("placeholder", version, device, "distribution version < 2 (PyPI placeholder)")
+        kind = "torchneuron" if vt >= TORCHNEURON_MIN else "xla"
+        return NeuronStack(kind, version, device, f"distribution version {version}")
+    found = _module_kind()
+    if found is None:
+        return NeuronStack("absent", None, device, "torch_neuronx not importable")
+    kind, version, why = found
+    return NeuronStack(kind, version, device, why)
 
 
 _CBWR_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2", 9: "AVX",
@@ -111,6 +207,6 @@ def _installed() -> dict[str, Any]:
     """Versions, PJRT device, LNC, neuron-ls (cached: the answer does not change while the process runs)."""
     rec = dict(get_envs().recorded)
     v = versions()
-    return {"versions": v, "pjrt_device": rec.get("PJRT_DEVICE"), "logical_nc_config": logical_nc_config(),
-            "neuron_ls": _neuron_ls(), "nki_supported": list(NKI_SUPPORTED),
+    return {"versions": v, "neuron_stack": neuron_stack().as_dict(), "pjrt_device": rec.get("PJRT_DEVICE"),
+            "logical_nc_config": logical_nc_config(), "neuron_ls": _neuron_ls(), "nki_supported": list(NKI_SUPPORTED),
             "nki_ok": v["nki"] is None or ".".join(v["nki"].split(".")[:2]) in NKI_SUPPORTED}

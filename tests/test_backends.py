@@ -57,30 +57,59 @@ def fake_xla(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     return seen
 
 
+def _fake_neuronx(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """A torch_neuronx module without distribution metadata: native TorchNeuron (nki_op / wrap_nki) or legacy."""
+    m = types.ModuleType("torch_neuronx")
+    m.__version__ = "2.13.3" if native else "2.9.0"
+    if native:
+        m.nki_op = m.wrap_nki = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "torch_neuronx", m)
+
+
 def test_auto_resolves_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: TorchNeuron + a device -> neuron; the legacy PyTorch/XLA torch-neuronx + a device -> xla (on the Neuron
+    PJRT device); TorchNeuron without a device, or nothing Neuron -> host."""
     assert resolve_backend("auto") is Backend.HOST  # no /dev/neuron* here
     assert resolve_backend("xla") is Backend.XLA and resolve_backend(Backend.NEURON) is Backend.NEURON
+    assert resolve_backend("neuron-standin") is Backend.NEURON_STANDIN
     import glob
-    import importlib.util
 
+    _fake_neuronx(monkeypatch, native=True)
+    assert resolve_backend("auto") is Backend.HOST  # TorchNeuron installed, no device
     monkeypatch.setattr(glob, "glob", lambda pat: ["/dev/neuron0"] if pat == "/dev/neuron*" else [])
-    real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "torch_neuronx" else real_find(n))
     assert resolve_backend("auto") is Backend.NEURON
     assert fake_config(backend="auto").backend is Backend.NEURON  # a built config never holds "auto"
-    with pytest.raises(ValueError, match="backend 'tpu': expected one of auto, host, xla, neuron"):
+    _fake_neuronx(monkeypatch, native=False)
+    assert resolve_backend("auto") is Backend.XLA
+    with pytest.raises(ValueError, match="backend 'tpu': expected one of auto, host, xla, neuron, neuron-standin"):
         resolve_backend("tpu")
 
 
+def test_stack_kind_from_the_distribution_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from engine import stack
+
+    for version, kind in (("2.13.3.1", "torchneuron"), ("2.14.3", "torchneuron"), ("2.9.0.2.10", "xla"),
+                          ("1.0", "placeholder")):
+        monkeypatch.setattr(metadata, "version", lambda name, v=version: v)
+        assert stack.neuron_stack().kind == kind, version
+
+
 def test_xla_without_torch_xla_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.backends import get_backend
+    from engine.backends import check_available, get_backend
 
     monkeypatch.setitem(sys.modules, "torch_xla", None)  # import fails
     with pytest.raises(ValueError, match=r"backend xla needs torch-xla.*pip install torch==2.9.0 torch-xla==2.9.0"):
         get_backend(fake_config(backend="xla"))
+    _fake_neuronx(monkeypatch, native=True)  # inside a TorchNeuron venv: never advise torch-xla / torch 2.9
+    with pytest.raises(ValueError, match="TorchNeuron environment") as e:
+        get_backend(fake_config(backend="xla"))
+    assert "pip" not in str(e.value) and "2.9" not in str(e.value)
     monkeypatch.setitem(sys.modules, "torch_neuronx", None)
-    with pytest.raises(ValueError, match="backend neuron needs torch-neuronx"):
-        get_backend(fake_config(backend="neuron"))
+    with pytest.raises(ValueError, match=r"--backend neuron runs on TorchNeuron \(torch-neuronx >= 2.13") as e:
+        check_available("neuron")
+    assert "torch-xla" not in str(e.value) and "2.9" not in str(e.value)
 
 
 def test_xla_backend_sets_pjrt_cpu_and_refuses_ranks_there(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,13 +144,15 @@ def test_xla_backend_sets_pjrt_cpu_and_refuses_ranks_there(fake_xla, envs, monke
         run_job(fake_config(backend="xla", cp=2), lambda eng: None)
 
 
-def test_neuron_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_legacy_neuron_pjrt_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PyTorch/XLA lane on the Neuron PJRT device (the legacy stack, PJRT_DEVICE=NEURON) sets each rank's Neuron
+    runtime variables before the runtime starts."""
     from engine.backends import get_backend
 
     applied: list[dict[str, str]] = []
     monkeypatch.setattr(engine.envs, "apply_env", applied.append)
-    envs(NEURON_LOGICAL_NC_CONFIG="1")
-    be = get_backend(fake_config(backend="neuron"))
+    envs(NEURON_LOGICAL_NC_CONFIG="1", PJRT_DEVICE="NEURON")
+    be = get_backend(fake_config(backend="xla"))
     be.check_parallel(4)  # Neuron ranks are fine
     be.setup_process(threads=None, rank=1, world=2, master_port=29511)
     env = applied[-2]
@@ -135,6 +166,7 @@ def test_neuron_rank_environment(fake_xla, envs, monkeypatch: pytest.MonkeyPatch
     applied.clear()
     be.setup_process(threads=None, rank=0, world=2, master_port=None)  # under torchrun: its variables stand
     assert "RANK" not in applied[-2] and applied[-2]["NEURON_PJRT_PROCESS_INDEX"] == "0"
+    assert "PyTorch/XLA lane" in be.measured_on()
 
 
 def test_xla_process_group_joins_over_xla_and_checks_world(fake_xla, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +232,7 @@ def test_torchrun_ranks_meet_on_the_gloo_control_group(fake_xla, envs, monkeypat
     """The "xla" process group's barrier is a no-op: a rank's closing barrier must run on the gloo control group.
     Under torchrun the config's cp is torchrun's WORLD_SIZE."""
     from engine import launch
-    from engine.backends.xla import NeuronBackend
+    from engine.backends.xla import XlaBackend
     from engine.parallel import Parallel
 
     monkeypatch.setattr(engine.envs, "apply_env", lambda updates: None)
@@ -209,10 +241,10 @@ def test_torchrun_ranks_meet_on_the_gloo_control_group(fake_xla, envs, monkeypat
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
     monkeypatch.setattr(launch, "_engine_job", lambda par, config, fn, args: "out")
     for rank in (1, 0):
-        envs(WORLD_SIZE="2", RANK=str(rank))
-        monkeypatch.setattr(NeuronBackend, "join_group", lambda self, r0, world, port, timeout, r=rank: Parallel(
+        envs(WORLD_SIZE="2", RANK=str(rank), PJRT_DEVICE="NEURON")
+        monkeypatch.setattr(XlaBackend, "join_group", lambda self, r0, world, port, timeout, r=rank: Parallel(
             rank=r, cp=world, group="xla-world", control_group="gloo-control", backend=self))
-        config = fake_config(backend="neuron", block_size=16)
+        config = fake_config(backend="xla", block_size=16)
         assert config.cp == 2
         if rank:
             with pytest.raises(SystemExit) as exit_info:

@@ -15,6 +15,10 @@ tests a device type or imports a device stack:
 * writing its graphs for an offline compiler (`export_graphs`, `deepinfer compile`);
 * what its numbers are (`measured_on`: e.g. "xla on PJRT CPU (not trn2 numbers)").
 
+Registry: `host` (CPU torch), `xla` (the PyTorch/XLA lane: PJRT CPU here, the legacy torch-neuronx 2.9 stack on the
+Neuron PJRT device elsewhere), `neuron` (TorchNeuron, the SDK's native backend) and `neuron-standin` (the TorchNeuron
+backend with its compile step on a CPU stand-in: engine/backends/torchneuron.py).
+
 `get_backend(config)` builds the one the config names (once per process: engine/launch.py passes it on) and checks
 that the config's kernel table runs on it; `backend_class(name)` gives the class without building it (what the
 parent process of a multi-rank job needs). `import engine` never imports torch-neuronx or torch-xla.
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.parallel import Parallel
 
-__all__ = ["Backend", "Capabilities", "Counters", "backend_class", "get_backend", "measured_on"]
+__all__ = ["Backend", "Capabilities", "Counters", "backend_class", "check_available", "get_backend", "measured_on"]
 
 
 @dataclass
@@ -133,11 +137,12 @@ class Backend(Protocol):
 
 
 _REGISTRY = {"host": "engine.backends.host:HostBackend", "xla": "engine.backends.xla:XlaBackend",
-             "neuron": "engine.backends.xla:NeuronBackend"}
+             "neuron": "engine.backends.torchneuron:TorchNeuronBackend",
+             "neuron-standin": "engine.backends.torchneuron:NeuronStandinBackend"}
 
 
 def backend_class(name: Any) -> type:
-    """The backend class registered under `name` (host, xla, neuron), imported now (not built)."""
+    """The backend class registered under `name` (host, xla, neuron, neuron-standin), imported now (not built)."""
     key = str(name)
     try:
         target = _REGISTRY[key]
@@ -156,6 +161,16 @@ def get_backend(config: EngineConfig) -> Backend:
         raise ValueError(f"--kernels {kernels} does not run on --backend {config.backend} (it runs "
                          f"{', '.join(cls.kernel_tables)}){cls.kernel_hint(kernels)}")
     return cls(config)
+
+
+def check_available(name: Any, compile_only: bool = False) -> None:
+    """Raise one line (ValueError) when backend `name`'s stack is missing here (`available` of its class, if it has
+    one: the device backends), before anything is built or printed. `compile_only`: a compile-only run needs no
+    device."""
+    cls = backend_class(name)
+    check = getattr(cls, "available", None)
+    if check is not None:
+        check(compile_only=compile_only)
 
 
 def measured_on(name: Any) -> str:

@@ -67,6 +67,7 @@ class GraphRecord:
 @dataclass
 class StandinStats:
     graphs_compiled: int = 0
+    graphs_lowered: int = 0  # lowered and checked but not compiled by XLA (a pipeline built with compile_xla=False)
     executions: int = 0
     compile_s: float = 0.0
     fallbacks: int = 0
@@ -74,7 +75,8 @@ class StandinStats:
 
     def as_dict(self) -> dict[str, Any]:
         """The counters for results metadata (meta.json)."""
-        return {"graphs_compiled": self.graphs_compiled, "executions": self.executions,
+        return {"graphs_compiled": self.graphs_compiled, "graphs_lowered": self.graphs_lowered,
+                "executions": self.executions,
                 "compile_s": round(self.compile_s, 3), "fallbacks": self.fallbacks, "label": LABEL}
 
     def manifest(self) -> list[dict[str, Any]]:
@@ -260,17 +262,19 @@ class StandinPipeline:
     """The stand-in compile step. `pipeline(gm, example_inputs)` is a Dynamo backend (`torch.compile(fn,
     backend=pipeline, dynamic=False)`); `compile_fn` / `compile_region` wrap functions and engine regions the way
     a Backend does. `stats` counts graphs compiled, executions, compile seconds and eager fallbacks; `dump_dir`
-    receives each graph's StableHLO text as `<name>.mlir`."""
+    receives each graph's StableHLO text as `<name>.mlir`. `compile_xla=False` stops after the lowering and its checks
+    (what `deepinfer compile` writes): the graph then runs eagerly, as AOTAutograd traced it."""
 
     def __init__(self, *, fallback: bool = False, dump_dir: str | Path | None = None,
-                 decompositions: dict[Any, Callable[..., Any]] | None = None, fullgraph: bool = True) -> None:
+                 decompositions: dict[Any, Callable[..., Any]] | None = None, fullgraph: bool = True,
+                 compile_xla: bool = True) -> None:
         get_backend, get_compile_options = _imports()
         self._client = get_backend("cpu")
         from jaxlib import _jax
 
         self._devices = _jax.DeviceList(tuple(self._client.devices()[:1]))
         self._options = get_compile_options(num_replicas=1, num_partitions=1)
-        self.fallback, self.fullgraph = fallback, fullgraph
+        self.fallback, self.fullgraph, self.compile_xla = fallback, fullgraph, compile_xla
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.decompositions = default_decompositions() if decompositions is None else decompositions
         self.stats = StandinStats()
@@ -318,7 +322,7 @@ class StandinPipeline:
         n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
         if any(not isinstance(o, torch.fx.Node) for o in (outs if isinstance(outs, (tuple, list)) else [outs])):
             raise StandinError(f"{record.name}: a graph output is not a tensor ({outs})")
-        fw = _copy(fw)  # the passes below edit the graph; a fallback runs the untouched one
+        original, fw = fw, _copy(fw)  # the passes below edit the graph; a fallback runs the untouched one
         problems = graph_problems(fw)  # the engine patterns upstream torch-mlir drops or mis-lowers, by name
         if problems:
             raise StandinError(f"{record.name}: {len(problems)} pattern(s) that do not lower to StableHLO as meant: "
@@ -337,6 +341,12 @@ class StandinPipeline:
         problems = module_problems(text)
         if problems:
             raise StandinError(f"{record.name}: lowered module fails the stand-in's checks: {'; '.join(problems)}")
+        if not self.compile_xla:
+            from functorch.compile import make_boxed_func
+
+            self.stats.graphs_lowered += 1
+            self.stats.graphs.append(record)
+            return make_boxed_func(original.forward)
         t1 = time.perf_counter()
         try:
             exe = self._client.compile_and_load(text, self._devices, self._options)

@@ -1,10 +1,13 @@
-"""XLA backends: the engine on a torch-xla device, the PyTorch/XLA way (lazy tensors cut into graphs by
-`torch_xla.sync()`).
+"""The PyTorch/XLA lane (`--backend xla`): the engine on a torch-xla device, the PyTorch/XLA way (lazy tensors cut
+into graphs by `torch_xla.sync()`).
 
-* `xla`: whatever PJRT device torch-xla gives (`PJRT_DEVICE=CPU` on a CPU host: real graph compilation, caching
-  and execution by XLA's CPU backend - the verification path of the device code);
-* `neuron`: the same on the Neuron PJRT device of a trn2 (torch-neuronx installs the plugin), with the Neuron
-  runtime variables of each rank set before the runtime starts.
+* PJRT_DEVICE=CPU (the default on a host without the legacy Neuron stack): real graph compilation, caching and
+  execution by XLA's CPU backend - a verification path of the device code;
+* PJRT_DEVICE=NEURON: the legacy Neuron stack (torch-neuronx 2.9 + torch-xla 2.9, the Neuron PJRT plugin; chosen by
+  auto where that stack and a Neuron device are), with each rank's Neuron runtime variables set before the runtime
+  starts. PyTorch/XLA inference is unsupported on trn2 from Neuron SDK 2.34: the current stack is TorchNeuron,
+  `--backend neuron` (engine/backends/torchneuron.py). The class that ran this lane as `--backend neuron` is gone;
+  `neuron` is TorchNeuron now.
 
 Weights, the KV-cache roots, RoPE tables and each step's inputs live on the device; a step's inputs go up in one
 copy and only its logits come back. Execution follows torch-xla 2.x's documented split: **eager mode**
@@ -68,8 +71,24 @@ def _import_torch_xla() -> Any:
     try:
         import torch_xla
     except ImportError as e:
+        from engine.stack import neuron_stack
+
+        stack = neuron_stack()
+        if stack.native:  # a TorchNeuron environment: its own torch must stay; the PyTorch/XLA lane is another venv
+            raise ValueError(f"--backend xla is the PyTorch/XLA lane, which this TorchNeuron environment "
+                             f"(torch-neuronx {stack.version}) does not have: use --backend neuron here") from None
         raise ValueError(f"backend xla needs torch-xla, which is not installed here ({e}); {_INSTALL}") from None
     return torch_xla
+
+
+def _pjrt_device(recorded: dict[str, str]) -> str:
+    """PJRT_DEVICE as set, else NEURON where the legacy Neuron stack and a device are, else CPU."""
+    if "PJRT_DEVICE" in recorded:
+        return recorded["PJRT_DEVICE"]
+    from engine.stack import neuron_stack
+
+    stack = neuron_stack()
+    return "NEURON" if stack.kind == "xla" and stack.device else "CPU"
 
 
 class XlaBackend:
@@ -99,8 +118,8 @@ class XlaBackend:
 
         device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
         if device == "CPU":
-            return f"{cls.name} on PJRT CPU (not trn2 numbers)"
-        return f"{cls.name} on PJRT {device}"
+            return f"{cls.name} (the PyTorch/XLA lane) on PJRT CPU (not trn2 numbers)"
+        return f"{cls.name} (the PyTorch/XLA lane) on PJRT {device}"
 
     @property
     def device(self) -> torch.device:
@@ -211,7 +230,7 @@ class XlaBackend:
     def check_parallel(cls, cp: int) -> None:
         from engine.envs import get_envs
 
-        device = dict(get_envs().recorded).get("PJRT_DEVICE", "CPU")
+        device = _pjrt_device(dict(get_envs().recorded))
         if cp > 1 and device == "CPU":
             raise ValueError(f"cp={cp} on --backend xla with PJRT_DEVICE=CPU: XLA collectives do not run across "
                              "processes on PJRT CPU (pytorch/xla#5005, #9089), so ranks would silently see world "
@@ -228,47 +247,25 @@ class XlaBackend:
 
     def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
                       master_port: int | None = None) -> None:
+        """PJRT_DEVICE (recorded in meta), the runtime's cache size; on PJRT CPU XLA's -O0; on PJRT NEURON (the legacy
+        stack) the rank's Neuron runtime variables - its NeuronCores, LNC, the Neuron PJRT process layout and, under our
+        launcher, torchrun's variables - before the runtime starts."""
         from engine.backends.host import setup_host_process
-        from engine.envs import apply_env, get_envs
+        from engine.envs import apply_env, get_envs, neuron_worker_env
+        from engine.stack import logical_nc_config
 
+        rec = dict(get_envs().recorded)
+        device = _pjrt_device(rec)
+        if device == "NEURON":
+            apply_env(neuron_worker_env(rank, world_size=world, logical_nc_config=logical_nc_config(),
+                                        master_port=master_port))
+        elif "PJRT_DEVICE" not in rec:
+            apply_env({"PJRT_DEVICE": device})  # torch-xla's own default, made explicit (and recorded in meta)
         apply_runtime_env()
         rec = dict(get_envs().recorded)
-        if "PJRT_DEVICE" not in rec:
-            apply_env({"PJRT_DEVICE": "CPU"})  # torch-xla's own default, made explicit (and recorded in meta)
         flags = rec.get("XLA_FLAGS", "")  # `import torch_xla` itself puts --xla_cpu_enable_fast_math=false here
-        if dict(get_envs().recorded)["PJRT_DEVICE"] == "CPU" and "--xla_backend_optimization_level" not in flags:
+        if device == "CPU" and "--xla_backend_optimization_level" not in flags:
             # PJRT CPU is the verification path: XLA's CPU compiler at -O0 compiles a decode region ~2-6x faster
             # (measured 5.4 s -> 0.9 s on a 40-op chain); what runs is the same HLO. Set the flag to override.
             apply_env({"XLA_FLAGS": f"{flags} --xla_backend_optimization_level=0".strip()})
         setup_host_process(threads)  # the host side of the process (tracing, input packing)
-
-
-class NeuronBackend(XlaBackend):
-    """xla on the Neuron PJRT device: torch-neuronx must be installed; each rank's runtime variables (one
-    NeuronCore group per rank, LNC) are set before the runtime starts."""
-
-    name = "neuron"
-
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        try:
-            import torch_neuronx  # noqa: F401 - registers the Neuron PJRT plugin
-        except ImportError as e:
-            raise ValueError(f"backend neuron needs torch-neuronx (the AWS Neuron SDK), not installed here ({e}); "
-                             "on a CPU host use --backend xla (PJRT_DEVICE=CPU) or --backend host") from None
-        super().__init__(config)
-
-    @classmethod
-    def check_parallel(cls, cp: int) -> None:
-        """Neuron ranks: one process per NeuronCore group, joined by the xla process group."""
-
-    def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
-                      master_port: int | None = None) -> None:
-        from engine.envs import apply_env, neuron_worker_env
-        from engine.stack import logical_nc_config
-
-        apply_env(neuron_worker_env(rank, world_size=world, logical_nc_config=logical_nc_config(),
-                                    master_port=master_port))
-        apply_runtime_env()
-        from engine.backends.host import setup_host_process
-
-        setup_host_process(threads)

@@ -24,7 +24,7 @@ from engine.model.cache import KVCache
 _F8 = re.compile(r"\bf8e\w*\[")
 
 
-def _packed(runner: Any, bp: int, nb: int) -> torch.Tensor:
+def packed_inputs(runner: Any, bp: int, nb: int) -> torch.Tensor:
     """Valid inputs of the static shape: row i at position i in slot i (or the scratch slot), scratch blocks."""
     cache = runner.cache
     packed = torch.zeros(bp, 3 + nb, dtype=torch.long)
@@ -35,7 +35,7 @@ def _packed(runner: Any, bp: int, nb: int) -> torch.Tensor:
     return packed.to(runner.device)
 
 
-def _fresh_cache(runner: Any) -> KVCache:
+def fresh_cache(runner: Any) -> KVCache:
     c = runner.cache
     layer_ids = list(c.where)
     return KVCache(runner.cfg, c.num_slots, c.num_blocks, c.block_size, runner.dtype, layer_ids, cp=runner.par.cp,
@@ -68,10 +68,10 @@ def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict
 
     shapes = rr.decode_shapes(runner.max_num_seqs)
     for bp, nb in shapes:
-        packed = _packed(runner, bp, nb)
+        packed = packed_inputs(runner, bp, nb)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         for structure, (reg, li) in reps.items():
-            roots = _fresh_cache(runner).roots[reg.ratio]
+            roots = fresh_cache(runner).roots[reg.ratio]
             name = f"{'_'.join(map(str, structure))}_b{bp}_nb{nb}".replace("True", "hash").replace("False", "nohash")
             emit(name, lambda reg=reg, li=li, roots=roots, x=x, p=packed: [reg(x, roots, li, p), *roots.values()],
                  {"region": reg.kind, "structure": [str(s) for s in structure[1:]], "ratio": reg.ratio,
@@ -79,7 +79,7 @@ def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict
                  {"x": x, "packed": packed, "layer_index": li, **{f"root.{k}": v for k, v in roots.items()},
                   **reg.params()})
     for bp in sorted({bp for bp, _ in shapes}):
-        packed = _packed(runner, bp, 1)
+        packed = packed_inputs(runner, bp, 1)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         emit(f"embed_b{bp}", lambda packed=packed: [model.streams(packed[:, 2])],
              {"region": "embed", "structure": [], "ratio": None, "batch_bucket": bp, "block_bucket": None},

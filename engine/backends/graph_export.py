@@ -1,0 +1,193 @@
+"""Every graph an engine's step can run, compiled one by one for `deepinfer compile` on the TorchNeuron backends.
+
+The graphs are those the runner's RegionRunner knows (engine/regions.py): each decode region structure (layer or
+attn / moe, by compress ratio and hash routing) at every (batch bucket, block bucket) the config allows, the embedding
+and the head at every batch bucket - and any further graph a RegionRunner lists through `export_specs(runner)` (the
+hook through which chunked-prefill graphs join the export: each a `GraphSpec`). Each graph gets valid inputs of its
+static shape (the engine's own weights, a fresh KV cache of the engine's sizes, a packed step of in-range positions,
+slots and blocks) and is compiled on its own by a fresh `torch.compile(fullgraph=True, dynamic=False)`:
+
+* `--backend neuron-standin`: the stand-in pipeline lowers it to StableHLO (no XLA compile), checks the module (no
+  f8 type, no unlowered torch op) and writes `<graph>.mlir`; the graph then runs eagerly on the CPU;
+* `--backend neuron`: TorchNeuron in compile-only mode (TORCH_NEURONX_COMPILE_ONLY=1,
+  NEURON_PLATFORM_TARGET_OVERRIDE=trn2, set before the engine is built: `compile_only_env`) runs the whole lowering
+  and neuronx-cc and executes nothing; compilation artifacts are kept under `<out>/artifacts`, and a failure's NCC
+  error code (NCC_XXXNNN) is read from the error or from the artifact logs written meanwhile.
+
+One manifest row per graph: name, region, structure, buckets, inputs (name, shape, dtype), status (pass / fail),
+seconds, error (first line), ncc_error, and on the stand-in the .mlir path, op count and has_fp8. A failing graph
+does not stop the others. Written, not run: the neuron path (no Neuron SDK here).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.backends.xla_export import fresh_cache, packed_inputs
+
+NCC_CODE = re.compile(r"NCC_[A-Z]+\d+")
+
+
+@dataclass
+class GraphSpec:
+    """One graph: `fn(*args)` runs it (static shapes); `meta` goes to the manifest; `inputs` names its tensors."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple
+    meta: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _describe(named: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    return [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in named.items()]
+
+
+def _region_fn(reg: Any) -> Callable[..., Any]:
+    template = reg.template()
+
+    def run(params: dict[str, torch.Tensor], x: torch.Tensor, roots: dict[str, torch.Tensor], li: torch.Tensor,
+            packed: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(template, params, (x, roots, li, packed))
+
+    return run
+
+
+def decode_specs(runner: Any) -> list[GraphSpec]:
+    """The decode graphs of `runner` (graph mode regions | layer): region structures x decode shapes, embed and head
+    per batch bucket."""
+    rr = runner.regions
+    if rr is None:
+        raise ValueError("deepinfer compile writes region graphs: use --graph-mode regions or layer")
+    reps = rr.representatives()
+    model, dim, n = runner.model, runner.cfg.dim, runner.cfg.hc_mult
+    shapes = rr.decode_shapes(runner.max_num_seqs)
+    specs = []
+    fns = {structure: _region_fn(reg) for structure, (reg, _) in reps.items()}
+    for bp, nb in shapes:
+        packed = packed_inputs(runner, bp, nb)
+        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
+        for structure, (reg, li) in reps.items():
+            roots = fresh_cache(runner).roots[reg.ratio]
+            name = f"{'_'.join(map(str, structure))}_b{bp}_nb{nb}".replace("True", "hash").replace("False", "nohash")
+            params = reg.params()
+            specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed),
+                                   {"region": reg.kind, "structure": [str(s) for s in structure[1:]],
+                                    "ratio": reg.ratio, "batch_bucket": bp, "block_bucket": nb},
+                                   {"x": x, "packed": packed, "layer_index": li,
+                                    **{f"root.{k}": v for k, v in roots.items()}, **params}))
+    head_params = {k: v for k, v in model.named_parameters() if not k.startswith(("layers.", "mtp.", "embed."))}
+    for bp in sorted({bp for bp, _ in shapes}):
+        packed = packed_inputs(runner, bp, 1)
+        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
+        specs.append(GraphSpec(f"embed_b{bp}", lambda packed: model.streams(packed[:, 2]), (packed,),
+                               {"region": "embed", "structure": [], "ratio": None, "batch_bucket": bp,
+                                "block_bucket": None}, {"packed": packed, "embed.weight": model.embed.weight}))
+        specs.append(GraphSpec(f"head_b{bp}", model.logits, (x,),
+                               {"region": "head", "structure": [], "ratio": None, "batch_bucket": bp,
+                                "block_bucket": None}, {"x": x, **head_params}))
+    return specs
+
+
+def graph_specs(runner: Any) -> list[GraphSpec]:
+    """Every graph the runner's RegionRunner knows: the decode graphs, then whatever it lists itself
+    (`export_specs(runner)`, e.g. chunked-prefill graphs per chunk bucket)."""
+    specs = decode_specs(runner)
+    extra = getattr(runner.regions, "export_specs", None)
+    if extra is not None:
+        specs.extend(extra(runner))
+    return specs
+
+
+def compile_each(be: Any, specs: list[GraphSpec], dynamo_backend: Callable[[str], Any],
+                 after: Callable[[GraphSpec, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Compile (and call) every graph on its own through `dynamo_backend(name)`; one manifest row each. A failure is
+    recorded (first line of the error, its NCC code if it names one) and the next graph goes on."""
+    from engine.backends.host import _raise_recompile_limit
+
+    _raise_recompile_limit()  # every graph is a new cache entry of the same few code objects
+    rows = []
+    for spec in specs:
+        graph = torch.compile(spec.fn, backend=dynamo_backend(spec.name), dynamic=False, fullgraph=True)
+        row: dict[str, Any] = {"graph": spec.name, **spec.meta, "inputs": _describe(spec.inputs)}
+        t0 = time.perf_counter()
+        try:
+            with be.grad_context():
+                graph(*spec.args)
+            row.update(status="pass", error=None, ncc_error=None)
+        except Exception as e:  # noqa: BLE001 - one graph's failure is a row of the report, not the end of it
+            root = getattr(e, "inner_exception", None) or e  # Dynamo wraps a compiler's error (BackendCompilerFailed)
+            text = str(root).strip()
+            first = text.splitlines()[0][:400] if text else type(root).__name__
+            code = NCC_CODE.search(text) or NCC_CODE.search(str(e))
+            row.update(status="fail", error=f"{type(root).__name__}: {first}",
+                       ncc_error=code.group(0) if code else None)
+        row["seconds"] = round(time.perf_counter() - t0, 3)
+        row["_t0"] = t0
+        if after is not None:
+            after(spec, row)
+        row.pop("_t0")
+        rows.append(row)
+    return rows
+
+
+def export_standin(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
+    """The stand-in: every graph lowered to StableHLO under `out` (`<graph>.mlir`), checked, not XLA-compiled."""
+    from engine.backends.standin_pipeline import StandinPipeline, _Named, module_problems
+
+    out.mkdir(parents=True, exist_ok=True)
+    pipe = StandinPipeline(dump_dir=out, compile_xla=False)
+
+    def after(spec: GraphSpec, row: dict[str, Any]) -> None:
+        rec = next((r for r in reversed(pipe.stats.graphs) if r.name == spec.name), None)
+        mlir = Path(rec.mlir) if rec is not None and rec.mlir else None
+        text = mlir.read_text() if mlir is not None and mlir.exists() else ""
+        problems = module_problems(text) if text else []
+        row.update(mlir=str(mlir) if mlir is not None else None, ops=rec.ops if rec is not None else None,
+                   lower_s=round(rec.lower_s, 3) if rec is not None else None,
+                   has_fp8=any("float8" in p for p in problems), problems=problems or None)
+
+    return compile_each(be, graph_specs(runner), lambda name: _Named(pipe, name), after)
+
+
+def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
+    """TorchNeuron in compile-only mode: every graph through neuronx-cc for trn2, nothing executed; the NCC code of a
+    failure from its error text, else from the artifact logs written while it compiled."""
+    from engine.envs import apply_env
+
+    if not be.compile_only:
+        raise ValueError("deepinfer compile --backend neuron compiles only: TORCH_NEURONX_COMPILE_ONLY=1 must be set "
+                         "before the engine is built (deepinfer_bench/compile.py does; scripts/trn2_compile.sh too)")
+    artifacts = out / "artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    apply_env({"TORCH_NEURONX_DEBUG_DIR": str(artifacts)})
+
+    def after(spec: GraphSpec, row: dict[str, Any]) -> None:
+        row["has_fp8"] = None  # neuronx-cc's verdict is the status (NCC_EVRF051 names an f8 operand)
+        if row["status"] == "fail" and row["ncc_error"] is None:
+            row["ncc_error"] = ncc_code_in(artifacts, since=row["_t0"])
+
+    return compile_each(be, graph_specs(runner), be._dynamo_backend, after)
+
+
+def ncc_code_in(folder: Path, since: float) -> str | None:
+    """The first NCC error code in the text files under `folder` modified after `since` (time.perf_counter clock
+    is not the file clock: compared as wall time via the offset at call)."""
+    offset = time.time() - time.perf_counter()
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or path.stat().st_mtime < since + offset - 1:
+            continue
+        try:
+            found = NCC_CODE.search(path.read_text(errors="ignore"))
+        except OSError:
+            continue
+        if found:
+            return found.group(0)
+    return None

@@ -1,0 +1,103 @@
+"""`deepinfer bringup` orchestration (deepinfer_bench/bringup.py) with fake steps: the order, what cannot run on a
+backend listed as not run with its reason, the first failure stopping the run and named, the one report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from deepinfer_bench import bringup as B
+from tests.cli import run_main
+
+
+class FakeSteps:
+    """Records each command; the step named `fail` exits 1 with a last log line."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail, self.calls = fail, []
+
+    def __call__(self, argv, log: Path) -> int:
+        cmd = list(argv[3:])  # after `python -c "...main()"`
+        self.calls.append(cmd)
+        failing = self.fail is not None and (cmd[0] == self.fail or (self.fail == "golden-cp2" and "--cp" in cmd))
+        log.write_text("step output\nerror: NCC_EVRF051 in head_b1\n" if failing else "ok\n")
+        return 1 if failing else 0
+
+
+@pytest.fixture
+def probe_ok(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    monkeypatch.setattr(B, "probe_step", lambda backend, out: seen.append(backend) or out.write_text("{}"))
+    return seen
+
+
+def test_standin_runs_what_it_can_and_lists_the_rest(tmp_path: Path, probe_ok) -> None:
+    steps = FakeSteps()
+    df, meta = B.bringup(B.Plan("neuron-standin", tmp_path), steps)
+    status = dict(zip(df["step"], df["status"], strict=True))
+    assert list(df["step"]) == list(B.STEPS)
+    assert status == {"probe": "pass", "kernels": "not run", "compile-only": "pass", "golden-cp1": "pass",
+                      "golden-cp2": "not run", "regions": "pass", "matrix": "pass"}
+    reasons = dict(zip(df["step"], df["reason"], strict=True))
+    assert "Neuron device" in reasons["kernels"] and "cp=2 on --backend neuron-standin" in reasons["golden-cp2"]
+    assert [c[0] for c in steps.calls] == ["compile", "golden", "regions", "matrix"]
+    assert steps.calls[0] == ["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
+                              "--out", str(tmp_path / "compile")]
+    assert all(c[1:3] == ["--backend", "neuron-standin"] for c in steps.calls)
+    assert meta["ok"] and meta["first_failure"] is None and meta["not_run"] == ["kernels", "golden-cp2"]
+    assert probe_ok == ["neuron-standin"]
+
+
+def test_first_failure_stops_and_is_named(tmp_path: Path, probe_ok) -> None:
+    steps = FakeSteps(fail="compile")
+    df, meta = B.bringup(B.Plan("neuron", tmp_path, model_dir="/m"), steps)
+    rows = df.set_index("step")
+    assert [c[0] for c in steps.calls] == ["kernels", "compile"]  # on neuron the kernels step runs
+    assert steps.calls[0] == ["kernels", "--executor", "neuron", "--out", str(tmp_path / "kernels")]
+    assert rows.loc["compile-only", "status"] == "fail" and rows.loc["compile-only", "exit_code"] == 1
+    assert rows.loc["compile-only", "reason"] == "error: NCC_EVRF051 in head_b1"  # the log's last line
+    for step in ("golden-cp1", "golden-cp2", "regions", "matrix"):
+        assert rows.loc[step, "status"] == "not run"
+        assert rows.loc[step, "reason"] == "stopped after the failure of compile-only"
+    assert not meta["ok"] and meta["first_failure"] == "compile-only"
+    md = B.markdown(df, meta, "label")
+    assert "stopped: step **compile-only** failed" in md and md.count("\n| ") == 1 + len(B.STEPS)
+
+
+def test_neuron_runs_cp2_and_a_failing_probe_stops_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             probe_ok) -> None:
+    steps = FakeSteps(fail="golden-cp2")
+    df, meta = B.bringup(B.Plan("neuron", tmp_path), steps)
+    assert ["golden", "--backend", "neuron", "--cp", "2", "--out", str(tmp_path / "golden")] in steps.calls
+    assert meta["first_failure"] == "golden-cp2" and list(df["status"])[-2:] == ["not run", "not run"]
+
+    def no_device(backend: str, out: Path) -> None:
+        raise ValueError("torch-neuronx 2.13.3 (TorchNeuron) is installed but no Neuron device is visible")
+
+    monkeypatch.setattr(B, "probe_step", no_device)
+    steps = FakeSteps()
+    df, meta = B.bringup(B.Plan("neuron", tmp_path / "2"), steps)
+    assert steps.calls == [] and meta["first_failure"] == "probe"
+    assert "no Neuron device" in df.iloc[0]["reason"]
+
+
+def test_cli_writes_one_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                               probe_ok) -> None:
+    monkeypatch.setattr(B, "run_step", FakeSteps())
+    code, _, err = run_main(["bringup", "--backend", "neuron-standin", "--skip", "regions,matrix", "--out",
+                             str(tmp_path)], capsys)
+    assert code == 0, err
+    (run,) = tmp_path.glob("bringup-*")
+    df = pd.read_csv(run / "bringup.csv")
+    assert list(df["status"]) == ["pass", "not run", "pass", "pass", "not run", "not run", "not run"]
+    assert list(df["reason"])[-2:] == ["skipped (--skip)"] * 2
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["measured_on"].startswith("TorchNeuron pipeline on a CPU stand-in") and meta["ok"]
+    md = (run / "bringup.md").read_text()
+    assert "| compile-only | pass |" in md and "nan" not in md and "not run: kernels, golden-cp2, regions, matrix" in md
+    assert list(df["exit_code"].dropna()) == [0, 0, 0]
+    code, _, err = run_main(["bringup", "--skip", "warp", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "unknown step(s)" in err

@@ -1,0 +1,71 @@
+"""`--backend neuron-standin`: the TorchNeuron backend with its compile step on the CPU stand-in (torch-mlir StableHLO
+-> XLA CPU). Every test here is marked `standin`: it needs the `neuron-standin` extra (torch-mlir==20261001,
+jax[cpu]==0.10.2) and is deselected by the marker in the default lane (pyproject addopts); run with
+`python -m pytest -m standin tests/test_neuron_standin.py` in a venv that has the extra. The golden run compiles ~18
+XLA CPU graphs (about 7 min of CPU on 2 cores, longer on a shared box). Its results say: TorchNeuron pipeline on a CPU
+stand-in (torch-mlir + XLA CPU), not neuronx-cc, not trn2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli import run_main
+
+pytestmark = pytest.mark.standin
+
+LABEL = "TorchNeuron pipeline on a CPU stand-in (torch-mlir + XLA CPU), not neuronx-cc, not trn2"
+
+
+def test_backend_is_the_torchneuron_class_with_the_compile_step_swapped() -> None:
+    from engine.backends import get_backend
+    from engine.backends.torchneuron import NeuronStandinBackend, TorchNeuronBackend
+    from tests.fake_runner import fake_config
+
+    be = get_backend(fake_config(backend="neuron-standin"))
+    assert isinstance(be, NeuronStandinBackend) and isinstance(be, TorchNeuronBackend)
+    assert str(be.device) == "cpu" and be.measured_on() == LABEL
+    # the class's graph calls are TorchNeuron's; only the Dynamo backend differs
+    assert NeuronStandinBackend.compile_fn is TorchNeuronBackend.compile_fn
+    assert NeuronStandinBackend.compile_region is TorchNeuronBackend.compile_region
+    f = be.compile_fn(lambda x: (x * 2).sum(-1), "f")
+    import torch
+
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(f(x), (x * 2).sum(-1))
+    c = be.counters()
+    assert (c.graph_compiles, c.executions, c.fallbacks) == (1, 1, 0) and c.compile_seconds > 0
+
+
+def test_golden_through_the_standin_is_12_of_12(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, _, err = run_main(["golden", "--backend", "neuron-standin", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "12/12 prompts match" in err
+    (meta_path,) = tmp_path.glob("golden-*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    assert meta["engine_config"]["backend"] == "neuron-standin" and meta["graph_mode"] == "layer"
+    assert meta["measured_on"] == LABEL
+    b = meta["backend"]
+    assert b["graph_compiles"] >= 4 and b["executions"] > b["graph_compiles"] and b["compile_seconds"] > 0
+    assert b["fallbacks"] == 0 and b["fallback_ops"] == {} and b["graph_compiles_after_warmup"] == 0
+
+
+def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "graphs"
+    code, _, err = run_main(["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
+                             "--out", str(out)],
+                            capsys)
+    assert code == 0, err
+    files = sorted(out.glob("*.mlir"))
+    assert len(files) >= 4
+    for f in files:
+        text = f.read_text()
+        assert "stablehlo." in text and "f8E" not in text and "torch." not in text, f.name
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["measured_on"] == LABEL
+    rows = manifest["graphs"]
+    assert {Path(r["mlir"]).name for r in rows} == {f.name for f in files}
+    assert all(r["status"] == "pass" and not r["has_fp8"] for r in rows)
+    assert {r["region"] for r in rows} >= {"layer", "embed", "head"}
