@@ -58,10 +58,11 @@ def run_setting(model_dir: Path, prompts: list[list[int]], new: int, method: str
     return {"row": row, "outputs": outs}
 
 
-def measure(model_dir: Path, dspark_dir: Path | None, ks: list[int], new: int, seed: int) -> list[dict]:
+def measure(model_dir: Path, dspark_dir: Path | None, ks: list[int], new: int, seed: int,
+            per_length: int = 8) -> list[dict]:
     from golden.train_draft_heads import eval_prompts
 
-    prompts = eval_prompts(seed)
+    prompts = [q for i, q in enumerate(eval_prompts(seed)) if i % 8 < per_length]  # 8 per length, in order
     plain = run_setting(model_dir, prompts, new)
     rows = [plain["row"]]
     settings = [(model_dir, "mtp", k) for k in ks] + ([(dspark_dir, "dspark", 0)] if dspark_dir else [])
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--ks", default="1,2,3,4", help="MTP drafts per step to measure")
     p.add_argument("--new", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--seed", type=int, default=20271, help="eval_prompts seed (train_draft_heads: SEED + 1)")
+    p.add_argument("--per-length", type=int, default=8, help="prompts of each length (7, 40, 130) to run, <= 8")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
@@ -87,7 +89,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dspark = args.dspark_dir if args.dspark_dir and str(args.dspark_dir) not in ("", ".") else None
-    rows = measure(args.model_dir, dspark, [int(k) for k in args.ks.split(",") if k], args.new, args.seed)
+    rows = measure(args.model_dir, dspark, [int(k) for k in args.ks.split(",") if k], args.new, args.seed,
+                   args.per_length)
     for r in rows:
         pos = r.get("acceptance_rate_per_position")
         print(f"{r['method']:>6} k={r['k']}: tokens/step {r['tokens_per_step']:.3f} (decode "
