@@ -3,6 +3,7 @@ position, accepted / drafted, tokens per target step, and whether every output e
 
     python golden/spec_acceptance.py                                   # golden/tiny-spec: MTP k = 1..4, DSpark
     python golden/spec_acceptance.py --model-dir golden/tiny --dspark-dir golden/tiny-dspark --ks 2
+    python golden/spec_acceptance.py --ks 1,2,3 --new 32 --per-length 4   # 12 prompts (~5 min on the shared box)
 
 Held-out prompts: `train_draft_heads.eval_prompts` (8 each of 7, 40 and 130 tokens, half pseudo-word text through
 the tokenizer, half random ids; a seed the draft heads' training corpus does not use). Each prompt runs alone
