@@ -43,7 +43,9 @@ def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int,
     import engine
     from engine.config import EngineConfig, Workload
 
-    work = Workload(max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=batch * longest)
+    # the pool holds every sequence of the batch at once (else the scheduler runs them one after another)
+    work = Workload(max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=batch * longest,
+                    pool_tokens=batch * (longest + 128))  # + room for block rounding
     cfg = EngineConfig.from_model_dir(model_dir, workload=work, dtype="float32", speculative=method,
                                       num_speculative_tokens=k if method != "none" else None)
     return engine.build(cfg, threads=threads)
@@ -54,7 +56,12 @@ def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
 
     acc0 = list(eng.spec_stats.accepted_per_pos), list(eng.spec_stats.drafted_per_pos)
     d0, a0, n0 = eng.spec_stats.num_draft_tokens, eng.spec_stats.num_accepted_tokens, eng.spec_stats.num_drafts
+    pre0 = eng.stats().num_preemptions
     run = run_batch(eng, prompts, new)
+    if run.first_decode_step != 1 or eng.stats().num_preemptions != pre0:
+        raise RuntimeError(f"the batch of {len(prompts)} did not prefill in one step and decode together "
+                           f"(first decode step {run.first_decode_step}, {eng.stats().num_preemptions - pre0} "
+                           "preemptions): size the engine for it")
     s = eng.spec_stats
 
     def delta(now: list[int], then: list[int]) -> list[int]:
