@@ -128,7 +128,7 @@ def make_golden(tiny_dir: Path = TINY_DIR, out_dir: Path = GOLDEN_DIR) -> dict:
         "config_hash": cfg.config_hash(),
         "model_sha256": hashlib.sha256((tiny_dir / "model.safetensors").read_bytes()).hexdigest(),
         "reference": "HF DeepseekV4ForCausalLM fp32 eager, dynamic cache, greedy (prefill + 1-token steps), no EOS",
-        "model_dir": "golden/tiny",
+        "model_dir": _repo_path(tiny_dir),
         "min_logit_margin": worst,
         "host_math": blas_mode(),
         "prompts": entries,
@@ -137,6 +137,14 @@ def make_golden(tiny_dir: Path = TINY_DIR, out_dir: Path = GOLDEN_DIR) -> dict:
               metadata={"magic": MAGIC, "format_version": str(FORMAT_VERSION), "config_hash": cfg.config_hash()})
     (out_dir / "golden.json").write_text(dumps_meta(meta))
     return meta
+
+
+def _repo_path(path: Path) -> str:
+    """`path` relative to the repository root where it is inside it (golden/tiny, golden/tiny-spec)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def dumps_meta(meta: dict) -> str:

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Decode speed with and without speculative decoding, interleaved (a benchmark command, not a test): tokens per
+target step and decode ms per output token, per model and batch size, through the engine's own step
+(`deepinfer_bench.batch_run.run_batch`, the driver of every timing command).
+
+    nice -n 10 python scripts/spec_bench.py                                   # tiny-spec and mid, batch 1 and 8
+    python scripts/spec_bench.py --models golden/tiny-spec --batches 1 --ks 1,2,3 --repeats 3
+    python scripts/spec_bench.py --trn2-step-ms 447.8 --json results/spec_bench.json
+
+Per model, one engine per setting (plain, then `--speculative mtp --num-speculative-tokens k` for each k) is built
+first; then for each repeat, each batch size, each setting in turn (round-robin, so load from other processes on a
+shared box hits all settings alike) the same batch of prompts runs greedily (`ignore_eos`, `--new` tokens each).
+Prompts: `golden/train_draft_heads.make_prompts` (half pseudo-word text, half random ids; `--input-len` tokens; a
+seed per repeat), valid ids for every model with the tiny tokenizer (vocab >= 1024).
+
+Columns: `tokens/step` = decode tokens per sequence / decode steps of the batch run (run_batch's decode steps: after
+every request had its first token; what `bench matrix` reports; a batch run lasts as long as its slowest
+sequence), `ms/token` = decode seconds / decode tokens per sequence (the matrix's TPOT), `tok/s` = batch x decode
+tokens / decode seconds, `step ms` = median decode step, acceptance from the engine's SpecStats over the timed runs,
+`vs plain` = plain ms/token / this ms/token, `tokens/verify` = SpecStats' mean accepted length (1 + accepted drafts
+per sequence per verify step: what one sequence gets from a step, independent of the batch's slowest sequence).
+The draft head's own forward (runner.draft, after each step) is inside the step time. With `--trn2-step-ms`, the
+paper estimate: E[tokens per step] = 1 + sum of the measured per-position acceptance rates (SpecStats counts
+position i accepted only when 0..i-1 were), verify cost = one fixed-cost step, draft cost given by `--draft-cost`
+(a fraction of a step per drafted token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int, threads: int):
+    import engine
+    from engine.config import EngineConfig, Workload
+
+    # the pool holds every sequence of the batch at once (else the scheduler runs them one after another)
+    work = Workload(max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=batch * longest,
+                    pool_tokens=batch * (longest + 128))  # + room for block rounding
+    cfg = EngineConfig.from_model_dir(model_dir, workload=work, dtype="float32", speculative=method,
+                                      num_speculative_tokens=k if method != "none" else None)
+    return engine.build(cfg, threads=threads)
+
+
+def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
+    from deepinfer_bench.batch_run import run_batch
+
+    acc0 = list(eng.spec_stats.accepted_per_pos), list(eng.spec_stats.drafted_per_pos)
+    d0, a0, n0 = eng.spec_stats.num_draft_tokens, eng.spec_stats.num_accepted_tokens, eng.spec_stats.num_drafts
+    pre0 = eng.stats().num_preemptions
+    run = run_batch(eng, prompts, new)
+    if run.first_decode_step != 1 or eng.stats().num_preemptions != pre0:
+        raise RuntimeError(f"the batch of {len(prompts)} did not prefill in one step and decode together "
+                           f"(first decode step {run.first_decode_step}, {eng.stats().num_preemptions - pre0} "
+                           "preemptions): size the engine for it")
+    s = eng.spec_stats
+
+    def delta(now: list[int], then: list[int]) -> list[int]:
+        return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
+
+    return {"decode_s": sum(run.decode_steps_s), "decode_steps": len(run.decode_steps_s),
+            "step_s": run.decode_steps_s, "drafted": s.num_draft_tokens - d0, "accepted": s.num_accepted_tokens - a0,
+            "verifies": s.num_drafts - n0,
+            "accepted_per_pos": delta(s.accepted_per_pos, acc0[0]),
+            "drafted_per_pos": delta(s.drafted_per_pos, acc0[1])}
+
+
+def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new: int) -> dict:
+    steps = sum(r["decode_steps"] for r in runs)
+    secs = sum(r["decode_s"] for r in runs)
+    toks = len(runs) * (new - 1)  # decode tokens per sequence over all runs
+    row = {"model": model, "batch": batch, "method": method, "k": k, "repeats": len(runs),
+           "tokens_per_step": toks / steps, "ms_per_token": 1e3 * secs / toks, "tok_s": batch * toks / secs,
+           "step_ms_p50": 1e3 * statistics.median([x for r in runs for x in r["step_s"]])}
+    drafted = sum(r["drafted"] for r in runs)
+    if drafted:
+        n = max(len(r["drafted_per_pos"]) for r in runs)
+        acc = [sum(r["accepted_per_pos"][i] for r in runs if i < len(r["accepted_per_pos"])) for i in range(n)]
+        dft = [sum(r["drafted_per_pos"][i] for r in runs if i < len(r["drafted_per_pos"])) for i in range(n)]
+        row.update(acceptance_rate=sum(r["accepted"] for r in runs) / drafted,
+                   mean_accepted_length=1 + sum(r["accepted"] for r in runs) / sum(r["verifies"] for r in runs),
+                   per_position=[a / d if d else None for a, d in zip(acc, dft, strict=True)])
+    return row
+
+
+def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
+                threads: int, seed: int) -> list[dict]:
+    from golden.train_draft_heads import make_prompts
+
+    settings = [("none", 0)] + [("mtp", k) for k in ks]
+    longest = input_len + new + max(ks, default=0) + 1
+    t0 = time.time()
+    engines = {s: build_engine(model_dir, max(batches), longest, *s, threads) for s in settings}
+    print(f"{model_dir}: {len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
+    for b in batches:  # warm-up: one short run of each setting and batch size
+        for eng in engines.values():
+            timed_run(eng, make_prompts(b, seed - 1, (input_len, input_len)), 4)
+    runs: dict[tuple, list[dict]] = {}
+    for r in range(repeats):
+        for b in batches:
+            prompts = make_prompts(b, seed + 1000 * r + b, (input_len, input_len))
+            for s, eng in engines.items():
+                runs.setdefault((b, *s), []).append(timed_run(eng, prompts, new))
+    rows = [summarise(str(model_dir), b, m, k, runs[(b, m, k)], new) for b in batches for m, k in settings]
+    for row in rows:
+        plain = next(x for x in rows if x["batch"] == row["batch"] and x["method"] == "none")
+        row["speedup_vs_plain"] = plain["ms_per_token"] / row["ms_per_token"]
+    return rows
+
+
+def paper_estimate(rows: list[dict], step_ms: float, draft_cost: float) -> list[dict]:
+    """What the measured per-position acceptance makes of a fixed-cost step of `step_ms`."""
+    out = []
+    for row in rows:
+        if row["method"] == "none" or not row.get("per_position"):
+            continue
+        expected = 1 + sum(p or 0.0 for p in row["per_position"])
+        step = step_ms * (1 + draft_cost * row["k"])
+        out.append({"model": row["model"], "batch": row["batch"], "k": row["k"], "expected_tokens_per_step": expected,
+                    "step_ms": step, "ms_per_token": step / expected, "speedup": step_ms / (step / expected)})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="golden/tiny-spec,golden/bench/mid", help="model dirs, comma-separated")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--ks", default="2", help="MTP drafts per step (one engine each)")
+    p.add_argument("--input-len", type=int, default=40)
+    p.add_argument("--new", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=20290)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the box is shared)")
+    p.add_argument("--trn2-step-ms", type=float, default=447.8, help="fixed-cost step for the paper estimate")
+    p.add_argument("--draft-cost", type=float, default=0.0,
+                   help="cost of one drafted token as a fraction of a target step, for the paper estimate")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    args = p.parse_args()
+    import os
+
+    rows = []
+    for m in args.models.split(","):
+        rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
+                            [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
+                            args.threads, args.seed)
+    print(f"load average after the run: {os.getloadavg()}")
+    print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
+          "| step ms | vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        spec = "none" if r["method"] == "none" else f"{r['method']} k={r['k']}"
+        acc = (f"{r['acceptance_rate']:.3f} ({', '.join(f'{x:.3f}' for x in r['per_position'] if x is not None)})"
+               if "acceptance_rate" in r else "-")
+        tpv = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "1"
+        print(f"| {Path(r['model']).name} | {r['batch']} | {spec} | {r['tokens_per_step']:.2f} | {tpv} | {acc} | "
+              f"{r['ms_per_token']:.1f} | {r['tok_s']:.1f} | {r['step_ms_p50']:.1f} | {r['speedup_vs_plain']:.2f}x |")
+    est = paper_estimate(rows, args.trn2_step_ms, args.draft_cost)
+    for e in est:
+        print(f"paper, {Path(e['model']).name} batch {e['batch']} k={e['k']}: {e['expected_tokens_per_step']:.2f} "
+              f"tokens per {e['step_ms']:.1f} ms step = {e['ms_per_token']:.1f} ms/token "
+              f"({e['speedup']:.2f}x vs {args.trn2_step_ms} ms/token)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "paper": est, "args": vars(args) | {"json": str(args.json)}},
+                                        indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
