@@ -14,7 +14,13 @@ What the official code does (spec deepseek_v4.md §4.2, §4.3), and the function
   `fp8_gemm` / `fp4_gemm`: per-K-block products of the unscaled codes (fp32), scaled by a_s * w_s, accumulated in
   fp32 block after block, rounded once to the output dtype (the official kernels write bf16). `act_linear` chains
   both.
-* bf16 indexer scores - `indexer_weights_bf16`, `index_score_bf16`.
+* bf16 indexer scores - `indexer_weights_bf16`, `index_score_bf16` (`indexer_weights_rounded`,
+  `index_score_rounded`: the same roundings to the input dtype, so also the fp32 staging form).
+* The other rounding points of the official forward in the compute dtype (bf16 there): the per-head query RMS
+  normalisation in that dtype's arithmetic (`head_rms`), attention probabilities rounded to the keys' dtype before
+  P @ V (`sparse_attn_rounded`, `sparse_attn_partial_rounded`).
+* Stored FP4 codes two per byte (`pack_nibbles` / `unpack_nibbles`, low nibble = even element, as the checkpoint
+  packs them): the FP8 KV cache keeps the official indexer keys this way (engine/model/cache.py).
 
 Rules shared by every quantiser (the official `act_quant` / `fp4_act_quant` kernels with `scale_fmt="ue8m0"`):
 per block, ``a = max(amax, floor) * fp32(1 / max)`` (the kernel multiplies by the fp32 reciprocal), scale
@@ -36,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from nki_kernels.formats import FP4_AMAX_FLOOR, FP4_MAX, FP8_AMAX_FLOOR, FP8_MAX
-from nki_kernels.reference import ue8m0_decode
+from nki_kernels.reference import sparse_attn_merge, ue8m0_decode
 
 __all__ = [
     "KV_BLOCK", "ACT_BLOCK", "FP4_ACT_BLOCK",
@@ -44,7 +50,8 @@ __all__ = [
     "fp8_quant", "fp8_dequant", "fp8_qdq", "kv_fp8_qdq",
     "fp4_quant", "fp4_dequant", "fp4_qdq", "hadamard", "indexer_fp4_qdq",
     "e4m3_decode", "ue8m0_value", "fp8_gemm", "fp4_gemm", "act_linear",
-    "indexer_weights_bf16", "index_score_bf16",
+    "indexer_weights_bf16", "index_score_bf16", "indexer_weights_rounded", "index_score_rounded",
+    "head_rms", "sparse_attn_partial_rounded", "sparse_attn_rounded", "pack_nibbles", "unpack_nibbles",
 ]
 
 KV_BLOCK = 64  # FP8 KV simulation: one scale per 64 non-RoPE dims
@@ -321,3 +328,70 @@ def index_score_bf16(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor)
     s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).to(torch.bfloat16).relu()
     p = (s.float() * weights.float().unsqueeze(-1)).to(torch.bfloat16)
     return p.float().sum(dim=2).to(torch.bfloat16)
+
+
+def indexer_weights_rounded(w: torch.Tensor, scale: float) -> torch.Tensor:
+    """`indexer_weights_bf16` in w's own dtype, for the constant `scale` (head_dim**-0.5 * n_heads**-0.5): the
+    product of w and fp32(scale), rounded to w.dtype (the official `weights_proj(x) * const` with the default dtype
+    w.dtype; fp32: one fp32 product)."""
+    c = float(torch.tensor(scale, dtype=torch.float32))
+    return (w.float() * c).to(w.dtype)
+
+
+def index_score_rounded(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`index_score_bf16` with every rounding to q.dtype instead of bf16 (the official scores with default dtype
+    q.dtype): bf16 q gives exactly `index_score_bf16`; fp32 q the fp32 scores in the official order (relu, times
+    the weights, head sum). -> [B, T, N] in q.dtype."""
+    dt = q.dtype
+    s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).to(dt).relu()
+    p = (s.float() * weights.float().unsqueeze(-1)).to(dt)
+    return p.float().sum(dim=2).to(dt)
+
+
+# ---- rounding points of the official forward in the compute dtype ------------------------------------------------
+def head_rms(q: torch.Tensor, eps: float) -> torch.Tensor:
+    """The official per-head query normalisation `q *= rsqrt(q.square().mean(-1) + eps)` in q's own dtype: with bf16
+    q every op (square, mean, + eps, rsqrt, product) rounds to bf16; fp32 q is the plain fp32 expression."""
+    return q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+
+
+def sparse_attn_partial_rounded(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
+                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.sparse_attn_partial` with the probabilities rounded to kv.dtype before the P @ V product, as the
+    official `sparse_attn` kernel does (fp32 accumulation; the max and the sum of exps stay fp32). One softmax
+    block: the kernel's online softmax over 64-key blocks rounds each block's exps relative to the running max of
+    the keys so far, which only differs where the keys exceed one block (golden/README.md "item 6", step 9).
+    q [B, T, H, D], kv [B, N, D], valid [B, T, N] -> (acc, m, l) fp32."""
+    logits = torch.einsum("bthd,bnd->bthn", q.float(), kv.float()) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    if logits.shape[-1] == 0:
+        m = logits.new_full(logits.shape[:-1], float("-inf"))
+        return q.new_zeros(q.shape, dtype=torch.float32), m, torch.zeros_like(m)
+    m = logits.amax(-1)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(logits - m_safe.unsqueeze(-1))
+    acc = torch.einsum("bthn,bnd->bthd", p.to(kv.dtype).float(), kv.float())
+    return acc, m, p.sum(-1)
+
+
+def sparse_attn_rounded(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """`reference.sparse_attn` with `sparse_attn_partial_rounded`'s probabilities: [B, T, H, D] in q.dtype."""
+    return sparse_attn_merge([sparse_attn_partial_rounded(q, kv, valid, scale)], sink).to(q.dtype)
+
+
+# ---- FP4 codes two per byte ----------------------------------------------------------------------------------
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes uint8 [..., N] (0..15, N even) -> uint8 [..., N/2], element 2i in the low nibble, 2i + 1 in the
+    high one (int32 arithmetic, no shifts)."""
+    c = codes.to(torch.int32).unflatten(-1, (-1, 2))
+    return (c[..., 0] + c[..., 1] * 16).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: uint8 [..., N/2] -> codes uint8 [..., N] (`&` and a floor division on int32:
+    no `>>`, no uint8 compares)."""
+    b = packed.to(torch.int32)
+    lo = b & 15
+    hi = torch.div(b - lo, 16, rounding_mode="floor")
+    return torch.stack((lo, hi), dim=-1).flatten(-2).to(torch.uint8)
