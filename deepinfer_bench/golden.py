@@ -200,7 +200,8 @@ def kernel_dispatches(dispatcher: Any) -> list[dict[str, Any]]:
 
 
 def forced_with_logits(engine: Any, prompts: list[list[int]], forced: list[list[int]],
-                       on_step: Callable[[], None] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+                       on_step: Callable[[], None] | None = None,
+                       finals: list[Any] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Teacher forcing through the engine's serving loop: every prompt as a greedy request whose tokens are the
     reference's (`forced`, not the engine's argmax), so each step is scored on the reference's own context; returns
     per prompt the forced ids and the fp32 logits [n, vocab] the engine computed for each of them (the engine's own
@@ -223,14 +224,17 @@ def forced_with_logits(engine: Any, prompts: list[list[int]], forced: list[list[
     try:
         rids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
         outs: dict[str, list[int]] = {}
+        last: dict[str, Any] = {}
         while engine.has_unfinished():
             for o in engine.step():
                 if o.finished:
-                    outs[o.request_id] = list(o.output_token_ids)
+                    outs[o.request_id], last[o.request_id] = list(o.output_token_ids), o
             if on_step is not None:
                 on_step()
     finally:
         engine.sampler, engine.on_logits = sampler, prev
+    if finals is not None:
+        finals.extend(last[r] for r in rids)
     return [outs[r] for r in rids], [torch.stack(rows[r]) for r in rids]
 
 
@@ -247,10 +251,11 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             counters()
             advance(engine.stats().num_generated_tokens)
 
+        finals: list[Any] = []
         if forced is None:
-            outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=on_step)
+            outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=on_step, finals=finals)
         else:
-            outs, logits = forced_with_logits(engine, prompts, forced, on_step=on_step)
+            outs, logits = forced_with_logits(engine, prompts, forced, on_step=on_step, finals=finals)
     runner, stats = engine.runner, engine.stats()
     regions = getattr(runner, "regions", None)
     return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
@@ -258,7 +263,8 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             "region_launches": regions.launches if regions is not None else 0,
             "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
             "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner.model),
-            "host_math": blas_mode()}
+            "host_math": blas_mode(), "speculative": engine.spec_stats.to_dict(),
+            "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals]}
 
 
 @contextlib.contextmanager
@@ -379,6 +385,9 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     dtype = str(config.model.dtype)
     if official:
         check_official_golden(meta, dtype, golden_dir)
+        if config.spec.enabled:  # verify steps accept by the target's own argmax: no teacher forcing through them
+            raise GoldenError("--numerics official compares teacher-forced, one token per step: run it without "
+                              "--speculative")
     elif meta.get("numerics"):
         raise GoldenError(f"{golden_dir} holds the official code's numerics ({meta['numerics']}): compare with "
                           f"--numerics official")
@@ -389,6 +398,9 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
         rows = compare_official([(p, lg) for p, lg in zip(prompts, res["logits"], strict=True)], dtype)
     else:
         rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, res["outs"], res["logits"], strict=True)]
+    if config.spec.enabled:  # per prompt: the drafts its verify steps carried, and the share the target accepted
+        for row, (drafted, accepted) in zip(rows, res["drafts"], strict=True):
+            row["drafted"], row["acceptance_rate"] = drafted, accepted / drafted if drafted else float("nan")
     run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference",
                                                     "numerics")},
@@ -396,8 +408,13 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
-                "host_math": res["host_math"], "measured_on": measured_on(config.backend)}
-    return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
+                "host_math": res["host_math"], "measured_on": measured_on(config.backend),
+                "speculative": None}
+    if config.spec.enabled:
+        run_meta["speculative"] = {"method": str(config.spec.method),
+                                   "num_speculative_tokens": config.spec.num_speculative_tokens, **res["speculative"]}
+    columns = COLUMNS + (["drafted", "acceptance_rate"] if config.spec.enabled else [])
+    return GoldenRun(table=pd.DataFrame(rows, columns=columns), meta=run_meta, collectives=res["collectives"],
                      steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
 
 
