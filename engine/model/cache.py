@@ -255,6 +255,7 @@ class KVCache:
             raise ValueError(f"window_size={cfg.window_size} is not divisible by cp={cp}")
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         self.scratch, self.spare = scratch, spare
+        self.layout = kv_bytes(cfg, layer_ids, dtype, block_size, cp, spare, str(kv_dtype), index_keys)
         extra = 1 if scratch else 0
         by_ratio: dict[int, list[int]] = {}
         for lid in layer_ids:
@@ -291,6 +292,11 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for roots in self.roots.values() for t in roots.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        """KV bytes per token of context (all cp ranks, this process's layers; `KVBytes.per_token`)."""
+        return self.layout.per_token
 
 
 @dataclass

@@ -23,10 +23,17 @@ Hooks (model call site): hf / hf with the fp8 cache / official.
 * `sparse_attn`, `sparse_attn_partial`: the table's / the table's / bf16: probabilities rounded before P @ V, fp32:
   the table's.
 
-With the fp8 cache the window KV, the entries and the indexer keys are rounded where they are made, so what
-attention reads back from the FP8 store equals what a chunk uses directly (chunked prefill = decode), and storing a
-value already on the grid is exact (engine/model/cache.py KVStore). The official numerics' indexer keys are FP4
-values: the cache then stores e2m1 codes (index_keys "fp4"), which hold them exactly.
+**Exact accumulation (official numerics, bf16).** In bf16 every op output is rounded and the official numerics are
+discontinuous (an e4m3 / e2m1 rounding boundary, a block amax crossing a power of two, a top-k boundary), so the
+fp32 summation order of a GEMM or of attention - which depends on the batch (how many tokens share a GEMM, how many
+padded keys a batch of sequences carries) - flips some bf16 roundings, and a flip can move the tiny model's logits
+by ~3. The bf16 official hooks therefore sum exactly (float64: the products of FP8 / bf16 values and their sums
+are exact) and round once: the stored-weight GEMMs of the host tables (`quant.act_linear_exact`), the bf16-weight
+ones (`linear_exact`: weights_proj; `grouped_out_proj_exact`: wo_a), the index scores (`index_score_exact`), the
+per-head query norm (`head_rms`) and attention (`sparse_attn_exact`). The same numbers whatever the batch (checked
+by tests/test_numerics.py), and the variant golden/README.md's cross-check measured as a floor ("GEMMs + attention
+accumulated in fp64"). The stand-in / nki tables keep their blockquant kernels (fp32 PSUM accumulation, FP8
+activations: `aq_kernels`); fp32 keeps fp32 sums (the staging golden is fp32-accumulated).
 """
 
 from __future__ import annotations
@@ -90,12 +97,15 @@ def with_numerics(ops: types.SimpleNamespace, numerics: Numerics | str = Numeric
         kernel = (aq_kernels or {}).get(name)
         if kernel is not None:
             setattr(t, name, lambda x, w, s, k=kernel: k(*quant.fp8_quant(x, ACT_BLOCK), w, s, x.dtype))
-        else:
-            setattr(t, name, lambda x, w, s, f=getattr(base, name): f(act_quant(x), w, s))
+        else:  # fp32: the table's GEMM on the quantised activation; bf16: summed exactly (module docstring)
+            setattr(t, name, _by_dtype(lambda x, w, s, f=getattr(base, name): f(act_quant(x), w, s),
+                                       lambda x, w, s, fmt=name[:3]: quant.act_linear_exact(x, w, s, fmt)))
     t.head_rms = quant.head_rms
     t.index_weights = quant.indexer_weights_rounded
     t.entry_in = lambda pooled, dtype: pooled.to(dtype)
-    t.index_score = _by_dtype(base.index_score, quant.index_score_rounded)
-    t.sparse_attn = _by_dtype(base.sparse_attn, quant.sparse_attn_rounded)
-    t.sparse_attn_partial = _by_dtype(base.sparse_attn_partial, quant.sparse_attn_partial_rounded)
+    t.index_score = _by_dtype(base.index_score, quant.index_score_exact)
+    t.linear = _by_dtype(base.linear, quant.linear_exact)
+    t.grouped_out_proj = _by_dtype(base.grouped_out_proj, quant.grouped_out_proj_exact)
+    t.sparse_attn = _by_dtype(base.sparse_attn, quant.sparse_attn_exact)
+    t.sparse_attn_partial = _by_dtype(base.sparse_attn_partial, quant.sparse_attn_partial_exact)
     return t
