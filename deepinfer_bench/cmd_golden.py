@@ -57,7 +57,8 @@ def golden_cmd(
     n = len(run.table)
     style = "green" if run.ok else "red"
     toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"
-    err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] (greedy tokens identical: {toks}, "
+    what = "teacher-forced top-1 = golden" if str(config.model.numerics) == "official" else "greedy tokens identical"
+    err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] ({what}: {toks}, "
                       f"max |dlogit| {run.table['max_abs_dlogit'].max():.2e}, tol {run.table['logit_tol'].iloc[0]}; "
                       f"{run.steps} engine steps, {run.meta['preemptions']} preemptions{_spec(run.meta)}; host "
                       f"math {_host_math(run.meta['host_math'])})  ->  {path}")
