@@ -178,7 +178,7 @@ def test_official_bf16_engine_is_batch_invariant() -> None:
     assert float((batch[1] - alone[0]).abs().max()) < 0.05
 
 
-# ---- layout arithmetic and shape checks -------------------------------------------------------------------------------
+# ---- layout arithmetic and shape checks ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype,index_keys", [("auto", "fp8"), ("fp8", "fp8"), ("fp8", "fp4")])
 def test_kv_bytes_is_what_the_cache_allocates(kv_dtype: str, index_keys: str) -> None:
     cfg = ModelConfig.from_json(TINY_OFFICIAL)
@@ -234,3 +234,21 @@ def test_golden_of_tiny_runs_under_the_dspark_head() -> None:
     run = run_golden(golden_config(model_dir=TINY_DSPARK, golden_dir=GOLDEN_DIR, speculative="dspark",
                                    num_speculative_tokens=3))
     assert run.ok, run.table.to_string()
+
+
+def test_kv_fit_table_matches_the_spec_arithmetic() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kv_fit", GOLDEN_DIR.parent / "scripts" / "kv_fit.py")
+    kv_fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv_fit)
+    table = {(r["model"], r["kv"]): r for r in kv_fit.rows(64, 24)}
+    # spec §3: bf16 CSA (512 + 128) / 4 x 2 B = 320 B, HCA 512 / 128 x 2 B = 8 B; Flash 21 CSA + 20 HCA layers
+    assert table["V4-Flash", "bf16"]["bytes_per_token"] == 21 * 320 + 20 * 8
+    entry = 448 + 448 // 64 + 64 * 2  # e4m3 bytes, one scale per 64, bf16 RoPE dims
+    assert table["V4-Flash", "fp8"]["bytes_per_token"] == 21 * (entry + 128 + 1) / 4 + 20 * entry / 128
+    assert table["V4-Pro", "bf16"]["bytes_per_token"] == 30 * 320 + 31 * 8
+    for model in ("V4-Flash", "V4-Pro"):
+        assert table[model, "fp8"]["bytes_per_token"] <= 0.6 * table[model, "bf16"]["bytes_per_token"]
+    flash = table["V4-Flash", "bf16"]
+    assert 0 < flash["weights_gib"] < 24 and flash["ctx_b1"] >= flash["ctx_b8"] >= flash["ctx_b32"] > 0
