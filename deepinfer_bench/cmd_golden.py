@@ -21,11 +21,19 @@ def golden_cmd(
     out: Annotated[Path, typer.Option(help="Results folder (a new run dir each time).")] = DEFAULT_OUT_DIR,
 ) -> None:
     """Run every golden prompt through the engine's serving path (scheduler, KV pool, greedy sampler; on --cp
-    ranks) and compare tokens and logits with the HF reference outputs. Exit 1 on any mismatch."""
-    from deepinfer_bench.golden import GOLDEN_DIR, collectives_per_layer, load_golden, run_golden, workload
+    ranks) and compare tokens and logits with the HF reference outputs. Exit 1 on any mismatch. With --numerics
+    official: golden/tiny-official against DeepSeek's own inference code (golden/official, or golden/official-fp32
+    for --dtype float32), teacher-forced, by the statistical bounds of deepinfer_bench/golden.py OFFICIAL_TOL."""
+    import dataclasses
 
+    from deepinfer_bench.golden import collectives_per_layer, default_dirs, load_golden, run_golden, workload
+    from deepinfer_bench.report import DEFAULT_MODEL_DIR
+
+    model_dir, default_golden = default_dirs(engine.numerics or "hf", engine.dtype or "float32")
+    if engine.model_dir == DEFAULT_MODEL_DIR:  # not given: the numerics' own tiny model
+        engine = dataclasses.replace(engine, model_dir=model_dir)
     cfg = engine.model_config()
-    golden_dir = golden_dir or GOLDEN_DIR
+    golden_dir = golden_dir or default_golden
     _, prompts = load_golden(golden_dir, cfg)
     config = engine.config(cfg, workload=workload(prompts))
     c = config.cache
@@ -39,7 +47,9 @@ def golden_cmd(
 
         err_console.print(f"[dim]measured on: {measured_on(config.backend)}[/dim]")
     run = run_golden(config, golden_dir, progress=True)
-    render_df(run.table, f"golden vs HF reference ({config.model.dtype}, cp={config.cp}, graph {config.graph.mode})")
+    ref = "the official code, teacher-forced" if str(config.model.numerics) == "official" else "HF reference"
+    render_df(run.table, f"golden vs {ref} ({config.model.dtype}, cp={config.cp}, graph {config.graph.mode}, kv "
+                         f"{config.cache.kv_cache_dtype})")
     if run.collectives and (report_collectives or config.cp > 1):
         render_df(collectives_per_layer(run.collectives, run.steps), f"collectives per layer per step "
                                                                       f"({run.steps} engine steps)")
@@ -51,7 +61,8 @@ def golden_cmd(
     n = len(run.table)
     style = "green" if run.ok else "red"
     toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"
-    err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] (greedy tokens identical: {toks}, "
+    what = "teacher-forced top-1 = golden" if str(config.model.numerics) == "official" else "greedy tokens identical"
+    err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] ({what}: {toks}, "
                       f"max |dlogit| {run.table['max_abs_dlogit'].max():.2e}, tol {run.table['logit_tol'].iloc[0]}; "
                       f"{run.steps} engine steps, {run.meta['preemptions']} preemptions{_spec(run.meta)}; host "
                       f"math {_host_math(run.meta['host_math'])})  ->  {path}")

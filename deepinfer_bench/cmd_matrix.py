@@ -57,7 +57,9 @@ def matrix_cmd(
         render_df(skipped[["batch_size", "input_len", "output_len", "status", "skip_reason"]],
                   "Skipped / failed cells")
     meta = {"matrix": spec.name, "matrix_path": str(path), "spec": spec.__dict__, "engine_config": config.to_dict(),
-            "measured_on": where, "backend": df.attrs.get("backend", {})}
+            "measured_on": where, "backend": df.attrs.get("backend", {}),
+            "kv_cache_dtype": str(config.cache.kv_cache_dtype),
+            "kv_cache_bytes_per_token": df.attrs.get("kv_cache_bytes_per_token")}
     csv_path = save_results(df, out, f"matrix-{spec.name}", meta)
     png = save_plot(df, csv_path.with_suffix(".png"), title=f"matrix {spec.name} ({where})")
     err_console.print(f"wrote {csv_path}, {csv_path.parent / 'meta.json'} and {png}")

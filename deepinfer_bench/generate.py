@@ -95,7 +95,8 @@ def _generate_job(engine: Any, prompt: str | list[int], params: Any) -> dict[str
             "text": final.text if engine.tokenizer is not None else None, "finish_reason": final.finish_reason,
             "seconds": time.perf_counter() - t0,
             "resident_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "kv_cache_bytes": engine.runner.cache.nbytes(), "peak_rss_bytes": peak_rss_bytes()}
+            "kv_cache_bytes": engine.runner.cache.nbytes(),
+            "kv_cache_bytes_per_token": engine.runner.cache.bytes_per_token, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def generate(config: Any, prompt: str | list[int], params: Any) -> dict[str, Any]:
@@ -144,7 +145,8 @@ def _save(args: Any, config: Any, result: dict[str, Any], out: Path) -> dict[str
     row = {"prompt_len": len(result["prompt_ids"]), "output_len": len(result["output_ids"]),
            "seconds": result["seconds"], "weights": str(config.model.weights), "dtype": str(config.model.dtype),
            "checkpoint_bytes": ckpt, "resident_weight_bytes": result["resident_weight_bytes"],
-           "kv_cache_bytes": result["kv_cache_bytes"], "peak_rss_bytes": result["peak_rss_bytes"],
+           "kv_cache_bytes": result["kv_cache_bytes"], "kv_cache_bytes_per_token": result["kv_cache_bytes_per_token"],
+           "kv_cache_dtype": str(config.cache.kv_cache_dtype), "peak_rss_bytes": result["peak_rss_bytes"],
            "peak_rss_over_checkpoint": result["peak_rss_bytes"] / ckpt if ckpt else float("nan")}
     path = save_results(pd.DataFrame([row]), out, "generate", {"engine_config": config.to_dict(), **row})
     return {"results": str(path), "checkpoint_bytes": ckpt,

@@ -199,6 +199,8 @@ def _matrix_job(engine: LLMEngine, spec: MatrixSpec, progress: Progress | None) 
     df = pd.DataFrame([asdict(r) for r in rows], columns=COLUMNS)
     backend = getattr(engine.runner, "backend", None)  # the backend's counters of the whole run
     df.attrs["backend"] = backend.counters().to_dict() if backend is not None else {}
+    cache = getattr(engine.runner, "cache", None)  # the KV layout's bytes per token of context (--kv-cache-dtype)
+    df.attrs["kv_cache_bytes_per_token"] = cache.bytes_per_token if cache is not None else None
     return df
 
 

@@ -19,7 +19,18 @@ from typing import Annotated, Any
 import typer
 
 from deepinfer_bench.report import DEFAULT_MODEL_DIR
-from engine.config import Backend, DType, GraphMode, HostCompiler, Kernels, MoeMode, Speculative, Weights
+from engine.config import (
+    Backend,
+    DType,
+    GraphMode,
+    HostCompiler,
+    Kernels,
+    KVCacheDType,
+    MoeMode,
+    Numerics,
+    Speculative,
+    Weights,
+)
 
 PANEL = "Engine options"
 
@@ -37,6 +48,8 @@ class EngineArgs:
     backend: Backend | None = None
     kernels: Kernels | None = None
     weights: Weights | None = None
+    numerics: Numerics | None = None
+    kv_cache_dtype: KVCacheDType | None = None
     moe: MoeMode | None = None
     host_compiler: HostCompiler | None = None
     speculative: Speculative | None = None
@@ -92,6 +105,14 @@ _OPTIONS: dict[str, Any] = {
                                               "reference; meta.json says which and why).")],
     "weights": Annotated[Weights | None, _opt("--weights", help="FP8/FP4 weights as stored (the GEMMs read the "
                                               "checkpoint's bytes; default) or dequantised at load.")],
+    "numerics": Annotated[Numerics | None, _opt("--numerics", help="hf (default): HF transformers' exact math; "
+                                                "official: DeepSeek's inference/model.py numerics (FP8 KV and "
+                                                "activation quantisation, Hadamard + FP4 indexer, bf16 rounding "
+                                                "points).")],
+    "kv_cache_dtype": Annotated[KVCacheDType | None, _opt("--kv-cache-dtype", help="auto (the compute dtype) or "
+                                                          "fp8: non-RoPE KV dims as e4m3 + one scale per 64, RoPE "
+                                                          "dims in the compute dtype, indexer keys quantised "
+                                                          "(vLLM's flag).")],
     "moe": Annotated[MoeMode | None, _opt("--moe", help="Routed experts in decode graphs: grouped (each chosen "
                                           "expert once on its tokens, between graphs: host), gather the chosen ones "
                                           "(cost K per token), dense (every local expert), or auto (gather while "

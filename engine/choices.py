@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["Backend", "DType", "GraphMode", "HostCompiler", "Kernels", "LoadFormat", "MoeMode", "Speculative",
-           "Weights"]
+__all__ = ["Backend", "DType", "GraphMode", "HostCompiler", "Kernels", "KVCacheDType", "LoadFormat", "MoeMode",
+           "Numerics", "Speculative", "Weights"]
 
 
 class _Choice(str, enum.Enum):
@@ -84,3 +84,14 @@ class Speculative(_Choice):
     NONE = "none"  # one token per sequence and step
     MTP = "mtp"  # the checkpoint's MTP block drafts k tokens (applied recursively for k > 1)
     DSPARK = "dspark"  # the checkpoint's DSpark head drafts a block of tokens in parallel (0731 / 0813 releases)
+
+
+class Numerics(_Choice):
+    HF = "hf"  # HF transformers' numerics: exact KV, indexer and GEMM inputs (what golden/golden.json holds)
+    OFFICIAL = "official"  # DeepSeek's inference/model.py: its FP8 / FP4 simulation steps and bf16 rounding points
+
+
+class KVCacheDType(_Choice):
+    AUTO = "auto"  # the compute dtype
+    FP8 = "fp8"  # non-RoPE KV dims as e4m3 bytes + one UE8M0 scale per 64, RoPE dims in the compute dtype; indexer
+    # keys as e4m3 + one scale per 128 (hf numerics) or e2m1 codes + one scale per 32 (official numerics)

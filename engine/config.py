@@ -34,13 +34,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.choices import Backend, DType, GraphMode, HostCompiler, Kernels, LoadFormat, MoeMode, Speculative, Weights
+from engine.choices import (
+    Backend,
+    DType,
+    GraphMode,
+    HostCompiler,
+    Kernels,
+    KVCacheDType,
+    LoadFormat,
+    MoeMode,
+    Numerics,
+    Speculative,
+    Weights,
+)
 from engine.model_config import ConfigError, ModelConfig
 
 __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "GraphConfig", "GraphMode",
-           "HostCompiler", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec", "MoeMode",
-           "ParallelConfig", "SpecConfig", "Speculative", "Weights", "Workload", "check_layout", "default_block_size",
-           "resolve_backend", "resolve_graph_mode", "resolve_kernels"]
+           "HostCompiler", "KVCacheDType", "Kernels", "LayoutError", "LoadFormat", "ModelConfig", "ModelSpec",
+           "MoeMode", "Numerics", "ParallelConfig", "SpecConfig", "Speculative", "Weights", "Workload", "check_layout",
+           "check_numerics", "default_block_size", "resolve_backend", "resolve_graph_mode", "resolve_kernels"]
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -65,6 +77,47 @@ def check_layout(cfg: ModelConfig, cp: int) -> None:
         problems.append(f"cp={cp} is larger than window_size={cfg.window_size}")
     if problems:
         raise LayoutError("invalid parallel layout: " + "; ".join(problems))
+
+
+KV_FP8_BLOCK = 64  # FP8 KV (and the official KV simulation): one UE8M0 scale per 64 non-RoPE dims
+ACT_BLOCK = 128  # official activation quantisation before FP8/FP4 GEMMs: one scale per 128 along K
+INDEX_FP8_BLOCK = 128  # FP8 indexer keys under hf numerics (vLLM's layout): one scale per 128
+INDEX_FP4_BLOCK = 32  # official indexer simulation: Hadamard + e2m1 with one scale per 32
+
+
+def check_numerics(cfg: ModelConfig, numerics: Numerics | str, kv_cache_dtype: KVCacheDType | str,
+                   weights: Weights | str = Weights.STORED) -> None:
+    """One line naming what keeps this model / these options from `--numerics official` or `--kv-cache-dtype
+    fp8` (the official code asserts the same shapes; an FP8 cache whose blocks do not fit would be a wrong
+    cache). Nothing to check for hf numerics with an auto cache."""
+    official = str(numerics) == Numerics.OFFICIAL.value
+    fp8 = str(kv_cache_dtype) == KVCacheDType.FP8.value
+    nope, di = cfg.head_dim - cfg.rope_head_dim, cfg.index_head_dim
+    csa = any(ModelConfig.ratio_is_csa(m) for m in cfg.compress_ratios)
+    problems = []
+    if (fp8 or official) and nope % KV_FP8_BLOCK:
+        problems.append(f"head_dim - rope_head_dim = {cfg.head_dim} - {cfg.rope_head_dim} = {nope} non-RoPE KV dims "
+                        f"are not a multiple of the {KV_FP8_BLOCK}-wide FP8 blocks (one scale per {KV_FP8_BLOCK})")
+    if csa and official and (di & (di - 1) or di % INDEX_FP4_BLOCK):
+        problems.append(f"index_head_dim={di} is not a power of two divisible by {INDEX_FP4_BLOCK} (the indexer's "
+                        f"Hadamard rotation + FP4 blocks)")
+    elif csa and fp8 and not official and di % INDEX_FP8_BLOCK:
+        problems.append(f"index_head_dim={di} is not a multiple of {INDEX_FP8_BLOCK} (FP8 indexer keys, one scale "
+                        f"per {INDEX_FP8_BLOCK})")
+    if official:
+        widths = {"dim": cfg.dim, "q_lora_rank": cfg.q_lora_rank, "moe_inter_dim": cfg.moe_inter_dim,
+                  "o_groups * o_lora_rank": cfg.o_groups * cfg.o_lora_rank}
+        bad = [f"{k}={v}" for k, v in widths.items() if v % ACT_BLOCK]
+        if bad:
+            problems.append(f"GEMM input widths {', '.join(bad)} are not multiples of {ACT_BLOCK} (the per-token "
+                            f"activation quantisation before FP8/FP4 GEMMs)")
+        if str(weights) == Weights.DEQUANT.value:
+            problems.append("it quantises the activations of exactly the GEMMs whose weights stay FP8/FP4 "
+                            "(as the official linear() does), so it needs --weights stored")
+    if problems:
+        what = " and ".join(f"--{n}" for n, on in (("numerics official", official), ("kv-cache-dtype fp8", fp8))
+                            if on)
+        raise ValueError(f"{what}: " + "; ".join(problems))
 
 
 def default_block_size(cfg: ModelConfig, cp: int = 1) -> int:
@@ -165,6 +218,7 @@ class ModelSpec:
     dtype: DType = DType.FLOAT32  # compute dtype of activations and non-fp32-kept weights
     with_mtp: bool = False  # load and keep the MTP block (mtp.*) and its cache
     weights: Weights = Weights.STORED  # FP8/FP4 weights as stored (bytes), or dequantised at load
+    numerics: Numerics = Numerics.HF  # hf: HF's exact math; official: DeepSeek's steps (engine/model/numerics.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ModelConfig):
@@ -172,6 +226,7 @@ class ModelSpec:
         object.__setattr__(self, "load_format", LoadFormat.parse(self.load_format, "load_format"))
         object.__setattr__(self, "dtype", DType.parse(self.dtype, "dtype"))
         object.__setattr__(self, "weights", Weights.parse(self.weights, "weights"))
+        object.__setattr__(self, "numerics", Numerics.parse(self.numerics, "numerics"))
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", str(self.model_dir))  # accept a Path, store a str
 
@@ -185,10 +240,12 @@ class CacheConfig:
     num_kv_blocks: int = 64  # fixed KV pool size
     block_size: int = 128  # token positions per block; a multiple of every compress ratio x cp
     max_model_len: int = 4096  # longest prompt + output
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # window ring + compressed pool: compute dtype, or FP8 + scales
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
                               "max_model_len"))
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype, "kv_cache_dtype"))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs} (every running sequence decodes one token per step)")
@@ -264,7 +321,7 @@ class SpecConfig:
 # Flat override name -> (part, field). The CLI options, the DEEPINFER_* defaults and `replace()` all use these.
 _FLAT: dict[str, tuple[str, str]] = {
     "load_format": ("model", "load_format"), "dtype": ("model", "dtype"), "with_mtp": ("model", "with_mtp"),
-    "weights": ("model", "weights"),
+    "weights": ("model", "weights"), "numerics": ("model", "numerics"),
     **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
@@ -308,6 +365,7 @@ class EngineConfig:
             raise ValueError(f"block_size={bs} must be a multiple of every compress ratio x cp={cp} (not of "
                              f"{', '.join(str(m * cp) for m in bad)}); the default for this model is "
                              f"{default_block_size(cfg, cp)}")
+        check_numerics(cfg, self.model.numerics, self.cache.kv_cache_dtype, self.model.weights)
         if self.cache.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.cache.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")

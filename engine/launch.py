@@ -74,7 +74,7 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
     par = par or Parallel()
     backend = backend or par.backend or get_backend(config)
     dispatcher = Dispatcher(lnc=logical_nc_config())  # this runner's kernel launches: the process's LNC
-    ops = ops_for(config.kernels)
+    ops = ops_for(config.kernels, config.model.numerics, config.cache.kv_cache_dtype)
     state = weights if weights is not None else load_weights(config, par)
     stored = str(config.model.weights) == "stored"
     model = Transformer(config.model.config, par, with_mtp=config.model.with_mtp)

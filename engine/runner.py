@@ -16,6 +16,7 @@ from engine.backends import Backend
 from engine.config import EngineConfig, GraphMode
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
+from engine.model.numerics import index_key_format
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer
 from engine.regions import RegionRunner
@@ -68,7 +69,8 @@ class ModelRunner:
         self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,
                              cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER,
-                             spare=config.spare_positions)
+                             spare=config.spare_positions, kv_dtype=str(cache.kv_cache_dtype),
+                             index_keys=index_key_format(config.model.numerics))
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.keep_hidden = config.spec.enabled
         self.capture = str(config.spec.method) == "dspark"

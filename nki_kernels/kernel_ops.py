@@ -92,7 +92,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nki_kernels import _convert, dispatch, reference
+from nki_kernels import _convert, dispatch, quant, reference
 from nki_kernels import blockquant as _bq
 from nki_kernels import compress_pool as _pool
 from nki_kernels import hc_attn_out as _hao
@@ -297,6 +297,17 @@ class KernelOps:
         packed, s32 = self.cache.get("fp4", packed_u8, convert, scale_u8)
         out = self._run("blockquant.fp4", _bq.fp4_gemm_kernel, (x.reshape(-1, k), packed, s32))
         return out.reshape(*x.shape[:-1], n)
+
+    def fp8_linear_aq(self, a_codes: torch.Tensor, a_scale: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+        """The official `linear()` of an FP8 weight: the activation already quantised per token (e4m3 bytes
+        [..., K] + UE8M0 bytes [..., K/128], `quant.fp8_quant(x, 128)`) -> [..., N] in out_dtype."""
+        return self.fp8_linear(quant.fp8_dequant(a_codes, a_scale, quant.ACT_BLOCK, out_dtype), w_u8, scale_u8)
+
+    def fp4_linear_aq(self, a_codes: torch.Tensor, a_scale: torch.Tensor, packed_u8: torch.Tensor,
+                      scale_u8: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """`fp8_linear_aq` for an FP4 expert weight."""
+        return self.fp4_linear(quant.fp8_dequant(a_codes, a_scale, quant.ACT_BLOCK, out_dtype), packed_u8, scale_u8)
 
     def grouped_out_proj(self, o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
         t, hd = o.shape

@@ -14,7 +14,13 @@ What the official code does (spec deepseek_v4.md §4.2, §4.3), and the function
   `fp8_gemm` / `fp4_gemm`: per-K-block products of the unscaled codes (fp32), scaled by a_s * w_s, accumulated in
   fp32 block after block, rounded once to the output dtype (the official kernels write bf16). `act_linear` chains
   both.
-* bf16 indexer scores - `indexer_weights_bf16`, `index_score_bf16`.
+* bf16 indexer scores - `indexer_weights_bf16`, `index_score_bf16` (`indexer_weights_rounded`,
+  `index_score_rounded`: the same roundings to the input dtype, so also the fp32 staging form).
+* The other rounding points of the official forward in the compute dtype (bf16 there): the per-head query RMS
+  normalisation in that dtype's arithmetic (`head_rms`), attention probabilities rounded to the keys' dtype before
+  P @ V (`sparse_attn_rounded`, `sparse_attn_partial_rounded`).
+* Stored FP4 codes two per byte (`pack_nibbles` / `unpack_nibbles`, low nibble = even element, as the checkpoint
+  packs them): the FP8 KV cache keeps the official indexer keys this way (engine/model/cache.py).
 
 Rules shared by every quantiser (the official `act_quant` / `fp4_act_quant` kernels with `scale_fmt="ue8m0"`):
 per block, ``a = max(amax, floor) * fp32(1 / max)`` (the kernel multiplies by the fp32 reciprocal), scale
@@ -36,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from nki_kernels.formats import FP4_AMAX_FLOOR, FP4_MAX, FP8_AMAX_FLOOR, FP8_MAX
-from nki_kernels.reference import ue8m0_decode
+from nki_kernels.reference import sparse_attn_merge, ue8m0_decode
 
 __all__ = [
     "KV_BLOCK", "ACT_BLOCK", "FP4_ACT_BLOCK",
@@ -44,7 +50,10 @@ __all__ = [
     "fp8_quant", "fp8_dequant", "fp8_qdq", "kv_fp8_qdq",
     "fp4_quant", "fp4_dequant", "fp4_qdq", "hadamard", "indexer_fp4_qdq",
     "e4m3_decode", "ue8m0_value", "fp8_gemm", "fp4_gemm", "act_linear",
-    "indexer_weights_bf16", "index_score_bf16",
+    "indexer_weights_bf16", "index_score_bf16", "indexer_weights_rounded", "index_score_rounded",
+    "head_rms", "sparse_attn_partial_rounded", "sparse_attn_rounded", "sparse_attn_partial_exact",
+    "sparse_attn_exact", "act_linear_exact", "index_score_exact", "linear_exact", "grouped_out_proj_exact",
+    "pack_nibbles", "unpack_nibbles",
 ]
 
 KV_BLOCK = 64  # FP8 KV simulation: one scale per 64 non-RoPE dims
@@ -321,3 +330,137 @@ def index_score_bf16(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor)
     s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).to(torch.bfloat16).relu()
     p = (s.float() * weights.float().unsqueeze(-1)).to(torch.bfloat16)
     return p.float().sum(dim=2).to(torch.bfloat16)
+
+
+def indexer_weights_rounded(w: torch.Tensor, scale: float) -> torch.Tensor:
+    """`indexer_weights_bf16` in w's own dtype, for the constant `scale` (head_dim**-0.5 * n_heads**-0.5): the
+    product of w and fp32(scale), rounded to w.dtype (the official `weights_proj(x) * const` with the default dtype
+    w.dtype; fp32: one fp32 product)."""
+    c = float(torch.tensor(scale, dtype=torch.float32))
+    return (w.float() * c).to(w.dtype)
+
+
+def index_score_rounded(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                        acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`index_score_bf16` with every rounding to q.dtype instead of bf16 (the official scores with default dtype
+    q.dtype): bf16 q gives exactly `index_score_bf16`; fp32 q the fp32 scores in the official order (relu, times
+    the weights, head sum). `acc_dtype` float64: the dot products and the head sum exact before each rounding.
+    -> [B, T, N] in q.dtype."""
+    dt = q.dtype
+    s = torch.einsum("bthd,bnd->bthn", q.to(acc_dtype), keys.to(acc_dtype)).to(dt).relu()
+    p = (s.float() * weights.float().unsqueeze(-1)).to(dt)
+    return p.to(acc_dtype).sum(dim=2).to(dt)
+
+
+def index_score_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`index_score_rounded` with exact (float64) sums."""
+    return index_score_rounded(q, keys, weights, torch.float64)
+
+
+def linear_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T summed exactly (float64; products of bf16 values are exact) and rounded once to x.dtype: the
+    official bf16 `F.linear` (fp32 accumulation, one rounding) without its summation order."""
+    return torch.nn.functional.linear(x.double(), weight.double()).to(x.dtype)
+
+
+def grouped_out_proj_exact(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
+    """`reference.grouped_out_proj` (the official bf16 `wo_a` einsum) summed exactly, rounded once to o.dtype."""
+    from nki_kernels.reference import grouped_out_proj
+
+    return grouped_out_proj(o.double(), wo_a.double(), groups).to(o.dtype)
+
+
+# ---- rounding points of the official forward in the compute dtype ------------------------------------------------
+def head_rms(q: torch.Tensor, eps: float) -> torch.Tensor:
+    """The official per-head query normalisation `q *= rsqrt(q.square().mean(-1) + eps)` in q's own dtype: with bf16
+    q every op (square, mean, + eps, rsqrt, product) rounds to bf16, the mean's sum taken exactly (float64) before
+    its one rounding, and the rsqrt rounded once from float64 (as a GPU's bf16 rsqrt rounds its fp32 result once).
+    torch's CPU bf16 rsqrt is not this: it rounds each 32-element vectorised chunk once but computes the remaining
+    (N mod 32) elements as bf16(1 / bf16(sqrt(x))), double rounding that differs in ~25 % of them, so its result
+    depends on how many rows the tensor has (the official golden, made on a CPU, carries that: golden/README.md);
+    a flipped bf16 rounding here moves the tiny model's logits by up to ~0.6. fp32 q: the plain fp32 expression."""
+    if q.dtype == torch.float32:
+        return q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+    ms = (q.square().double().sum(-1, keepdim=True) / q.shape[-1]).to(q.dtype)
+    return q * torch.rsqrt((ms + eps).double()).to(q.dtype)
+
+
+def sparse_attn_partial_rounded(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, scale: float,
+                                acc_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """`reference.sparse_attn_partial` with the probabilities rounded to kv.dtype before the P @ V product, as the
+    official `sparse_attn` kernel does (the max and the sum of exps stay in `acc_dtype`). One softmax block: the
+    kernel's online softmax over 64-key blocks rounds each block's exps relative to the running max of the keys so
+    far, which only differs where the keys exceed one block (golden/README.md "item 6", step 9). `acc_dtype`
+    float64: scores, exps and P @ V accumulated exactly (products of bf16 values are exact), so the result does not
+    depend on the summation order, i.e. on how many padded keys a batch carries (`exact_accumulation`).
+    q [B, T, H, D], kv [B, N, D], valid [B, T, N] -> (acc, m, l) in acc_dtype."""
+    logits = torch.einsum("bthd,bnd->bthn", q.to(acc_dtype), kv.to(acc_dtype)) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    if logits.shape[-1] == 0:
+        m = logits.new_full(logits.shape[:-1], float("-inf"))
+        return q.new_zeros(q.shape, dtype=acc_dtype), m, torch.zeros_like(m)
+    m = logits.amax(-1)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(logits - m_safe.unsqueeze(-1))
+    acc = torch.einsum("bthn,bnd->bthd", p.to(kv.dtype).to(acc_dtype), kv.to(acc_dtype))
+    return acc, m, p.sum(-1)
+
+
+def sparse_attn_rounded(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                        scale: float, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`reference.sparse_attn` with `sparse_attn_partial_rounded`'s probabilities: [B, T, H, D] in q.dtype."""
+    return sparse_attn_merge([sparse_attn_partial_rounded(q, kv, valid, scale, acc_dtype)], sink).to(q.dtype)
+
+
+def sparse_attn_partial_exact(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sparse_attn_partial_rounded` accumulated exactly (float64), returned as fp32 (the partials' contract)."""
+    return tuple(t.float() for t in sparse_attn_partial_rounded(q, kv, valid, scale, torch.float64))
+
+
+def sparse_attn_exact(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """`sparse_attn_rounded` accumulated exactly (float64), rounded once to q.dtype."""
+    return sparse_attn_rounded(q, kv, valid, sink, scale, torch.float64)
+
+
+def act_linear_exact(x: torch.Tensor, w_u8: torch.Tensor, scale_u8: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The official `linear()` of an FP8 ("fp8") or FP4 ("fp4") weight with exact accumulation: the per-token FP8
+    activation (`fp8_qdq(x, 128)`) times the dequantised weight, summed in float64 and rounded once to x.dtype.
+    Every product of an e4m3 activation value and an e4m3 / e2m1 weight value is exact in float64 and so are the
+    sums at these widths, so this is `fp8_gemm` / `fp4_gemm` without their fp32 summation order: the same number
+    for any batch size or K blocking (what the cross-check's "fp64 accumulation" row measured, golden/README.md).
+    Weight rows are decoded `reference.dequant_rows(K)` at a time. x [..., K] -> [..., N] in x.dtype."""
+    from nki_kernels.reference import dequant_rows, fp4_dequant_rows, fp8_dequant_rows
+
+    if fmt == "fp8":
+        n, k = w_u8.shape
+        rows_of = fp8_dequant_rows
+    else:
+        n, k = w_u8.shape[0], w_u8.shape[1] * 2
+        rows_of = fp4_dequant_rows
+    a = fp8_qdq(x, ACT_BLOCK).double()
+    step = dequant_rows(k)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        out[..., r0:r1] = torch.nn.functional.linear(a, rows_of(w_u8, scale_u8, r0, r1).double()).to(x.dtype)
+    return out
+
+
+# ---- FP4 codes two per byte ----------------------------------------------------------------------------------
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes uint8 [..., N] (0..15, N even) -> uint8 [..., N/2], element 2i in the low nibble, 2i + 1 in the
+    high one (int32 arithmetic, no shifts)."""
+    c = codes.to(torch.int32).unflatten(-1, (-1, 2))
+    return (c[..., 0] + c[..., 1] * 16).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: uint8 [..., N/2] -> codes uint8 [..., N] (`&` and a floor division on int32:
+    no `>>`, no uint8 compares)."""
+    b = packed.to(torch.int32)
+    lo = b & 15
+    hi = torch.div(b - lo, 16, rounding_mode="floor")
+    return torch.stack((lo, hi), dim=-1).flatten(-2).to(torch.uint8)

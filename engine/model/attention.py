@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.cache import LayerCache, SeqStep, StepPlan
+from engine.model.cache import KVStore, LayerCache, SeqStep, StepPlan
 from engine.model.layers import Linear, RMSNorm, Rope, _empty
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
@@ -44,6 +44,7 @@ class Compressor(OpsUser, nn.Module):
         self.norm = RMSNorm(head_dim)
         self.eps = cfg.norm_eps
         self.rd = cfg.rope_head_dim
+        self.rotate = False  # the indexer's compressor (official `rotate`): its keys take the indexer's rounding
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 projections of all tokens: x [T, dim] -> kv, score [T, coff*D] (ape not yet added)."""
@@ -51,11 +52,12 @@ class Compressor(OpsUser, nn.Module):
         return self.wkv(xf), self.wgate(xf)
 
     def finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
-        """RMSNorm, then RoPE of the trailing dims at the position of the block's first token. [W, D] -> [W, D]."""
-        e = self.ops.rms_norm(pooled, self.norm.weight, self.eps)
+        """RMSNorm, then RoPE of the trailing dims at the position of the block's first token, then the entry's
+        numerics rounding (engine/model/numerics.py: KV FP8 / the indexer's Hadamard + FP4). [W, D] -> [W, D]."""
+        e = self.ops.rms_norm(self.ops.entry_in(pooled, dtype), self.norm.weight, self.eps)
         cos, sin = rope.cos_sin(first_pos)
-        e = rope_tail(e, cos, sin, self.rd)
-        return e.to(dtype)
+        e = rope_tail(e, cos, sin, self.rd).to(dtype)
+        return self.ops.index_key_quant(e) if self.rotate else self.ops.kv_quant(e, self.rd)
 
     # The slot state holds the raw projections (kv, gate logit + ape) of recent tokens, token p in row p % S
     # (S = coff*m + spare rows, KVCache): a closing block reads its own m rows and, for CSA, the previous block's.
@@ -172,6 +174,7 @@ class Indexer(OpsUser, nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim, par)
+        self.compressor.rotate = True
         self.rd = cfg.rope_head_dim
         self.weight_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
 
@@ -179,8 +182,8 @@ class Indexer(OpsUser, nn.Module):
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, Di] (RoPE on the trailing dims, no per-head norm) and head weights [T, Hi] fp32."""
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd)
-        w = self.weights_proj(x).float() * self.weight_scale
+        q = self.ops.index_query_quant(rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd))
+        w = self.ops.index_weights(self.weights_proj(x), self.weight_scale)
         return q, w
 
 
@@ -202,8 +205,9 @@ def floor_mod(a: torch.Tensor, m: int) -> torch.Tensor:
     return a - torch.div(a, m, rounding_mode="floor") * m
 
 
-def gather_entries(pool: torch.Tensor, tables: torch.Tensor, num: int) -> torch.Tensor:
-    """Local entries 0..num-1 of each sequence: pool [NB, epb, D], tables [B, max_blocks] -> [B, num, D]."""
+def gather_entries(pool: KVStore | torch.Tensor, tables: torch.Tensor, num: int) -> torch.Tensor:
+    """Local entries 0..num-1 of each sequence: pool [NB, epb, D] (a KVStore: values), tables [B, max_blocks] ->
+    [B, num, D]."""
     epb = pool.shape[1]
     nblk = -(-num // epb)
     return pool[tables[:, :nblk]].flatten(1, 2)[:, :num]
@@ -286,10 +290,10 @@ class Attention(OpsUser, nn.Module):
         t = x.shape[0]
         qr = self.ops.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)  # [T, q_lora]
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        q = self.ops.rms_norm(q, None, self.eps)  # per-head unweighted RMS
+        q = self.ops.head_rms(q, self.eps)  # per-head unweighted RMS
         q = self._rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [T, H, D]
         kv = self.ops.rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = self._rope_tail(kv, cos, sin)  # [T, D]
+        kv = self.ops.kv_quant(self._rope_tail(kv, cos, sin), self.rd)  # [T, D] (numerics: FP8 non-RoPE dims)
         return q, kv, qr
 
     def _aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
@@ -410,12 +414,12 @@ class Attention(OpsUser, nn.Module):
             return
         nloc = max(0, -(-(num - self.rank) // cp))  # this rank's share
         ids = self.rank + cp * torch.arange(nloc, device=tables.device)  # their global ids
-        entries = gather_entries(cache.cmp_pool, tables, nloc)  # [B, E, D]
+        entries = gather_entries(cache.cmp_store, tables, nloc)  # [B, E, D]
         g.n_win = g.keys.shape[1]
         g.keys = torch.cat([g.keys, entries.to(g.keys.dtype)], 1)
         g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
         if self.indexer is not None:
-            ikeys = gather_entries(cache.idx_pool, tables, nloc)  # [B, E, Di]
+            ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
             g.scores = self.ops.index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
             g.visible, g.ids = visible, ids
 
@@ -433,27 +437,27 @@ class Attention(OpsUser, nn.Module):
         cos, sin = self.rope.cos_sin(pos)  # [B, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
         aux = self._aux(x, qr, cos, sin)
-        cp, wl = self.cp, cache.win_kv.shape[1]
+        cp, wl, ring = self.cp, cache.win_kv.shape[1], cache.win_store
         own = self._owned(pos)
-        cache.win_kv[torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl] = kv.to(cache.win_kv.dtype)
-        keys = cache.win_kv[slots]  # [B, wl, D]
+        ring[torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl] = kv
+        keys = ring[slots]  # [B, wl, D]
         g = _Group(rows=slice(None), q=q[:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
         split("attn.qkv")
         if self.ratio:
-            self.compressor.decode_static(*aux["c"], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_pool,
-                                          tables, self.rope, cache.cmp_pool.dtype)
+            self.compressor.decode_static(*aux["c"], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_store,
+                                          tables, self.rope, cache.dtype)
             if self.indexer is not None:
                 self.indexer.compressor.decode_static(*aux["i"], pos, slots, cache.idx_kv, cache.idx_score,
-                                                      cache.idx_pool, tables, self.rope, cache.idx_pool.dtype)
+                                                      cache.idx_store, tables, self.rope, cache.dtype)
             split("attn.compress")
             visible = ((pos + 1) // self.ratio)[:, None]  # [B, 1] global count of causal entries
             nloc = tables.shape[1] * cache.cmp_pool.shape[1]  # static: every entry the tables can hold
             ids = self.rank + cp * torch.arange(nloc, device=pos.device)  # [E] global ids
             g.n_win = wl
-            g.keys = torch.cat([keys, cache.cmp_pool[tables].flatten(1, 2).to(keys.dtype)], 1)  # [B, wl + E, D]
+            g.keys = torch.cat([keys, cache.cmp_store[tables].flatten(1, 2).to(keys.dtype)], 1)  # [B, wl + E, D]
             g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
             if self.indexer is not None:
-                ikeys = cache.idx_pool[tables].flatten(1, 2)  # [B, E, Di]
+                ikeys = cache.idx_store[tables].flatten(1, 2)  # [B, E, Di]
                 g.scores = self.ops.index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
                 g.visible, g.ids = visible, ids
                 self._select([g])
@@ -474,20 +478,21 @@ class Attention(OpsUser, nn.Module):
         ppos = torch.arange(max(0, start - win + 1), start, device=q.device)
         ppos = ppos[self._owned(ppos)]
         own_new = self._owned(qpos)
-        keys = torch.cat([cache.win_kv[s.slot, (ppos // cp) % wl], kv[own_new].to(cache.win_kv.dtype)], 0)
+        ring = cache.win_store
+        keys = torch.cat([ring[s.slot, (ppos // cp) % wl], kv[own_new].to(ring.dtype)], 0)
         kpos = torch.cat([ppos, qpos[own_new]])
         valid = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - win)  # [n, Nw]
         tail = max(0, n - wl * cp)  # the last positions the ring holds (no negative slice start: XLA does not clamp)
         keep = qpos[tail:]
         keep_own = self._owned(keep)
-        cache.win_kv[s.slot, (keep[keep_own] // cp) % wl] = kv[tail:][keep_own].to(cache.win_kv.dtype)
+        ring[s.slot, (keep[keep_own] // cp) % wl] = kv[tail:][keep_own]
         g = _Group(rows=rows, q=q[None], keys=keys[None], valid=valid[None])
         if self.ratio:
-            self.compressor.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_pool,
-                                  s.block_table, self.rope, cache.cmp_pool.dtype)
+            self.compressor.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_store,
+                                  s.block_table, self.rope, cache.dtype)
             if self.indexer is not None:
                 self.indexer.compressor.chunk(*aux["i"], start, cache.idx_kv[s.slot], cache.idx_score[s.slot],
-                                              cache.idx_pool, s.block_table, self.rope, cache.idx_pool.dtype)
+                                              cache.idx_store, s.block_table, self.rope, cache.dtype)
             aux_q = (aux["q"][0][None], aux["q"][1][None]) if self.indexer is not None else None
             self._entries(g, cache, s.block_table[None], ((qpos + 1) // self.ratio)[None], aux_q)
         return g
@@ -495,20 +500,20 @@ class Attention(OpsUser, nn.Module):
     # -- many sequences, one token each ----------------------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _Group:
         tok, slots, pos, tables = plan.dec_tokens, plan.dec_slots, plan.dec_pos, plan.dec_tables
-        cp, wl = self.cp, cache.win_kv.shape[1]
+        cp, wl, ring = self.cp, cache.win_kv.shape[1], cache.win_store
         own = self._owned(pos)
-        cache.win_kv[slots[own], (pos[own] // cp) % wl] = kv[tok[own]].to(cache.win_kv.dtype)
-        keys = cache.win_kv[slots]  # [B, wl, D]
+        ring[slots[own], (pos[own] // cp) % wl] = kv[tok[own]]
+        keys = ring[slots]  # [B, wl, D]
         g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
         if self.ratio:
             ckv, csc = aux["c"]
-            self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_pool,
-                                   tables, self.rope, cache.cmp_pool.dtype)
+            self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_store,
+                                   tables, self.rope, cache.dtype)
             aux_q = None
             if self.indexer is not None:
                 ikv, isc = aux["i"]
                 self.indexer.compressor.decode(ikv[tok], isc[tok], pos, slots, cache.idx_kv, cache.idx_score,
-                                               cache.idx_pool, tables, self.rope, cache.idx_pool.dtype)
+                                               cache.idx_store, tables, self.rope, cache.dtype)
                 aux_q = (aux["q"][0][tok][:, None], aux["q"][1][tok][:, None])
             self._entries(g, cache, tables, ((pos + 1) // self.ratio)[:, None], aux_q)
         return g

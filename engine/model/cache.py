@@ -14,17 +14,83 @@ Two kinds of storage per layer:
   owns a block table; compressed entry w of a layer with ratio m lives in block `table[w // (block_size/m)]`,
   row `w % (block_size/m)`. Block accounting is token arithmetic only (engine/kv_cache.py).
 
+**KV dtype** (`--kv-cache-dtype`, `kv_dtype`): "auto" stores the window ring, the compressed entries and the
+indexer keys in the compute dtype; "fp8" stores the head_dim - rope_dim non-RoPE dims of every window row and
+compressed entry as e4m3 bytes with one UE8M0 byte per 64 (`<name>_scale`) and the RoPE dims in the compute dtype
+(`<name>_rope`), and the indexer keys as e4m3 bytes + one UE8M0 byte per 128 (`index_keys="fp8"`, hf numerics) or
+e2m1 codes two per byte + one UE8M0 byte per 32 (`index_keys="fp4"`, official numerics: its keys are FP4 values,
+which this stores exactly; e4m3 with one scale per 128 holds them only while a key's 32-block scales stay within
+~2^12 of each other). No float8 dtype anywhere: bytes are uint8, (de)quantised by nki_kernels/quant.py's bit
+arithmetic. The model reads and writes each store through `KVStore` (`LayerCache.win_store` / `cmp_store` /
+`idx_store`), indexed like the tensor of values it holds.
+
 The plan of a step is built once and reused by every layer (FlashInfer's plan/run split).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import INDEX_FP4_BLOCK, INDEX_FP8_BLOCK, KV_FP8_BLOCK, ModelConfig
+from nki_kernels import quant
+
+KVKey = torch.Tensor | tuple  # what indexes a store's leading dims
+
+
+class KVStore:
+    """One store of a layer (its window ring, compressed-entry pool or indexer-key pool) read and written like a
+    tensor of values [..., D] in the compute dtype: `store[idx]` dequantises the rows at `idx` (leading dims only),
+    `store[idx] = values` quantises and writes them, `shape` is the values' shape. Formats, told apart by the
+    tensors (module docstring): "auto" (`data` holds the values), "fp8" (`data` e4m3 bytes of the non-RoPE dims,
+    `scale` one byte per 64, `rope` the RoPE dims), "fp8/128" (`data` e4m3 bytes of all dims, `scale` one byte per
+    128), "fp4" (`data` e2m1 codes two per byte, `scale` one byte per 32)."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, rope: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.data, self.scale, self.rope = data, scale, rope
+        if scale is None:
+            self.fmt, width = "auto", data.shape[-1]
+        elif rope is not None:
+            self.fmt, width = "fp8", data.shape[-1] + rope.shape[-1]
+        elif data.shape[-1] == INDEX_FP8_BLOCK * scale.shape[-1]:
+            self.fmt, width = "fp8/128", data.shape[-1]
+        else:
+            self.fmt, width = "fp4", 2 * data.shape[-1]
+        self.dtype = data.dtype if scale is None else rope.dtype if rope is not None else dtype
+        self.shape = (*data.shape[:-1], width)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.data, self.scale, self.rope) if t is not None)
+
+    def __getitem__(self, idx: KVKey) -> torch.Tensor:
+        if self.fmt == "auto":
+            return self.data[idx]
+        if self.fmt == "fp8":
+            nope = quant.fp8_dequant(self.data[idx], self.scale[idx], KV_FP8_BLOCK, self.dtype)
+            return torch.cat([nope, self.rope[idx]], -1)
+        if self.fmt == "fp8/128":
+            return quant.fp8_dequant(self.data[idx], self.scale[idx], INDEX_FP8_BLOCK, self.dtype)
+        return quant.fp4_dequant(quant.unpack_nibbles(self.data[idx]), self.scale[idx], INDEX_FP4_BLOCK, self.dtype)
+
+    def __setitem__(self, idx: KVKey, values: torch.Tensor) -> None:
+        if self.fmt == "auto":
+            self.data[idx] = values.to(self.data.dtype)
+            return
+        if self.fmt == "fp8":
+            nope = self.data.shape[-1]
+            codes, scale = quant.fp8_quant(values[..., :nope], KV_FP8_BLOCK)
+            self.rope[idx] = values[..., nope:].to(self.rope.dtype)
+        elif self.fmt == "fp8/128":
+            codes, scale = quant.fp8_quant(values, INDEX_FP8_BLOCK)
+        else:
+            codes, scale = quant.fp4_quant(values, INDEX_FP4_BLOCK)
+            codes = quant.pack_nibbles(codes)
+        self.data[idx] = codes
+        self.scale[idx] = scale
 
 
 @dataclass
@@ -37,9 +103,33 @@ class LayerCache:
     idx_kv: torch.Tensor | None = None  # [S, 2m, 2*Di] fp32 (CSA only)
     idx_score: torch.Tensor | None = None
     idx_pool: torch.Tensor | None = None  # [NB, block_size/m, Di]
+    # kv_dtype "fp8" (module docstring): win_kv / cmp_pool / idx_pool then hold the bytes, these the rest
+    win_kv_scale: torch.Tensor | None = None
+    win_kv_rope: torch.Tensor | None = None
+    cmp_pool_scale: torch.Tensor | None = None
+    cmp_pool_rope: torch.Tensor | None = None
+    idx_pool_scale: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype the stores read back in."""
+        return (self.win_kv if self.win_kv_rope is None else self.win_kv_rope).dtype
+
+    @property
+    def win_store(self) -> KVStore:
+        return KVStore(self.win_kv, self.win_kv_scale, self.win_kv_rope)
+
+    @property
+    def cmp_store(self) -> KVStore:
+        return KVStore(self.cmp_pool, self.cmp_pool_scale, self.cmp_pool_rope)
+
+    @property
+    def idx_store(self) -> KVStore:
+        return KVStore(self.idx_pool, self.idx_pool_scale, dtype=self.dtype)
 
     def reset_slot(self, slot: int) -> None:
-        self.win_kv[slot].zero_()
+        for st in self.win_store.tensors():
+            st[slot].zero_()
         for st in (self.cmp_kv, self.idx_kv):
             if st is not None:
                 st[slot].zero_()
@@ -54,20 +144,89 @@ def ring_rows(win: int, cp: int, spare: int = 0) -> int:
     return win // cp + -(-spare // cp)
 
 
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _kv_spec(name: str, lead: tuple[int, ...], d: int, rd: int, dtype: torch.dtype, kv_dtype: str) -> Spec:
+    """A window ring / compressed pool of rows [*lead, d] (the trailing rd dims RoPE) in the KV dtype's layout."""
+    if kv_dtype == "auto":
+        return {name: ((*lead, d), dtype)}
+    nope = d - rd
+    return {name: ((*lead, nope), torch.uint8), f"{name}_scale": ((*lead, nope // KV_FP8_BLOCK), torch.uint8),
+            f"{name}_rope": ((*lead, rd), dtype)}
+
+
+def _key_spec(name: str, lead: tuple[int, ...], di: int, dtype: torch.dtype, kv_dtype: str, index_keys: str) -> Spec:
+    """An indexer-key pool of rows [*lead, di]: compute dtype, e4m3 + 1/128 scales or packed e2m1 + 1/32 scales."""
+    if kv_dtype == "auto":
+        return {name: ((*lead, di), dtype)}
+    if index_keys == "fp4":
+        return {name: ((*lead, di // 2), torch.uint8), f"{name}_scale": ((*lead, di // INDEX_FP4_BLOCK), torch.uint8)}
+    return {name: ((*lead, di), torch.uint8), f"{name}_scale": ((*lead, di // INDEX_FP8_BLOCK), torch.uint8)}
+
+
 def _layer_spec(cfg: ModelConfig, m: int, num_slots: int, num_blocks: int, block_size: int, cp: int,
-                dtype: torch.dtype, spare: int = 0) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of one layer's tensors (compress ratio m)."""
-    d, di, win = cfg.head_dim, cfg.index_head_dim, cfg.window_size
-    spec = {"win_kv": ((num_slots, ring_rows(win, cp, spare), d), dtype)}
+                dtype: torch.dtype, spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8") -> Spec:
+    """Shapes and dtypes of one layer's tensors (compress ratio m) in the `kv_dtype` layout (module docstring)."""
+    d, di, win, rd = cfg.head_dim, cfg.index_head_dim, cfg.window_size, cfg.rope_head_dim
+    spec = _kv_spec("win_kv", (num_slots, ring_rows(win, cp, spare)), d, rd, dtype, kv_dtype)
     if m:
         csa = ModelConfig.ratio_is_csa(m)
         coff = 2 if csa else 1
         spec["cmp_kv"] = spec["cmp_score"] = ((num_slots, coff * m + spare, coff * d), torch.float32)
-        spec["cmp_pool"] = ((num_blocks, block_size // (m * cp), d), dtype)
+        spec.update(_kv_spec("cmp_pool", (num_blocks, block_size // (m * cp)), d, rd, dtype, kv_dtype))
         if csa:
             spec["idx_kv"] = spec["idx_score"] = ((num_slots, 2 * m + spare, 2 * di), torch.float32)
-            spec["idx_pool"] = ((num_blocks, block_size // (m * cp), di), dtype)
+            spec.update(_key_spec("idx_pool", (num_blocks, block_size // (m * cp)), di, dtype, kv_dtype, index_keys))
     return spec
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """Bytes of the cache layout (`_layer_spec`, the tensors KVCache allocates) for a set of layers, on one of `cp`
+    ranks: `per_block` = one pool block (the compressed entries and indexer keys of `block_size` token positions,
+    with their scales; this rank's share), `per_slot` = one sequence's fixed state (window ring with its scales and
+    RoPE part, compressor and indexer partial states)."""
+
+    block_size: int
+    per_block: int
+    per_slot: int
+    cp: int = 1
+
+    @property
+    def per_token(self) -> float:
+        """KV bytes per token of context, all ranks together, asymptotically (the pool; the fixed state amortised
+        away): sum over compressed layers of (entry + indexer key bytes) / compress ratio."""
+        return self.per_block * self.cp / self.block_size
+
+    def rank_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes on one rank for `batch` sequences of `context` tokens each (whole blocks, as the pool allocates)."""
+        return batch * (self.per_slot + -(-context // self.block_size) * self.per_block)
+
+    def per_token_at(self, context: int) -> float:
+        """KV bytes per token of one sequence of `context` tokens, fixed state and block rounding included."""
+        return self.rank_bytes(context) * self.cp / context
+
+    def longest_context(self, free_bytes: float, batch: int = 1) -> int:
+        """The longest context per sequence (whole blocks) of `batch` sequences that fits `free_bytes` on a rank."""
+        per_seq = free_bytes / batch - self.per_slot
+        return max(0, int(per_seq // self.per_block)) * self.block_size if per_seq > 0 and self.per_block else 0
+
+
+def kv_bytes(cfg: ModelConfig, layer_ids: list[int], dtype: torch.dtype, block_size: int, cp: int = 1,
+             spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8") -> KVBytes:
+    """`KVBytes` of `layer_ids` from the same `_layer_spec` KVCache allocates from (no tensor is made)."""
+    per_block = per_slot = 0
+    for lid in layer_ids:
+        spec = _layer_spec(cfg, cfg.compress_ratios[lid], 1, 1, block_size, cp, dtype, spare, str(kv_dtype),
+                           index_keys)
+        for name, (shape, dt) in spec.items():
+            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            if "_pool" in name:
+                per_block += n
+            else:
+                per_slot += n
+    return KVBytes(block_size=block_size, per_block=per_block, per_slot=per_slot, cp=cp)
 
 
 class KVCache:
@@ -82,10 +241,11 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                  layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu", scratch: bool = False,
-                 spare: int = 0) -> None:
+                 spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8") -> None:
         """Under context parallelism (cp > 1) this holds one rank's share: win/cp ring rows and block_size/(m*cp)
         entries per block (engine/parallel.py). `spare`: draft positions past the last accepted token that the
-        slot state must hold without displacing anything (speculative decoding; see the module docstring)."""
+        slot state must hold without displacing anything (speculative decoding; see the module docstring).
+        `kv_dtype` "auto" | "fp8" and `index_keys` "fp8" | "fp4": the stores' layout (module docstring)."""
         for lid in layer_ids:
             m = cfg.compress_ratios[lid]
             if m and block_size % (m * cp):
@@ -95,6 +255,7 @@ class KVCache:
             raise ValueError(f"window_size={cfg.window_size} is not divisible by cp={cp}")
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         self.scratch, self.spare = scratch, spare
+        self.layout = kv_bytes(cfg, layer_ids, dtype, block_size, cp, spare, str(kv_dtype), index_keys)
         extra = 1 if scratch else 0
         by_ratio: dict[int, list[int]] = {}
         for lid in layer_ids:
@@ -102,7 +263,8 @@ class KVCache:
         self.roots: dict[int, dict[str, torch.Tensor]] = {}
         self.where: dict[int, tuple[int, int]] = {}  # layer id -> (ratio, index in its ratio's roots)
         for m, lids in by_ratio.items():
-            spec = _layer_spec(cfg, m, num_slots + extra, num_blocks + extra, block_size, cp, dtype, spare)
+            spec = _layer_spec(cfg, m, num_slots + extra, num_blocks + extra, block_size, cp, dtype, spare,
+                               str(kv_dtype), index_keys)
             roots = {}
             for name, (shape, dt) in spec.items():
                 fill = float("-inf") if name.endswith("_score") else 0.0
@@ -124,12 +286,17 @@ class KVCache:
         idx = torch.tensor([slot], device=next(iter(self.roots.values()))["win_kv"].device)
         for roots in self.roots.values():
             for name, t in roots.items():
-                if name.endswith("_pool"):
+                if "_pool" in name:
                     continue
                 t.index_fill_(1, idx, float("-inf") if name.endswith("_score") else 0.0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for roots in self.roots.values() for t in roots.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        """KV bytes per token of context (all cp ranks, this process's layers; `KVBytes.per_token`)."""
+        return self.layout.per_token
 
 
 @dataclass

@@ -111,9 +111,9 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
     logits = [model.logits(x, blk, blk.norm)]
     tokens = [sample(logits[0], 0)]
     if num_tokens > 1:
-        ring = cache.layers[blk.layer_id].win_kv
-        slots = torch.tensor([s.slot for s in seqs], device=ring.device)
-        saved = ring[slots].clone()
+        ring = cache.layers[blk.layer_id].win_store.tensors()  # the ring's bytes (+ scales, RoPE part: fp8 cache)
+        slots = torch.tensor([s.slot for s in seqs], device=ring[0].device)
+        saved = [t[slots].clone() for t in ring]
         try:
             for j in range(1, num_tokens):
                 steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=s.block_table)
@@ -123,7 +123,8 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
                 logits.append(model.logits(x, blk, blk.norm))
                 tokens.append(sample(logits[-1], j))
         finally:
-            ring[slots] = saved
+            for t, v in zip(ring, saved, strict=True):
+                t[slots] = v
     k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=x.device)
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=k)
 

@@ -96,7 +96,7 @@ class DSparkAttention(Attention):
         """Window keys of the context: main_x [T, dim] at positions [T] -> [T, head_dim] (kv_norm, RoPE at p)."""
         cos, sin = self.rope.cos_sin(positions)
         kv = self.ops.rms_norm(self.wkv(main_x), self.kv_norm.weight, self.eps)
-        return self._rope_tail(kv, cos, sin)
+        return self.ops.kv_quant(self._rope_tail(kv, cos, sin), self.rd)
 
     def write_context(self, main_x: torch.Tensor, seqs: list[DraftInput], cache: LayerCache) -> None:
         """Store the context keys of positions [start, start + n) of each sequence (rows of main_x back to back)
@@ -108,13 +108,13 @@ class DSparkAttention(Attention):
         keep = (pos > last - self.win) & self._owned(pos)
         kv = self.context_kv(main_x[keep], pos[keep])
         wl = cache.win_kv.shape[1]
-        cache.win_kv[slots[keep], (pos[keep] // self.cp) % wl] = kv.to(cache.win_kv.dtype)
+        cache.win_store[slots[keep], (pos[keep] // self.cp) % wl] = kv
 
     def ring_context(self, slots: torch.Tensor, last: torch.Tensor,
                      cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's window of context keys for sequences whose last context position is last [B]: keys
         [B, wl, head_dim] and which rows hold a position <= last (the ring is filled for every final position)."""
-        return cache.win_kv[slots], self._ring_valid(last, cache.win_kv.shape[1])  # the window up to `last`
+        return cache.win_store[slots], self._ring_valid(last, cache.win_kv.shape[1])  # the window up to `last`
 
     def block(self, h: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
         """h [B*bs, dim] (attn_norm applied) at block positions pos [B*bs]; ctx [B, N, head_dim] with ctx_valid

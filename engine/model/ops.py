@@ -15,6 +15,9 @@ Modules read `self.ops` (an `OpsUser` class attribute: the reference table unles
 another). Besides the kernel ops, the table has two composites the model needs (`with_composites`): `attn_out_expand`,
 the attention tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused
 `hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index.
+Every table also carries the numerics hooks of `--numerics` / `--kv-cache-dtype` (engine/model/numerics.py
+`with_numerics`; identities for hf numerics and an auto cache), applied before the composites so these run over
+them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.model.capabilities import HOST, Capabilities
+from engine.model.numerics import with_numerics
 from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
 
 __all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for", "with_composites"]
@@ -47,50 +51,60 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
         fn = ops.fp8_linear if fmt == "fp8" else ops.fp4_linear
         return fn(x, weight, scales.index_select(0, i)[0])
 
-    if fused_attn_tail:
-        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_attn_out(o, wo_b.dense(o.dtype), residual,
-                                                                                    post, comb)
+    if fused_attn_tail:  # the fused kernel takes wo_b dense: a stored wo_b's activation quantisation comes first
+        ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_attn_out(
+            ops.act_quant(o) if wo_b.fmt else o, wo_b.dense(o.dtype), residual, post, comb)
     else:
         ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
     ops.stack_linear = stack_linear
     return ops
 
 
-def _table(executor: str) -> types.SimpleNamespace:
-    return with_composites(types.SimpleNamespace(**make_ops(executor), kernels=executor),
-                           fused_attn_tail=executor != "reference")
+def _table(executor: str, numerics: str = "hf", kv_cache_dtype: str = "auto") -> types.SimpleNamespace:
+    ops = make_ops(executor)
+    aq = getattr(ops.get("fp8_linear"), "__self__", None)  # KernelOps: its GEMMs take FP8 activations themselves
+    aq = {n: getattr(aq, f"{n}_aq") for n in ("fp8_linear", "fp4_linear")} if aq is not None else None
+    table = with_numerics(types.SimpleNamespace(**ops, kernels=executor), numerics, kv_cache_dtype, aq)
+    return with_composites(table, fused_attn_tail=executor != "reference")
 
 
 REFERENCE = _table("reference")
 
 
-def _host_table() -> types.SimpleNamespace:
-    """The reference table with engine/host_kernels' native ops in place of the reference's, the composites rebuilt
-    over them and `stack_linear` reading the chosen expert in place; builds / loads the native library now, so a
-    missing compiler fails here with one line, not at the first forward."""
+def _host_table(numerics: str = "hf", kv_cache_dtype: str = "auto") -> types.SimpleNamespace:
+    """The reference ops with engine/host_kernels' native ops in place of the reference's, the numerics hooks and
+    the composites over them, and `stack_linear` reading the chosen expert in place (after the activation
+    quantisation of the official numerics); builds / loads the native library now, so a missing compiler fails
+    here with one line, not at the first forward."""
     from engine import host_kernels
 
     host_kernels.ensure_loaded()
-    ops = types.SimpleNamespace(**{**vars(REFERENCE), **host_kernels.NATIVE_OPS, "kernels": "host"})
-    with_composites(ops, fused_attn_tail=False)
-    ops.stack_linear = host_kernels.stack_linear
+    ops = types.SimpleNamespace(**{**make_ops("reference"), **host_kernels.NATIVE_OPS, "kernels": "host"})
+    ops = with_composites(with_numerics(ops, numerics, kv_cache_dtype), fused_attn_tail=False)
+    native = host_kernels.stack_linear
+    if ops.numerics == "official":
+        ops.stack_linear = lambda x, stack, scales, i, fmt: native(ops.act_quant(x) if fmt else x, stack, scales, i,
+                                                                   fmt)
+    else:
+        ops.stack_linear = native
     return ops
 
 
-def ops_for(kernels: Any) -> types.SimpleNamespace:
-    """The op table of `--kernels reference | stand-in | nki | host`."""
-    name = str(kernels)
+def ops_for(kernels: Any, numerics: Any = "hf", kv_cache_dtype: Any = "auto") -> types.SimpleNamespace:
+    """The op table of `--kernels reference | stand-in | nki | host` with the hooks of `--numerics hf | official`
+    and `--kv-cache-dtype auto | fp8` (engine/model/numerics.py)."""
+    name, num, kvd = str(kernels), str(numerics), str(kv_cache_dtype)
     if name == "reference":
-        return REFERENCE
+        return REFERENCE if (num, kvd) == ("hf", "auto") else _table("reference", num, kvd)
     if name == "host":
-        return _host_table()
+        return _host_table(num, kvd)
     if name == "stand-in":
-        return _table("stand-in")
+        return _table("stand-in", num, kvd)
     if name == "nki":
         from engine.stack import check_nki_version, versions
 
         check_nki_version(versions()["nki"])
-        return _table("neuron")
+        return _table("neuron", num, kvd)
     raise ValueError(f"kernels {name!r}: expected reference, stand-in, nki or host")
 
 
