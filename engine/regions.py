@@ -38,8 +38,9 @@ from torch import nn
 
 from engine.backends import Backend
 from engine.config import BATCH_BUCKETS, GraphMode
+from engine.model.block import Block
 from engine.model.cache import KVCache, LayerCache, SeqStep
-from engine.model.model import Block, Transformer
+from engine.model.model import Transformer
 from engine.profiling import RegionTimer, no_split
 
 

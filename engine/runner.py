@@ -154,7 +154,7 @@ class ModelRunner:
         if self._last is None:
             raise RuntimeError("draft() before any forward of this runner")
         with self.backend.grad_context(), self.dispatcher.active():
-            from engine.model.draft import draft_for_requests
+            from engine.model.drafting import draft_for_requests
 
             steps, hidden, captured = self._last
             return draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured, list(requests))

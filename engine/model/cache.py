@@ -342,3 +342,19 @@ class StepPlan:
                 tables[i, : len(s.block_table)] = s.block_table
             plan.dec_tables = tables.to(device)
         return plan
+
+
+@dataclass
+class DraftInput:
+    """One sequence's share of a draft call: the target just processed positions [start, start + n) of slot `slot`
+    and their states are final (n = 1 + accepted drafts after a verify step; a prefill chunk's length after one)."""
+
+    slot: int
+    start: int
+    n: int
+    block_table: torch.Tensor  # the sequence's block table (the MTP layer is sliding-only: read for the plan only)
+
+    @property
+    def last(self) -> int:
+        """The last final position: the drafts are the tokens at last + 2, last + 3, ... (last + 1 = the bonus)."""
+        return self.start + self.n - 1

@@ -42,122 +42,12 @@ became final. Preemption: the slot is reset and the context rebuilt with the pro
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from engine.config import ModelConfig
-from engine.model.attention import Attention, _Group
-from engine.model.cache import KVCache, LayerCache, StepPlan
+from engine.model.cache import KVCache, StepPlan
 from engine.model.draft import DraftInput, Proposal, Sampler, greedy
-from engine.model.layers import Embedding, Linear, RMSNorm, _empty
-from engine.model.model import Block, Transformer
-from engine.parallel import Parallel
+from engine.model.dspark_block import DSparkBlock
+from engine.model.model import Transformer
 from nki_kernels.reference import hc_head
-
-
-class MarkovHead(nn.Module):
-    """`markov_head.markov_w1` [vocab, rank] (previous token -> rank) and `markov_w2` [vocab, rank] (rank -> a
-    logit bias over the vocabulary): DeepSpec's VanillaMarkov, the names vLLM loads from `mtp.<last>.markov_head`."""
-
-    def __init__(self, vocab_size: int, rank: int) -> None:
-        super().__init__()
-        self.markov_w1 = Embedding(vocab_size, rank)
-        self.markov_w2 = Linear(rank, vocab_size)
-
-    def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        """markov_w1[prev] in fp32: [...] -> [..., rank]."""
-        return self.markov_w1.weight[prev_ids].float()
-
-    def bias(self, emb: torch.Tensor) -> torch.Tensor:
-        """The logit bias of a Markov embedding, fp32: [..., rank] -> [..., vocab]."""
-        return self.markov_w2(emb.float())
-
-
-class ConfidenceHead(nn.Module):
-    """`confidence_head.proj` [1, dim + rank], no bias (stored bf16, computed in fp32)."""
-
-    def __init__(self, dim: int, rank: int) -> None:
-        super().__init__()
-        self.proj = Linear(dim + rank, 1)
-
-    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """Raw confidence logits: h [..., dim], emb [..., rank] -> [...] fp32."""
-        return self.proj(torch.cat([h.float(), emb.float()], -1)).squeeze(-1)
-
-
-class DSparkAttention(Attention):
-    """A stage's attention: the V4 attention weights of a sliding layer, run over [context ring | whole block]."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
-        super().__init__(cfg, layer_id, par)
-        if self.ratio:
-            raise ValueError(f"DSpark stage {layer_id}: compress ratio {self.ratio}, expected 0 (dense window)")
-
-    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Window keys of the context: main_x [T, dim] at positions [T] -> [T, head_dim] (kv_norm, RoPE at p)."""
-        cos, sin = self.rope.cos_sin(positions)
-        kv = self.ops.rms_norm(self.wkv(main_x), self.kv_norm.weight, self.eps)
-        return self.ops.kv_quant(self._rope_tail(kv, cos, sin), self.rd)
-
-    def write_context(self, main_x: torch.Tensor, seqs: list[DraftInput], cache: LayerCache) -> None:
-        """Store the context keys of positions [start, start + n) of each sequence (rows of main_x back to back)
-        in its ring; only the last `window_size` positions of a long run (earlier ones would be overwritten) and,
-        under cp, this rank's positions."""
-        pos = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(main_x.device)
-        slots = torch.cat([torch.full((s.n,), s.slot) for s in seqs]).to(main_x.device)
-        last = torch.cat([torch.full((s.n,), s.last) for s in seqs]).to(main_x.device)
-        keep = (pos > last - self.win) & self._owned(pos)
-        kv = self.context_kv(main_x[keep], pos[keep])
-        wl = cache.win_kv.shape[1]
-        cache.win_store[slots[keep], (pos[keep] // self.cp) % wl] = kv
-
-    def ring_context(self, slots: torch.Tensor, last: torch.Tensor,
-                     cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's window of context keys for sequences whose last context position is last [B]: keys
-        [B, wl, head_dim] and which rows hold a position <= last (the ring is filled for every final position)."""
-        return cache.win_store[slots], self._ring_valid(last, cache.win_kv.shape[1])  # the window up to `last`
-
-    def block(self, h: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
-        """h [B*bs, dim] (attn_norm applied) at block positions pos [B*bs]; ctx [B, N, head_dim] with ctx_valid
-        [B, N] -> [B*bs, G*o_lora] (before wo_b). Every query sees every valid context key and every block key."""
-        b, n = ctx_valid.shape
-        bs = h.shape[0] // b
-        cos, sin = self.rope.cos_sin(pos)
-        q, kv, _ = self._qkv(h, cos, sin)
-        keys = torch.cat([ctx, kv.view(b, bs, -1).to(ctx.dtype)], 1)  # [B, N + bs, head_dim]
-        in_block = torch.full((b, bs, bs), self.rank == 0, dtype=torch.bool, device=h.device)  # counted once (cp)
-        valid = torch.cat([ctx_valid[:, None].expand(b, bs, n), in_block], -1)  # [B, bs, N + bs]
-        g = _Group(rows=slice(None), q=q.view(b, bs, self.n_heads, self.head_dim), keys=keys, valid=valid)
-        o = self._attend([g])[0].flatten(0, 1)  # [B*bs, H, head_dim]
-        return self._out(o, cos, sin)
-
-
-class DSparkBlock(Block):
-    """DSpark stage s = `mtp.<s>`: a V4 block with `DSparkAttention`; stage 0 also has `main_proj` + `main_norm`,
-    the last stage `norm`, `hc_head_*`, `markov_head`, `confidence_head`."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
-        super().__init__(cfg, layer_id, par)
-        self.attn = DSparkAttention(cfg, layer_id, par)
-        self.stage = layer_id - cfg.n_layers
-        if self.stage == 0:
-            self.main_proj = Linear(cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim)
-            self.main_norm = RMSNorm(cfg.dim)
-        if self.stage == cfg.n_mtp_layers - 1:
-            self.norm = RMSNorm(cfg.dim)
-            self.hc_head_fn = _empty(cfg.hc_mult, cfg.hc_dim)
-            self.hc_head_base = _empty(cfg.hc_mult)
-            self.hc_head_scale = _empty(1)
-            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank)
-            self.confidence_head = ConfidenceHead(cfg.dim, cfg.dspark_markov_rank)
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        raise TypeError("a DSpark stage runs a whole draft block: engine.model.dspark.propose_dspark")
-
-    def block_forward(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
-                      ctx_valid: torch.Tensor) -> torch.Tensor:
-        """Streams x [B*bs, n, dim] of the block (ids / positions [B*bs]) -> [B*bs, n, dim]."""
-        x = self.hc_site(x, "attn", lambda h: self.attn.block(h, pos, ctx, ctx_valid))
-        return self.hc_site(x, "ffn", lambda h: self.ffn(h, ids))
 
 
 def _stages(model: Transformer) -> list[DSparkBlock]:
