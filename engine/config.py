@@ -7,8 +7,8 @@
 * `cache: CacheConfig` - scheduler and KV-pool sizes (max_num_seqs, max_num_batched_tokens, num_kv_blocks,
   block_size, max_model_len);
 * `parallel: ParallelConfig` - context/expert-parallel ranks;
-* `graph: GraphConfig` - how decode steps are cut into graphs (mode, batch buckets, host compiler, region timing,
-  MoE capacity);
+* `graph: GraphConfig` - how steps are cut into graphs (mode, batch buckets, chunk buckets, host compiler, region
+  timing, MoE capacity);
 * `backend` (host | xla | neuron; "auto" is resolved here, in `resolve_backend`, and nowhere else) and `kernels`
   (which implementation of the kernel ops runs inside the model).
 
@@ -42,6 +42,9 @@ __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "Gr
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Multi-token entries (prefill chunks, speculative verify steps) run as graphs of C tokens per sequence, C one of
+# these (capped by max_num_batched_tokens: GraphConfig.chunk_sizes); the scheduler cuts chunks to fit them.
+CHUNK_BUCKETS = (8, 32, 128, 512)
 
 
 class LayoutError(ValueError):
@@ -194,18 +197,33 @@ class GraphConfig:
     moe_capacity: float = 0.0  # capacity factor of the grouped expert path for prefill chunks (0 = off)
     moe: MoeMode = MoeMode.AUTO  # routed experts in decode regions (eager/prefill always run only the chosen ones)
     batch_decode: bool = True  # vectorised decode path (False: every sequence through the chunk path; tests)
+    chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS  # tokens per sequence of a multi-token graph (see chunk_sizes)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode, "graph mode"))
         object.__setattr__(self, "host_compiler", HostCompiler.parse(self.host_compiler, "host compiler"))
         object.__setattr__(self, "moe", MoeMode.parse(self.moe, "moe"))
-        buckets = tuple(int(b) for b in self.batch_buckets)
-        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"batch_buckets must be increasing positive ints, got {self.batch_buckets!r}")
-        object.__setattr__(self, "batch_buckets", buckets)
+        for name in ("batch_buckets", "chunk_buckets"):
+            raw = getattr(self, name)
+            buckets = tuple(int(b) for b in raw)
+            if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"{name} must be increasing positive ints, got {raw!r}")
+            object.__setattr__(self, name, buckets)
         if not isinstance(self.moe_capacity, (int, float)) or self.moe_capacity < 0:
             raise ValueError(f"moe_capacity must be a number >= 0, got {self.moe_capacity!r}")
         object.__setattr__(self, "moe_capacity", float(self.moe_capacity))
+
+    def chunk_sizes(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """The chunk buckets a step can use: those below max_num_batched_tokens, then the budget itself as the top
+        bucket when it is below the largest (e.g. (8, 32, 128, 512) and 24 tokens -> (8, 24)): a full-budget chunk
+        needs no padding, and no graph is made for a length no step can have."""
+        top = min(self.chunk_buckets[-1], max_num_batched_tokens)
+        return tuple(b for b in self.chunk_buckets if b < top) + (top,)
+
+    def scheduler_buckets(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """The chunk sizes the scheduler cuts prefill chunks to fit (engine/scheduler.py): `chunk_sizes` in the graph
+        modes, none in eager mode (any length runs as it is)."""
+        return () if self.mode is GraphMode.EAGER else self.chunk_sizes(max_num_batched_tokens)
 
 
 MAX_SPECULATIVE_TOKENS = 8
@@ -243,6 +261,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
+    "chunk_buckets": ("graph", "chunk_buckets"),
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
     "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
     "speculative": ("spec", "method"), "num_speculative_tokens": ("spec", "num_speculative_tokens"),

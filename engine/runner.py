@@ -77,7 +77,8 @@ class ModelRunner:
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
                                         max_blocks=cache.max_blocks_per_seq, timer=self.timer,
-                                        buckets=graph.batch_buckets)
+                                        buckets=graph.batch_buckets,
+                                        chunk_buckets=graph.chunk_sizes(cache.max_num_batched_tokens))
 
     # -- execution -------------------------------------------------------------------------------------------------
     def free_slot(self, slot: int) -> None:
@@ -104,8 +105,16 @@ class ModelRunner:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
         self.num_steps += 1
         captured = None
-        if self.regions is not None and self.batch_decode and steps and all(s.n == 1 for s in steps) \
-                and not self.capture:
+        graphs = self.regions is not None and self.batch_decode and bool(steps) and not self.capture
+        if graphs and any(s.n > 1 for s in steps):
+            # multi-token entries (prefill chunks, verify steps): decode run + chunk-region runs, heads per run
+            rows = [s.token_start + s.n - 1 for s in steps] if logit_index is None else logit_index.tolist()
+            res = self.regions.step(steps, input_ids, [] if return_hidden else rows,
+                                    hidden=return_hidden or self.keep_hidden)
+            if self.keep_hidden:
+                self._last = (steps, res.hidden, None)
+            return res.hidden if return_hidden else res.logits
+        if graphs:
             # pure decode: region graphs; rows in step order, then the bucket's padding rows
             x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None
