@@ -49,9 +49,20 @@ def golden_cmd(
     toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"
     err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] (greedy tokens identical: {toks}, "
                       f"max |dlogit| {run.table['max_abs_dlogit'].max():.2e}, tol {run.table['logit_tol'].iloc[0]}; "
-                      f"{run.steps} engine steps, {run.meta['preemptions']} preemptions; host math "
-                      f"{_host_math(run.meta['host_math'])})  ->  {path}")
+                      f"{run.steps} engine steps, {run.meta['preemptions']} preemptions{_spec(run.meta)}; host "
+                      f"math {_host_math(run.meta['host_math'])})  ->  {path}")
     raise typer.Exit(0 if run.ok else 1)
+
+
+def _spec(meta: dict) -> str:
+    """e.g. ', mtp k=2: acceptance 0.41 (1.8 tokens per verify step)' when the run speculated."""
+    spec = meta.get("speculative")
+    if not spec:
+        return ""
+    if spec["acceptance_rate"] is None:
+        return f", {spec['method']} k={spec['num_speculative_tokens']}: nothing drafted"
+    return (f", {spec['method']} k={spec['num_speculative_tokens']}: acceptance {spec['acceptance_rate']:.2f} "
+            f"({spec['mean_accepted_length']:.2f} tokens per verify step)")
 
 
 def _host_math(m: dict) -> str:

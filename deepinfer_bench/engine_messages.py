@@ -46,7 +46,8 @@ ToEngine = Union[AddRequest, AbortRequest, Shutdown]
 # ---- engine -> server ---------------------------------------------------------------------------------------------
 def empty_engine_stats() -> EngineStats:
     """All-zero `EngineStats` (before the engine reported any)."""
-    return EngineStats(**{f.name: 0.0 if f.type == "float" else 0 for f in dataclasses.fields(EngineStats)})
+    return EngineStats(**{f.name: 0.0 if f.type == "float" else 0 for f in dataclasses.fields(EngineStats)
+                          if f.default is dataclasses.MISSING})
 
 
 @dataclass(frozen=True)

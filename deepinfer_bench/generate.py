@@ -87,7 +87,11 @@ def _generate_job(engine: Any, prompt: str | list[int], params: Any) -> dict[str
             if out.finished:
                 final = out
     model = engine.runner.model
+    spec = engine.spec_stats
     return {"prompt_ids": ids, "output_ids": list(final.output_token_ids),
+            "acceptance_rate": spec.acceptance_rate if spec.num_draft_tokens else None,
+            "speculative": {k: v for k, v in spec.to_dict().items() if k != "acceptance_rate"}
+            if engine.config.spec.enabled else None, "engine_steps": engine.stats().num_steps,
             "text": final.text if engine.tokenizer is not None else None, "finish_reason": final.finish_reason,
             "seconds": time.perf_counter() - t0,
             "resident_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),

@@ -173,7 +173,8 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             counters()
             advance(engine.stats().num_generated_tokens)
 
-        outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=on_step)
+        finals: list[Any] = []
+        outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=on_step, finals=finals)
     runner, stats = engine.runner, engine.stats()
     regions = getattr(runner, "regions", None)
     return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
@@ -181,7 +182,8 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             "region_launches": regions.launches if regions is not None else 0,
             "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
             "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner.model),
-            "host_math": blas_mode()}
+            "host_math": blas_mode(), "speculative": engine.spec_stats.to_dict(),
+            "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals]}
 
 
 @contextlib.contextmanager
@@ -243,13 +245,21 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
                                         progress))
     dtype = str(config.model.dtype)
     rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, res["outs"], res["logits"], strict=True)]
+    if config.spec.enabled:  # per prompt: the drafts its verify steps carried, and the share the target accepted
+        for row, (drafted, accepted) in zip(rows, res["drafts"], strict=True):
+            row["drafted"], row["acceptance_rate"] = drafted, accepted / drafted if drafted else float("nan")
     run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference")},
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
-                "host_math": res["host_math"], "measured_on": measured_on(config.backend)}
-    return GoldenRun(table=pd.DataFrame(rows, columns=COLUMNS), meta=run_meta, collectives=res["collectives"],
+                "host_math": res["host_math"], "measured_on": measured_on(config.backend),
+                "speculative": None}
+    if config.spec.enabled:
+        run_meta["speculative"] = {"method": str(config.spec.method),
+                                   "num_speculative_tokens": config.spec.num_speculative_tokens, **res["speculative"]}
+    columns = COLUMNS + (["drafted", "acceptance_rate"] if config.spec.enabled else [])
+    return GoldenRun(table=pd.DataFrame(rows, columns=columns), meta=run_meta, collectives=res["collectives"],
                      steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
 
 

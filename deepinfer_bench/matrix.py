@@ -7,7 +7,8 @@ cell; per cell: `warmup` runs (decode capped at `warmup_output_len`), then `repe
 Metrics follow sglang `bench_one_batch` / vLLM:
 - TTFT: from queueing the batch until EVERY request of it has its first token (prefill + first sample; with a
   token budget below batch x input the prefill spans several steps, all counted);
-- TPOT: the duration of each later engine step (one token for every request), pooled over repeats;
+- TPOT: the duration of each later engine step (one token for every request; with speculative decoding divided by
+  the run's tokens per step), pooled over repeats;
 - e2e: queueing to the last token; prefill_tok_s = B*I / TTFT p50; decode_tok_s = B / TPOT p50;
 - kv_blocks_used: the pool's high-water mark during the timed runs.
 Cells that cannot run on this engine (too many sequences, context or blocks) get `status="skipped"` and a reason;
@@ -39,7 +40,7 @@ __all__ = ["COLUMNS", "MATRICES_DIR", "MatrixSpec", "Row", "engine_sizing", "piv
 COLUMNS = [
     "batch_size", "input_len", "output_len", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90",
     "e2e_ms_p50", "e2e_ms_p90", "prefill_tok_s", "decode_tok_s", "kv_blocks_used", "num_preemptions", "repeats",
-    "status", "skip_reason",
+    "tokens_per_step", "acceptance_rate", "status", "skip_reason",
 ]
 
 Progress = Callable[[int, int, str], None]  # (cells done, cells total, label of the cell starting or "")
@@ -118,6 +119,8 @@ class Row:
     kv_blocks_used: int = 0
     num_preemptions: int = 0
     repeats: int = 0
+    tokens_per_step: float = math.nan  # tokens each sequence gets per decode step (> 1 with speculative decoding)
+    acceptance_rate: float = math.nan  # accepted / drafted tokens (speculative decoding only)
     status: str = "ok"
     skip_reason: str = ""
 
@@ -150,7 +153,8 @@ def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: in
         for w in range(spec.warmup):
             run_batch(engine, prompts(-1 - w), min(output_len, spec.warmup_output_len))
         engine.reset_peak_usage()
-        preempt0 = engine.stats().num_preemptions
+        before = engine.stats()
+        preempt0 = before.num_preemptions
         runs = [run_batch(engine, prompts(r), output_len) for r in range(spec.repeats)]
     except RequestRejected as e:
         row.status, row.skip_reason = "skipped", str(e)
@@ -163,13 +167,20 @@ def run_cell(engine: LLMEngine, spec: MatrixSpec, batch_size: int, input_len: in
         return row
     ttft = [r.ttft_s * 1e3 for r in runs]
     e2e = [r.e2e_s * 1e3 for r in runs]
-    tpot = [s * 1e3 for r in runs for s in r.decode_steps_s]
+    # TPOT per output token: each decode step's time over the tokens a sequence gets per step in that run (1 without
+    # speculative decoding; the run's mean accepted length + 1 with it)
+    tpot = [s * 1e3 * len(r.decode_steps_s) / (output_len - 1) for r in runs for s in r.decode_steps_s]
     row.ttft_ms_p50, row.ttft_ms_p90 = quantiles(ttft, 50, 90)
     row.tpot_ms_p50, row.tpot_ms_p90 = quantiles(tpot, 50, 90)
     row.e2e_ms_p50, row.e2e_ms_p90 = quantiles(e2e, 50, 90)
     row.prefill_tok_s = batch_size * input_len / (row.ttft_ms_p50 / 1e3)
     row.decode_tok_s = batch_size / (row.tpot_ms_p50 / 1e3) if tpot else math.nan
     stats = engine.stats()
+    steps = sum(len(r.decode_steps_s) for r in runs)
+    row.tokens_per_step = len(runs) * (output_len - 1) / steps if steps else math.nan
+    drafted = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+    if drafted:
+        row.acceptance_rate = (stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens) / drafted
     row.kv_blocks_used = stats.peak_used_blocks
     row.num_preemptions = stats.num_preemptions - preempt0
     row.repeats = len(runs)

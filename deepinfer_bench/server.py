@@ -179,6 +179,18 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
         metric("time_to_first_token_seconds", "summary", "Server-side TTFT: request received -> first token.",
                [(f"_sum{label}", counters.ttft_s_sum), (f"_count{label}", counters.ttft_count)])
         metric("requests_rejected_total", "counter", "Requests refused with an error.", [(label, counters.rejected)])
+
+        def spec(name: str, doc: str, samples: list[tuple[str, float]]) -> None:
+            """Speculative decoding under vLLM's spec_decode metric names (its dashboards work unchanged)."""
+            lines.extend([f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} counter"])
+            lines.extend(f"vllm:{name}_total{labels} {value:g}" for labels, value in samples)
+
+        spec("spec_decode_num_drafts", "Verify steps that carried drafts.", [(label, es.spec_num_drafts)])
+        spec("spec_decode_num_draft_tokens", "Drafted tokens.", [(label, es.spec_num_draft_tokens)])
+        spec("spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.",
+             [(label, es.spec_num_accepted_tokens)])
+        spec("spec_decode_num_accepted_tokens_per_pos", "Accepted drafts per draft position.",
+             [(f'{{model_name="{model}",position="{i}"}}', n) for i, n in enumerate(es.spec_accepted_per_pos)])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     def counted(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:

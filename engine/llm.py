@@ -72,6 +72,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     # prompt_logprobs: one per prompt token, the first None (nothing predicts it), in the output of the first token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request so far, and accepted
+    num_accepted_tokens: int = 0
 
 
 def check_token_ids(ids: SequenceABC[int], vocab_size: int) -> list[int]:
@@ -97,6 +99,12 @@ class EngineStats:
     num_preemptions: int
     num_finished: int
     num_steps: int
+    # speculative decoding (vLLM's spec_decode counters): verify steps with drafts, drafted and accepted tokens,
+    # accepted drafts per draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass
@@ -236,6 +244,8 @@ class LLMEngine:
             rows = logits[first_row[i]: first_row[i] + n]  # [1 + k, V]
             toks, accepted = accept(rows, drafts[i], seq.sampling_params, seq.generator)
             self.spec_stats.add(len(drafts[i]), accepted)
+            seq.num_draft_tokens += len(drafts[i])
+            seq.num_accepted_tokens += accepted
             emitted[i] = (toks, rows[: len(toks)])
         if self.on_logits is not None and emitted:
             order = sorted(emitted)
@@ -339,7 +349,8 @@ class LLMEngine:
                              stop_reason=stop_reason, arrival_time=seq.arrival_time,
                              first_token_time=seq.first_token_time, finished_time=seq.finished_time,
                              num_preemptions=seq.num_preemptions, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, num_draft_tokens=seq.num_draft_tokens,
+                             num_accepted_tokens=seq.num_accepted_tokens)
 
     def _release_slots(self) -> None:
         for slot in self.scheduler.take_freed_slots():
@@ -354,7 +365,10 @@ class LLMEngine:
                            kv_usage=bm.usage,
                            num_prefill_tokens=self._c.prefill_tokens, num_generated_tokens=self._c.generated_tokens,
                            num_preemptions=self.scheduler.num_preemptions, num_finished=self._c.finished,
-                           num_steps=self._c.steps)
+                           num_steps=self._c.steps, spec_num_drafts=self.spec_stats.num_drafts,
+                           spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+                           spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+                           spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))
 
     def reset_peak_usage(self) -> None:
         self.scheduler.block_manager.reset_peak()
@@ -372,11 +386,12 @@ def _new_prompt_targets(seq: Sequence, start: int, n: int) -> tuple[int, int] | 
 
 def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]],
                        max_new_tokens: int | SequenceABC[int], on_step: Callable[[], None] | None = None,
-                       ) -> tuple[list[list[int]], list[torch.Tensor]]:
+                       finals: list[RequestOutput] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Every prompt as a greedy request (`ignore_eos`, `max_tokens` each) through `engine`'s scheduler; returns per
     prompt the generated ids and the fp32 logits [n, vocab] each of them was sampled from (via `on_logits`). The
     golden check and the engine tests use it, so they check the loop the server runs. `on_step()` runs after every
-    engine step (the golden reads device counters there)."""
+    engine step (the golden reads device counters there); `finals` receives each prompt's final RequestOutput (in
+    prompt order)."""
     import torch
 
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -391,12 +406,16 @@ def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]]
         rids = [engine.add_request(list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
                 for p, n in zip(prompts, news, strict=True)]
         outs: dict[str, list[int]] = {}
+        last: dict[str, RequestOutput] = {}
         while engine.has_unfinished():
             for o in engine.step():
                 if o.finished:
                     outs[o.request_id] = list(o.output_token_ids)
+                    last[o.request_id] = o
             if on_step is not None:
                 on_step()
     finally:
         engine.on_logits = prev
+    if finals is not None:
+        finals.extend(last[r] for r in rids)
     return [outs[r] for r in rids], [torch.stack(rows[r]) for r in rids]

@@ -57,6 +57,8 @@ class Sequence:
         # target accepts them), and the draft distributions they were drawn from ([k, V] fp32; rejection sampling).
         self.draft_token_ids: list[int] = []
         self.draft_logits: torch.Tensor | None = None
+        self.num_draft_tokens = 0  # drafts this request's verify steps carried
+        self.num_accepted_tokens = 0  # of which the target accepted
         # Metrics (time.perf_counter() seconds).
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

@@ -125,7 +125,11 @@ class SpecStats:
         return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=True)]
 
     def to_dict(self) -> dict[str, object]:
+        """JSON-ready (None where nothing was drafted yet)."""
+        def num(x: float) -> float | None:
+            return None if x != x else x
+
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
-                "mean_accepted_length": self.mean_accepted_length,
-                "acceptance_rate_per_position": self.per_position()}
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": num(self.acceptance_rate),
+                "mean_accepted_length": num(self.mean_accepted_length),
+                "acceptance_rate_per_position": [num(x) for x in self.per_position()]}

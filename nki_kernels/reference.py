@@ -354,7 +354,8 @@ def index_score(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> t
     return torch.einsum("bthn,bth->btn", s, weights.float())
 
 
-def index_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def index_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
+               bitcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal top-k of indexer scores with deterministic tie-breaking (higher score first, then lower index).
 
     scores [B, T, N]; num_visible [B, T] (entries w < num_visible are causal for that query). Returns
@@ -366,9 +367,25 @@ def index_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> tuple
     pos = torch.arange(n, device=scores.device)
     visible = pos < num_visible.unsqueeze(-1)  # [B, T, N]
     masked = scores.float().masked_fill(~visible, float("-inf"))
-    order = torch.topk(order_key(masked, pos), kk, dim=-1).indices  # [B, T, k'], (score desc, index asc)
+    order = desc_order(masked, None, kk, bitcast)  # [B, T, k'], (score desc, index asc)
     valid = order < num_visible.unsqueeze(-1)
     return order, valid
+
+
+def desc_order(scores: torch.Tensor, tie: torch.Tensor | None, k: int, bitcast: bool = True) -> torch.Tensor:
+    """Indices of the k largest `scores` along the last dim, ordered (score descending, then `tie` ascending; tie
+    None = the position): the first k of a stable descending sort. Two spellings of the same order, the device
+    picks (`Capabilities.bitcast`): a top-k of `order_key` (no `sort(stable=True)`, which upstream torch-mlir does
+    not lower), or stable sorts (for graphs that cannot bitcast: torch-xla 2.9 runs `Tensor.view(dtype)` on the
+    CPU, a fallback and two host copies per CSA layer per step)."""
+    if bitcast:
+        pos = torch.arange(scores.shape[-1], device=scores.device) if tie is None else tie
+        return torch.topk(order_key(scores, pos), k, dim=-1).indices
+    if tie is None:
+        return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :k]
+    by_tie = torch.sort(tie.expand_as(scores), dim=-1, stable=True).indices
+    top = torch.sort(scores.float().gather(-1, by_tie), dim=-1, descending=True, stable=True).indices[..., :k]
+    return by_tie.gather(-1, top)
 
 
 def order_key(scores: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,7 @@ def test_index_topk_equals_the_stable_sort_definition():
         s = _ties((2, 3, n))
         vis = torch.randint(0, n + 1, (2, 3), generator=g)
         order, valid = index_topk(s, vis, k)
+        assert all(torch.equal(a, b) for a, b in zip(index_topk(s, vis, k, bitcast=False), (order, valid), strict=True))
         masked = s.masked_fill(~(torch.arange(n) < vis.unsqueeze(-1)), float("-inf"))
         want = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :min(k, n)]
         assert torch.equal(order, want)
@@ -110,6 +111,7 @@ def test_global_topk_equals_the_stable_sort_definition(cp: int, k: int):
         ids = torch.stack([torch.randperm(cp * k * 3, generator=g)[: cp * k] for _ in range(rows)]).float()
         cands = torch.stack([sc, ids.masked_fill(torch.isinf(sc), float("-inf"))], -1)
         assert torch.equal(global_topk(cands, k), _global_topk_stable(cands, k))
+        assert torch.equal(global_topk(cands, k, bitcast=False), _global_topk_stable(cands, k))
 
 
 def test_topk_graphs_have_no_stable_sort():

@@ -23,6 +23,7 @@ processes (pytorch/xla#5005, #9089), so cp > 1 is refused there (`check_parallel
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -74,7 +75,7 @@ def _import_torch_xla() -> Any:
 class XlaBackend:
     name = "xla"
     kernel_tables = ("reference", "nki")
-    capabilities = DEVICE
+    capabilities = dataclasses.replace(DEVICE, bitcast=False)  # view(dtype) falls back to the CPU in torch-xla 2.9
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self._txla = _import_torch_xla()

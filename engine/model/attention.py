@@ -22,7 +22,7 @@ from engine.model.layers import Linear, RMSNorm, Rope, _empty
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import no_split
-from nki_kernels.reference import index_topk, order_key, rope_apply, sparse_attn_merge
+from nki_kernels.reference import desc_order, index_topk, rope_apply, sparse_attn_merge
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
@@ -184,13 +184,13 @@ class Indexer(OpsUser, nn.Module):
         return q, w
 
 
-def global_topk(cands: torch.Tensor, k: int) -> torch.Tensor:
+def global_topk(cands: torch.Tensor, k: int, bitcast: bool = True) -> torch.Tensor:
     """Merge per-rank top-k candidates into the global top-k with the cp=1 order (score desc, then entry id asc).
     cands [..., R*K, 2] = (score, global id), -inf score for padding -> chosen ids [..., k] (-1 where none).
-    Ordered by `order_key` (no stable sort: ranks own distinct ids, so only padding rows tie, and they all give -1)."""
+    Ordered by `desc_order` (ranks own distinct ids, so only padding rows tie, and they all give -1)."""
     sc, gid = cands[..., 0], cands[..., 1]
     pad = torch.isinf(sc)
-    top = torch.topk(order_key(sc, gid.masked_fill(pad, float(2 ** 24)).long()), k, dim=-1).indices
+    top = desc_order(sc, gid.masked_fill(pad, float(2 ** 24)).long(), k, bitcast)
     return gid.gather(-1, top).masked_fill(pad.gather(-1, top), -1).long()
 
 
@@ -358,7 +358,7 @@ class Attention(OpsUser, nn.Module):
                 picks.append(None)
                 continue
             nvis = (g.visible - self.rank).clamp(min=0).add(self.cp - 1).div(self.cp, rounding_mode="floor")
-            picks.append(index_topk(g.scores, nvis, k))  # local order among this rank's entries
+            picks.append(index_topk(g.scores, nvis, k, self.caps.bitcast))  # local order among this rank's entries
         if self.par is None:
             for g, p in zip(groups, picks, strict=True):
                 if p is not None:
@@ -378,7 +378,7 @@ class Attention(OpsUser, nn.Module):
             return
         key = f"L{self.layer_id}.index.topk"
         allc = torch.cat(self.par.all_gather(torch.cat(cands, 0), key), 1)  # [sum BT, cp*k, 2]
-        chosen, off = global_topk(allc, k), 0
+        chosen, off = global_topk(allc, k, self.caps.bitcast), 0
         for g in groups:
             if g.scores is None:
                 continue

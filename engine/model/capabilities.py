@@ -14,6 +14,9 @@ class Capabilities:
     # dependent expert groups) are cheap: true on the host; on a graph device each new shape is a new compile and
     # every value read a host sync, so the model keeps static shapes there.
     data_dependent_shapes: bool = True
+    # `Tensor.view(dtype)` (a bitcast) inside graphs: host and StableHLO (bitcast_convert) have it; torch-xla 2.9
+    # runs it on the CPU (a fallback and host copies), so orders are spelled with stable sorts there.
+    bitcast: bool = True
 
 
 HOST = Capabilities(data_dependent_shapes=True)
