@@ -198,6 +198,9 @@ class GraphConfig:
     moe: MoeMode = MoeMode.AUTO  # routed experts in decode regions (eager/prefill always run only the chosen ones)
     batch_decode: bool = True  # vectorised decode path (False: every sequence through the chunk path; tests)
     chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS  # tokens per sequence of a multi-token graph (see chunk_sizes)
+    # multi-token entries (prefill chunks, verify steps) as chunk-region graphs; None (auto) is resolved with the
+    # backend (EngineConfig): on in the graph modes of a device backend, off on the host (eager prefill there)
+    chunk_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode, "graph mode"))
@@ -221,9 +224,9 @@ class GraphConfig:
         return tuple(b for b in self.chunk_buckets if b < top) + (top,)
 
     def scheduler_buckets(self, max_num_batched_tokens: int) -> tuple[int, ...]:
-        """The chunk sizes the scheduler cuts prefill chunks to fit (engine/scheduler.py): `chunk_sizes` in the graph
-        modes, none in eager mode (any length runs as it is)."""
-        return () if self.mode is GraphMode.EAGER else self.chunk_sizes(max_num_batched_tokens)
+        """The chunk sizes the scheduler cuts prefill chunks to fit (engine/scheduler.py): `chunk_sizes` when chunks
+        run as graphs, else none (any length runs eagerly as it is)."""
+        return self.chunk_sizes(max_num_batched_tokens) if self.chunk_graphs else ()
 
 
 MAX_SPECULATIVE_TOKENS = 8
@@ -261,7 +264,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
-    "chunk_buckets": ("graph", "chunk_buckets"),
+    "chunk_buckets": ("graph", "chunk_buckets"), "chunk_graphs": ("graph", "chunk_graphs"),
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
     "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
     "speculative": ("spec", "method"), "num_speculative_tokens": ("spec", "num_speculative_tokens"),
@@ -286,6 +289,11 @@ class EngineConfig:
         if self.graph.mode is GraphMode.AUTO:
             mode = resolve_graph_mode(self.graph.mode, self.backend)
             object.__setattr__(self, "graph", dataclasses.replace(self.graph, mode=mode))
+        if self.graph.chunk_graphs is None:
+            chunks = self.graph.mode is not GraphMode.EAGER and self.backend is not Backend.HOST
+            object.__setattr__(self, "graph", dataclasses.replace(self.graph, chunk_graphs=chunks))
+        elif self.graph.chunk_graphs and self.graph.mode is GraphMode.EAGER:
+            raise ValueError("chunk_graphs needs graph mode regions or layer (eager mode makes no graphs)")
         object.__setattr__(self, "kernels", Kernels.parse(self.kernels, "kernels"))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")

@@ -58,6 +58,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.batch_decode = graph.batch_decode
         self.graph_mode = graph.mode
+        self.chunk_graphs = bool(graph.chunk_graphs)  # multi-token entries as chunk-region graphs (else eager)
         layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
         self.num_steps = 0  # forward calls so far
         for layer in [*model.layers, *model.mtp]:
@@ -106,7 +107,8 @@ class ModelRunner:
         self.num_steps += 1
         captured = None
         graphs = self.regions is not None and self.batch_decode and bool(steps) and not self.capture
-        if graphs and any(s.n > 1 for s in steps):
+        multi = any(s.n > 1 for s in steps)
+        if graphs and multi and self.chunk_graphs:
             # multi-token entries (prefill chunks, verify steps): decode run + chunk-region runs, heads per run
             rows = [s.token_start + s.n - 1 for s in steps] if logit_index is None else logit_index.tolist()
             res = self.regions.step(steps, input_ids, [] if return_hidden else rows,
@@ -114,7 +116,7 @@ class ModelRunner:
             if self.keep_hidden:
                 self._last = (steps, res.hidden, None)
             return res.hidden if return_hidden else res.logits
-        if graphs:
+        if graphs and not multi:
             # pure decode: region graphs; rows in step order, then the bucket's padding rows
             x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None

@@ -55,7 +55,7 @@ def _compare(rounds: list[list[tuple[int, int, int]]], cfg: ModelConfig, **setti
     logits requested; logits and the final KV state of real slots/blocks must agree. Returns the graph runner."""
     weights = random_weights(cfg, 0, with_mtp=cfg.n_mtp_layers > 0)
     eager = _runner(cfg, weights, graph_mode="eager", **settings)
-    graph = _runner(cfg, weights, graph_mode="layer", host_compiler="none", **settings)
+    graph = _runner(cfg, weights, graph_mode="layer", host_compiler="none", chunk_graphs=True, **settings)
     g = torch.Generator().manual_seed(3)
     tables = {s: torch.arange(s * 32, s * 32 + 32) for s in range(4)}
     for entries in rounds:
@@ -106,7 +106,7 @@ def test_greedy_chunked_prefill_in_graphs_matches_eager() -> None:
     prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (5, 45, 70)]
     settings = dict(max_model_len=256, max_num_batched_tokens=24)
     want, wl = greedy(build(cfg, weights, graph_mode="eager", **settings), prompts, 6)
-    eng = build(cfg, weights, graph_mode="layer", host_compiler="none", **settings)
+    eng = build(cfg, weights, graph_mode="layer", host_compiler="none", chunk_graphs=True, **settings)
     got, gl = greedy(eng, prompts, 6)
     assert got == want
     assert max(float((a - b).abs().max()) for a, b in zip(gl, wl, strict=True)) < 1e-4
@@ -126,7 +126,7 @@ def test_chunk_graphs_do_not_grow_with_layers() -> None:
         torch._dynamo.reset()
         dyn.counters.clear()
         eng = build(cfg, random_weights(cfg, 0, with_mtp=False), max_model_len=64, graph_mode="layer",
-                    host_compiler="eager")
+                    host_compiler="eager", chunk_graphs=True)
         greedy(eng, prompts, 2)
         chunk = {k for k in eng.runner.regions.compiled if k[0].startswith("chunk")}
         return dyn.counters["stats"]["unique_graphs"], len(chunk)
@@ -152,11 +152,48 @@ def test_chunk_sizes_and_fitted_chunks() -> None:
 
     gc = GraphConfig(mode="layer")
     assert gc.chunk_sizes(956) == (8, 32, 128, 512) and gc.chunk_sizes(24) == (8, 24) and gc.chunk_sizes(8) == (8,)
-    assert GraphConfig().scheduler_buckets(24) == ()  # eager: chunks are not fitted
+    assert GraphConfig(mode="layer", chunk_graphs=False).scheduler_buckets(24) == ()  # eager chunks: not fitted
+    assert GraphConfig(mode="layer", chunk_graphs=True).scheduler_buckets(24) == (8, 24)
     with pytest.raises(ValueError, match="chunk_buckets"):
         GraphConfig(chunk_buckets=(32, 8))
     sched = Scheduler(CacheConfig(max_num_seqs=2, max_num_batched_tokens=956, num_kv_blocks=64, block_size=16,
                                   max_model_len=1024), gc.chunk_sizes(956))
     fit = [sched.fit_chunk(n) for n in (1, 5, 8, 20, 43, 64, 130, 300, 900)]
-    assert fit == [1, 5, 8, 20, 32, 32, 128, 300, 512]
+    assert fit == [1, 5, 8, 20, 32, 32, 128, 128, 512]  # 300: 212 padded rows > 172 deferred tokens
     assert Scheduler(sched.config).fit_chunk(900) == 900  # no buckets: as asked
+
+
+def test_chunk_graphs_are_resolved_with_the_backend() -> None:
+    """Auto: chunk graphs in the graph modes of a device backend; the host keeps its eager prefill (and its chunk
+    lengths) in every mode; asking for chunk graphs without graphs is an error."""
+    from engine.config import EngineConfig
+
+    cfg = _cfg()
+    assert EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer").graph.chunk_graphs is True
+    assert EngineConfig.from_model_config(cfg, backend="xla", graph_mode="eager").graph.chunk_graphs is False
+    assert EngineConfig.from_model_config(cfg, backend="host", graph_mode="layer").graph.chunk_graphs is False
+    with pytest.raises(ValueError, match="chunk_graphs needs graph mode"):
+        EngineConfig.from_model_config(cfg, graph_mode="eager", chunk_graphs=True)
+
+
+def test_chunk_graphs_are_portable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk-region graphs of a CSA layer (window ring, compressor, indexer top-k) captured through AOTAutograd
+    have none of the patterns upstream torch-mlir does not lower (engine/backends/portable.py), and the tokens are
+    the eager engine's."""
+    from engine.backends.portable import LintBackend
+    from tests.test_portable import _graphs_via
+
+    cfg = ModelConfig(vocab_size=512, dim=64, n_layers=1, n_mtp_layers=0, compress_ratios=(4,), n_hash_layers=0,
+                      n_heads=2, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+                      window_size=8, n_routed_experts=4, n_activated_experts=2, moe_inter_dim=32, index_n_heads=4,
+                      index_head_dim=32, index_topk=2, swiglu_limit=1.0, max_position_embeddings=256)
+    weights = random_weights(cfg, 0, with_mtp=False)
+    prompts = [[5, 9, 2], list(range(3, 14))]
+    want, _ = greedy(build(cfg, weights, max_model_len=64, graph_mode="eager"), prompts, 4)
+    lint = LintBackend()
+    _graphs_via(lint, monkeypatch)
+    eng = build(cfg, weights, max_model_len=64, graph_mode="layer", host_compiler="aot_eager", chunk_graphs=True)
+    got, _ = greedy(eng, prompts, 4)
+    assert got == want
+    assert any(k[0].startswith("chunk") for k in eng.runner.regions.compiled)
+    assert lint.graphs > 3 and lint.problems == []
