@@ -97,16 +97,18 @@ def test_verify_steps_with_rejected_drafts_match_eager() -> None:
     _compare(rounds, cfg, speculative="mtp", num_speculative_tokens=2)
 
 
-def test_greedy_chunked_prefill_in_graphs_matches_eager() -> None:
+@pytest.mark.parametrize("mode", ["layer", "regions"])
+def test_greedy_chunked_prefill_in_graphs_matches_eager(mode: str) -> None:
     """Through the scheduler with a small token budget: prompts prefilled in several bucket-fitted chunks, mixed
-    with other sequences' decodes; the tokens and logits are the eager engine's."""
+    with other sequences' decodes; the tokens and logits are the eager engine's (layer graphs, and the attention /
+    MoE halves as two graphs per layer)."""
     cfg = _cfg()
     weights = random_weights(cfg, 0, with_mtp=False)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (5, 45, 70)]
     settings = dict(max_model_len=256, max_num_batched_tokens=24)
     want, wl = greedy(build(cfg, weights, graph_mode="eager", **settings), prompts, 6)
-    eng = build(cfg, weights, graph_mode="layer", host_compiler="none", chunk_graphs=True, **settings)
+    eng = build(cfg, weights, graph_mode=mode, host_compiler="none", chunk_graphs=True, **settings)
     got, gl = greedy(eng, prompts, 6)
     assert got == want
     assert max(float((a - b).abs().max()) for a, b in zip(gl, wl, strict=True)) < 1e-4
@@ -197,3 +199,20 @@ def test_chunk_graphs_are_portable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got == want
     assert any(k[0].startswith("chunk") for k in eng.runner.regions.compiled)
     assert lint.graphs > 3 and lint.problems == []
+
+
+def test_speculative_verify_steps_in_chunk_graphs_give_the_plain_greedy_tokens() -> None:
+    """MTP speculation (k = 2) with chunk graphs: every verify step (1 + 2 tokens per sequence) runs in the chunk
+    bucket 8 (`plan_runs`), the draft head reads the graph run's final streams; greedy speculation gives exactly the
+    tokens of plain greedy decoding on the eager path."""
+    cfg = _cfg(n_mtp_layers=1)
+    weights = random_weights(cfg, 0, with_mtp=True)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (6, 21, 40)]
+    want, _ = greedy(build(cfg, weights, graph_mode="eager", max_model_len=256), prompts, 8)
+    eng = build(cfg, weights, graph_mode="layer", host_compiler="none", chunk_graphs=True, max_model_len=256,
+                speculative="mtp", num_speculative_tokens=2)
+    got, _ = greedy(eng, prompts, 8)
+    assert got == want
+    chunk = {k[2:4] for k in eng.runner.regions.compiled if k[0].startswith("chunk")}
+    assert (4, 8) in chunk  # the verify steps: 3 sequences x 3 tokens, batch bucket 4, chunk bucket 8
