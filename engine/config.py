@@ -7,8 +7,8 @@
 * `cache: CacheConfig` - scheduler and KV-pool sizes (max_num_seqs, max_num_batched_tokens, num_kv_blocks,
   block_size, max_model_len);
 * `parallel: ParallelConfig` - context/expert-parallel ranks;
-* `graph: GraphConfig` - how decode steps are cut into graphs (mode, batch buckets, host compiler, region timing,
-  MoE capacity);
+* `graph: GraphConfig` - how steps are cut into graphs (mode, batch buckets, chunk buckets, host compiler, region
+  timing, MoE capacity);
 * `backend` (host | xla | neuron | neuron-standin; "auto" is resolved here, in `resolve_backend`, and nowhere else)
   and `kernels` (which implementation of the kernel ops runs inside the model; "auto", the default, is resolved here
   too, in `resolve_kernels`: the native host kernels where they build and run, else the reference;
@@ -56,6 +56,9 @@ __all__ = ["Backend", "CacheConfig", "ConfigError", "DType", "EngineConfig", "Gr
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Multi-token entries (prefill chunks, speculative verify steps) run as graphs of C tokens per sequence, C one of
+# these (capped by max_num_batched_tokens: GraphConfig.chunk_sizes); the scheduler cuts chunks to fit them.
+CHUNK_BUCKETS = (8, 32, 128, 512)
 
 
 class LayoutError(ValueError):
@@ -276,18 +279,36 @@ class GraphConfig:
     moe_capacity: float = 0.0  # capacity factor of the grouped expert path for prefill chunks (0 = off)
     moe: MoeMode = MoeMode.AUTO  # routed experts in decode regions (eager/prefill always run only the chosen ones)
     batch_decode: bool = True  # vectorised decode path (False: every sequence through the chunk path; tests)
+    chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS  # tokens per sequence of a multi-token graph (see chunk_sizes)
+    # multi-token entries (prefill chunks, verify steps) as chunk-region graphs; None (auto) is resolved with the
+    # backend (EngineConfig): on in the graph modes of a device backend, off on the host (eager prefill there)
+    chunk_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode, "graph mode"))
         object.__setattr__(self, "host_compiler", HostCompiler.parse(self.host_compiler, "host compiler"))
         object.__setattr__(self, "moe", MoeMode.parse(self.moe, "moe"))
-        buckets = tuple(int(b) for b in self.batch_buckets)
-        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"batch_buckets must be increasing positive ints, got {self.batch_buckets!r}")
-        object.__setattr__(self, "batch_buckets", buckets)
+        for name in ("batch_buckets", "chunk_buckets"):
+            raw = getattr(self, name)
+            buckets = tuple(int(b) for b in raw)
+            if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"{name} must be increasing positive ints, got {raw!r}")
+            object.__setattr__(self, name, buckets)
         if not isinstance(self.moe_capacity, (int, float)) or self.moe_capacity < 0:
             raise ValueError(f"moe_capacity must be a number >= 0, got {self.moe_capacity!r}")
         object.__setattr__(self, "moe_capacity", float(self.moe_capacity))
+
+    def chunk_sizes(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """The chunk buckets a step can use: those below max_num_batched_tokens, then the budget itself as the top
+        bucket when it is below the largest (e.g. (8, 32, 128, 512) and 24 tokens -> (8, 24)): a full-budget chunk
+        needs no padding, and no graph is made for a length no step can have."""
+        top = min(self.chunk_buckets[-1], max_num_batched_tokens)
+        return tuple(b for b in self.chunk_buckets if b < top) + (top,)
+
+    def scheduler_buckets(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """The chunk sizes the scheduler cuts prefill chunks to fit (engine/scheduler.py): `chunk_sizes` when chunks
+        run as graphs, else none (any length runs eagerly as it is)."""
+        return self.chunk_sizes(max_num_batched_tokens) if self.chunk_graphs else ()
 
 
 MAX_SPECULATIVE_TOKENS = 8
@@ -325,6 +346,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
+    "chunk_buckets": ("graph", "chunk_buckets"), "chunk_graphs": ("graph", "chunk_graphs"),
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
     "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
     "speculative": ("spec", "method"), "num_speculative_tokens": ("spec", "num_speculative_tokens"),
@@ -352,6 +374,11 @@ class EngineConfig:
         if self.graph.mode is GraphMode.AUTO:
             mode = resolve_graph_mode(self.graph.mode, self.backend)
             object.__setattr__(self, "graph", dataclasses.replace(self.graph, mode=mode))
+        if self.graph.chunk_graphs is None:
+            chunks = self.graph.mode is not GraphMode.EAGER and self.backend is not Backend.HOST
+            object.__setattr__(self, "graph", dataclasses.replace(self.graph, chunk_graphs=chunks))
+        elif self.graph.chunk_graphs and self.graph.mode is GraphMode.EAGER:
+            raise ValueError("chunk_graphs needs graph mode regions or layer (eager mode makes no graphs)")
         requested = Kernels.parse(self.kernels, "kernels")
         kernels, why = resolve_kernels(requested, self.backend)
         for name, value in (("kernels", kernels), ("kernels_requested", requested), ("kernels_why", why)):

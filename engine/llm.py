@@ -123,7 +123,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike, *, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.model_config = config.model.config
-        self.scheduler = Scheduler(config.cache)
+        self.scheduler = Scheduler(config.cache, config.graph.scheduler_buckets(config.cache.max_num_batched_tokens))
         self.sampler = Sampler()
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model_dir)
         self.eos_token_id = self.model_config.eos_token_id

@@ -5,10 +5,14 @@ A **region** is a piece of one decoder layer compiled as one graph by the backen
   output projection, mHC expand; `moe` = mHC collapse, ffn_norm, gate, experts, shared expert, exchange, mHC expand;
 * `layer` mode, one per layer (`layer` = attn then moe): half the graph launches;
 * `eager` mode: no graphs (the engine's eager path, unchanged).
-Only pure-decode steps (every sequence one new token) run as regions; steps with prefill chunks run eagerly.
+Every step runs as graphs: its one-token entries (decodes) through the decode regions, its multi-token entries
+(prefill chunks, speculative verify steps of 1 + k tokens) through **chunk regions** (`ChunkRegion`: B sequences x C
+tokens, C a chunk bucket, engine/model/static_chunk.py), grouped by chunk bucket (`plan_runs`); each group is one
+run of the layers. Sequences do not interact, so splitting a step into runs is exact.
 
 **Static shapes.** The batch is padded to a bucket (`BATCH_BUCKETS`) and the block tables to a power-of-two number
-of blocks (capped by max_model_len), so each region compiles once per (batch bucket, block bucket) and is reused.
+of blocks (capped by max_model_len), so each region compiles once per (batch bucket, block bucket) and is reused;
+a chunk region once per (batch bucket, chunk bucket, block bucket).
 Padded rows point at the cache's scratch slot and scratch block (KVCache(scratch=True)); attention's static variant
 (`Attention.decode_static`) gathers every entry the tables can hold and masks by position, and writes that must not
 happen go to the scratch slot/block, so there is no host sync and no data-dependent shape inside a graph.
@@ -30,6 +34,9 @@ so the region runs stage by stage with a synchronize() and a clock read at every
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +44,11 @@ import torch
 from torch import nn
 
 from engine.backends import Backend
-from engine.config import BATCH_BUCKETS, GraphMode
+from engine.config import BATCH_BUCKETS, CHUNK_BUCKETS, GraphMode
 from engine.model.block import Block
 from engine.model.cache import KVCache, LayerCache, SeqStep
 from engine.model.model import Transformer
+from engine.model.static_chunk import attention_chunk
 from engine.profiling import RegionTimer, no_split
 
 
@@ -58,6 +66,24 @@ def block_bucket(n: int, max_blocks: int) -> int:
     while b < n:
         b *= 2
     return max(n, min(b, max_blocks))
+
+
+def plan_runs(ns: list[int], chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS) -> list[tuple[int, list[int]]]:
+    """How a step of entries with `ns` tokens each runs: a list of (C, entry indices), C = 0 for the decode run
+    (one-token entries, decode regions) and a chunk bucket for each group of multi-token entries whose length
+    falls in that bucket (a chunk-region run of [batch bucket, C]). One-token entries join the smallest chunk
+    group instead of running apart when that group is in the smallest bucket and has at least as many entries
+    (verify steps: one run of the layers, not two). Entry order is kept inside each run."""
+    dec = [k for k, n in enumerate(ns) if n == 1]
+    groups: dict[int, list[int]] = {}
+    for k, n in enumerate(ns):
+        if n > 1:
+            groups.setdefault(batch_bucket(n, chunk_buckets), []).append(k)
+    small = chunk_buckets[0]
+    if dec and small in groups and len(dec) <= len(groups[small]):
+        groups[small] = sorted(groups[small] + dec)
+        dec = []
+    return ([(0, dec)] if dec else []) + sorted(groups.items())
 
 
 class Region(nn.Module):
@@ -88,7 +114,7 @@ class Region(nn.Module):
         use_ops(blk, self.blk.ops, self.blk.caps)
         if self.blk.ffn._stacked:
             blk.ffn.stack_experts()  # meta buffers of the same names: functional_call swaps the layer's in
-        return Region(blk, self.kind, self.ratio, self.slots_per_layer, self.blocks_per_layer, self.split)
+        return type(self)(blk, self.kind, self.ratio, self.slots_per_layer, self.blocks_per_layer, self.split)
 
     def structure(self) -> tuple:
         """Layers whose regions share a graph: same kind and same structure (attention: compress ratio; MoE: hash
@@ -121,44 +147,87 @@ class Region(nn.Module):
         return x
 
 
+class ChunkRegion(Region):
+    """A region over B sequences x C new tokens each (prefill chunks, verify steps): `forward(x, roots, li, packed)`
+    with x [Bp*C, n, dim] (row b*C + i: token i of sequence b) and `packed` [Bp, 3 + C + NB] int64 rows of (start,
+    n real tokens, slot, C token ids, block table) (RegionRunner.prepare_chunk). C and NB are read off the shapes;
+    everything else is data, so one graph serves every layer of a structure at a (Bp, C, NB) shape."""
+
+    def structure(self) -> tuple:
+        return ("chunk", *super().structure())
+
+    def forward(self, x: torch.Tensor, roots: dict[str, torch.Tensor], li: torch.Tensor,
+                packed: torch.Tensor) -> torch.Tensor:
+        blk, split = self.blk, self.split
+        c = x.shape[0] // packed.shape[0]
+        start, n, slots = packed[:, 0], packed[:, 1], packed[:, 2]
+        ids, tables = packed[:, 3: 3 + c].flatten(), packed[:, 3 + c:]
+        roots = {name: t.flatten(0, 1) for name, t in roots.items()}
+        if self.kind in ("attn", "layer"):
+            lc = LayerCache(ratio=self.ratio, **roots)
+            sl, tl = slots + li * self.slots_per_layer, tables + li * self.blocks_per_layer
+            x = blk.hc_site(x, "attn", lambda h: attention_chunk(blk.attn, h, start, n, sl, tl, lc, split), split)
+        if self.kind in ("moe", "layer"):
+            x = blk.hc_site(x, "ffn", lambda h: blk.ffn.forward_static(h, ids, split), split)
+        return x
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step run as graphs (RegionRunner.step): `logits` fp32 [len(rows), vocab] on the host, in the order of the
+    requested rows; `hidden` the final streams [T, n, dim] of every token in input order (on the device), or None."""
+
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
+
+
 class RegionRunner:
-    """Runs pure-decode steps of `model` as region graphs over `cache` (which must have a scratch slot/block).
+    """Runs steps of `model` as region graphs over `cache` (which must have a scratch slot/block): pure-decode steps
+    through `decode_step`, any step through `step` (decode run + chunk runs, `plan_runs`).
 
     `launches` counts graph calls; `launches_last_step` is the count of the latest step (2 x layers in `regions`
-    mode, 1 x layers in `layer` mode). `compiled` records each distinct graph: (region kind, structure, batch
-    bucket, block bucket) - its size does not grow with the number of layers."""
+    mode, 1 x layers in `layer` mode, per run). `compiled` records each distinct graph: (region kind, structure,
+    batch bucket, block bucket) for decode regions, ("chunk.<kind>", structure, batch bucket, chunk bucket, block
+    bucket) for chunk regions - its size does not grow with the number of layers."""
 
     def __init__(self, model: Transformer, cache: KVCache, mode: GraphMode | str, backend: Backend, max_blocks: int,
-                 timer: RegionTimer | None = None, buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
+                 timer: RegionTimer | None = None, buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS) -> None:
         mode = GraphMode.parse(mode, "graph mode")
         if mode is GraphMode.EAGER:
             raise ValueError("graph mode 'eager': RegionRunner runs 'regions' or 'layer'")
         if not cache.scratch:
             raise ValueError("region graphs need KVCache(scratch=True) (padded rows write to the scratch slot)")
         self.model, self.cache, self.mode, self.backend = model, cache, mode, backend
-        self.max_blocks, self.buckets = max_blocks, buckets
+        self.max_blocks, self.buckets, self.chunk_buckets = max_blocks, buckets, chunk_buckets
         self.timer = timer
         self.kinds = ("layer",) if mode is GraphMode.LAYER else ("attn", "moe")
         boundary = backend.boundary(self._split)  # kept out of graphs; used only by the timed graphs
         dev = backend.device
-        self._regions = {timed: [[Region(blk, kind, cache.where[blk.layer_id][0], cache.num_slots + 1,
-                                         cache.num_blocks + 1, boundary if timed else no_split)
-                                  for kind in self.kinds] for blk in model.layers] for timed in (False, True)}
+
+        def regions(cls: type, split: Callable[[str], None]) -> list[list[Region]]:
+            return [[cls(blk, kind, cache.where[blk.layer_id][0], cache.num_slots + 1, cache.num_blocks + 1, split)
+                     for kind in self.kinds] for blk in model.layers]
+
+        self._regions = {timed: regions(Region, boundary if timed else no_split) for timed in (False, True)}
+        self._chunk_regions = regions(ChunkRegion, no_split)  # timed as a whole region per layer ("chunk")
         # [1]-shaped, not 0-d: torch-xla turns a 0-d tensor holding 0 or 1 into a graph constant, which would give
         # the layers at index 0 and 1 graphs of their own
         self._li = [torch.tensor([cache.where[blk.layer_id][1]], device=dev) for blk in model.layers]
         self._graphs: dict[tuple, Callable[..., torch.Tensor]] = {}
         self._embed = backend.compile_fn(lambda packed: model.streams(packed[:, 2]), "embed")
+        self._chunk_embeds: dict[int, Callable[..., torch.Tensor]] = {}
         self.head = backend.compile_fn(model.logits, "head")  # the runner's head for region steps
+        self._head_last = backend.compile_fn(self._last_logits, "chunk_head")
         self.launches = 0
         self.launches_last_step = 0
         self.compiled: set[tuple] = set()
 
-    def representatives(self) -> dict[tuple, tuple[Region, torch.Tensor]]:
-        """One (region, layer index tensor) per region structure: what a graph export traces (every layer of a
-        structure runs that structure's graph)."""
+    def representatives(self, chunk: bool = False) -> dict[tuple, tuple[Region, torch.Tensor]]:
+        """One (region, layer index tensor) per region structure (`chunk`: of the chunk regions): what a graph export
+        traces (every layer of a structure runs that structure's graph)."""
         reps: dict[tuple, tuple[Region, torch.Tensor]] = {}
-        for regions, li in zip(self._regions[False], self._li, strict=True):
+        for regions, li in zip(self._chunk_regions if chunk else self._regions[False], self._li, strict=True):
             for reg in regions:
                 reps.setdefault(reg.structure(), (reg, li))
         return reps
@@ -168,6 +237,19 @@ class RegionRunner:
         bps = sorted({batch_bucket(b, self.buckets) for b in range(1, max_num_seqs + 1)})
         nbs = sorted({block_bucket(n, self.max_blocks) for n in range(1, self.max_blocks + 1)})
         return [(bp, nb) for bp in bps for nb in nbs]
+
+    def chunk_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int, int]]:
+        """(batch bucket, chunk bucket, block bucket) triples a chunk run can take when the scheduler caps chunks at
+        the largest chunk bucket: B entries of a bucket C need B x (C_prev + 1) <= max_num_batched_tokens tokens."""
+        out = []
+        nbs = sorted({block_bucket(n, self.max_blocks) for n in range(1, self.max_blocks + 1)})
+        prev = 1
+        for c in self.chunk_buckets:
+            most = min(max_num_seqs, max(1, max_num_batched_tokens // (prev + 1)))
+            bps = sorted({batch_bucket(b, self.buckets) for b in range(1, most + 1)})
+            out += [(bp, c, nb) for bp in bps for nb in nbs]
+            prev = c
+        return out
 
     def _split(self, stage: str) -> None:
         if self.timer is not None:
@@ -180,6 +262,31 @@ class RegionRunner:
             fn = self.backend.compile_region(region)
             self._graphs[key] = fn
         return fn
+
+    def _layers(self, regions: list[list[Region]], x: torch.Tensor, packed: torch.Tensor, shape: tuple, timed: bool,
+                label: str | None = None) -> tuple[torch.Tensor, int]:
+        """x through every layer's regions (one graph call each) -> (x, graph calls). `label`: time each layer as
+        that one region (chunk runs); else each region by its kind when `timed`."""
+        region = self.timer.region if self.timer is not None and self.timer.enabled else None
+        n_launch = 0
+        for blk, regs, li in zip(self.model.layers, regions, self._li, strict=True):
+            # the root tensors themselves (the graph flattens them): on a lazy-tensor device a region then always
+            # gets its cache as device data and writes it back in place, whatever wrote it last
+            roots = self.cache.roots[self.cache.where[blk.layer_id][0]]
+            for reg in regs:
+                fn = self._graph(reg, timed)
+                st = reg.structure()
+                self.compiled.add((f"chunk.{reg.kind}", st[2:], *shape) if st[0] == "chunk" else
+                                  (reg.kind, st[1:], *shape))
+                if region is None:
+                    x = fn(reg, x, roots, li, packed)
+                else:
+                    with region(label or reg.kind, blk.layer_id):
+                        x = fn(reg, x, roots, li, packed)
+                self.backend.region_end()
+                n_launch += 1
+        self.launches += n_launch
+        return x, n_launch
 
     def prepare(self, steps: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor:
         """Padded static inputs on the device, in ONE host-to-device copy: [Bp, 3 + NB] int64 rows of (pos, slot,
@@ -204,35 +311,119 @@ class RegionRunner:
         """One decode step (every step n == 1) -> final streams [T, n, dim] in input_ids order (`padded`: all Bp rows
         of the batch bucket, the T real ones first - what the head graph takes, so that a batch that shrinks inside
         its bucket compiles nothing new)."""
+        x, self.launches_last_step = self._decode_run(steps, input_ids)
+        return x if padded else x[: len(steps)]
+
+    def _decode_run(self, steps: list[SeqStep], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         timer = self.timer
         timed = timer is not None and timer.enabled
-        region = timer.region if timed else None
-        if region is None:
+        with timer.region("embed") if timed else contextlib.nullcontext():
             packed = self.prepare(steps, input_ids)
             x = self._embed(packed)  # [Bp, n, dim]
-        else:
-            with region("embed"):
-                packed = self.prepare(steps, input_ids)
-                x = self._embed(packed)  # [Bp, n, dim]
-        n_launch = 0
-        shape = (packed.shape[0], packed.shape[1] - 3)
-        for blk, regions, li in zip(self.model.layers, self._regions[timed], self._li, strict=True):
-            # the root tensors themselves (the graph flattens them): on a lazy-tensor device a region then always
-            # gets its cache as device data and writes it back in place, whatever wrote it last
-            roots = self.cache.roots[self.cache.where[blk.layer_id][0]]
-            for reg in regions:
-                fn = self._graph(reg, timed)
-                self.compiled.add((reg.kind, reg.structure()[1:], *shape))
-                if region is None:
-                    x = fn(reg, x, roots, li, packed)
+        return self._layers(self._regions[timed], x, packed, (packed.shape[0], packed.shape[1] - 3), timed)
+
+    # -- multi-token entries: chunk regions ------------------------------------------------------------------------
+    def prepare_chunk(self, steps: list[SeqStep], ids: list[list[int]], c: int) -> torch.Tensor:
+        """The static inputs of a chunk run on the device, in ONE host-to-device copy: [Bp, 3 + C + NB] int64 rows of
+        (start, n, slot, C token ids, block table); padded entries have n = 0 and the scratch slot, padded table
+        columns the scratch block."""
+        bp = batch_bucket(len(steps), self.buckets)
+        bs = self.cache.block_size
+        nb = block_bucket(max(-(-(s.start + s.n) // bs) for s in steps), self.max_blocks)
+        packed = torch.zeros(bp, 3 + c + nb, dtype=torch.long)
+        packed[:, 2], packed[:, 3 + c:] = self.cache.num_slots, self.cache.num_blocks
+        for j, (s, toks) in enumerate(zip(steps, ids, strict=True)):
+            if not 1 <= s.n <= c or len(toks) != s.n:
+                raise ValueError(f"chunk entry {j}: {s.n} tokens ({len(toks)} ids) in a chunk of {c}")
+            packed[j, 0], packed[j, 1], packed[j, 2] = s.start, s.n, s.slot
+            packed[j, 3: 3 + s.n] = torch.tensor(toks, dtype=torch.long)
+            bt = s.block_table[:nb]
+            packed[j, 3 + c: 3 + c + len(bt)] = bt
+        return packed.to(self.backend.device)
+
+    def _chunk_embed(self, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        fn = self._chunk_embeds.get(c)
+        if fn is None:
+            fn = self.backend.compile_fn(functools.partial(_embed_chunk, self.model, c), f"chunk_embed_c{c}")
+            self._chunk_embeds[c] = fn
+        return fn
+
+    def chunk_run(self, steps: list[SeqStep], ids: list[list[int]], c: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """B entries of at most `c` tokens each through the chunk regions -> (final streams [Bp*C, n, dim] (row
+        b*C + i: token i of entry b), the packed inputs, graph calls)."""
+        timer = self.timer
+        timed = timer is not None and timer.enabled
+        with timer.region("embed") if timed else contextlib.nullcontext():
+            packed = self.prepare_chunk(steps, ids, c)
+            x = self._chunk_embed(c)(packed)  # [Bp*C, n, dim]
+        shape = (packed.shape[0], c, packed.shape[1] - 3 - c)
+        x, n = self._layers(self._chunk_regions, x, packed, shape, False, label="chunk" if timed else None)
+        return x, packed, n
+
+    def _last_logits(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """The head over each entry's last real row of a chunk run: x [Bp*C, n, dim] -> fp32 [Bp, vocab]."""
+        bp = packed.shape[0]
+        c = x.shape[0] // bp
+        rows = torch.arange(bp, device=x.device) * c + (packed[:, 1] - 1).clamp(min=0)
+        return self.model.logits(x[rows])
+
+    def step(self, steps: list[SeqStep], input_ids: torch.Tensor, rows: list[int], hidden: bool) -> StepResult:
+        """Any step as graphs: its runs (`plan_runs`: one-token entries through the decode regions, multi-token
+        ones through the chunk regions per chunk bucket), then the head of each run over what the requested token
+        `rows` need (the last rows of a chunk run's entries by a gather in the head graph, else all its rows): one
+        device-to-host copy per run. `hidden`: also the final streams of every token, in input order."""
+        ids = input_ids.cpu().tolist()
+        where: list[tuple[int, int]] = [(-1, -1)] * len(ids)  # token row -> (run, row of the run's output)
+        outs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        launches = 0
+        for r, (c, members) in enumerate(plan_runs([s.n for s in steps], self.chunk_buckets)):
+            sub = [steps[k] for k in members]
+            if c == 0:
+                dec = [dataclasses.replace(s, token_start=j) for j, s in enumerate(sub)]
+                x, n = self._decode_run(dec, torch.tensor([ids[s.token_start] for s in sub], dtype=torch.long))
+                packed = None
+                for j, s in enumerate(sub):
+                    where[s.token_start] = (r, j)
+            else:
+                x, packed, n = self.chunk_run(sub, [ids[s.token_start: s.token_start + s.n] for s in sub], c)
+                for j, s in enumerate(sub):
+                    for t in range(s.n):
+                        where[s.token_start + t] = (r, j * c + t)
+            launches += n
+            outs.append((c, x, packed))
+        self.launches_last_step = launches
+        last = {s.token_start + s.n - 1 for s in steps}
+        timer = self.timer
+        with timer.region("head") if timer is not None and timer.enabled else contextlib.nullcontext():
+            heads = []
+            for r, (c, x, packed) in enumerate(outs):
+                want = [t for t in rows if where[t][0] == r]
+                if not want:
+                    heads.append(None)
+                elif c and all(t in last for t in want):  # one row per entry: the head over Bp rows
+                    heads.append((self._head_last(x, packed), {t: where[t][1] // c for t in want}))
                 else:
-                    with region(reg.kind, blk.layer_id):
-                        x = fn(reg, x, roots, li, packed)
-                self.backend.region_end()
-                n_launch += 1
-        self.launches += n_launch
-        self.launches_last_step = n_launch
-        return x if padded else x[: len(steps)]
+                    heads.append((self.head(x), {t: where[t][1] for t in want}))
+            self.backend.step_end()
+            host = [None if h is None else (self.backend.to_host(h[0]), h[1]) for h in heads]
+            logits = None
+            if rows:
+                logits = torch.stack([host[where[t][0]][0][host[where[t][0]][1][t]] for t in rows])
+        x_all = None
+        if hidden:
+            offsets, off = [], 0
+            for _, x, _ in outs:
+                offsets.append(off)
+                off += x.shape[0]
+            index = torch.tensor([offsets[r] + j for r, j in where], dtype=torch.long)
+            x_all = torch.cat([x for _, x, _ in outs]) if len(outs) > 1 else outs[0][1]
+            x_all = x_all[index.to(x_all.device)]
+        return StepResult(logits, x_all)
+
+
+def _embed_chunk(model: Transformer, c: int, packed: torch.Tensor) -> torch.Tensor:
+    """The residual streams of a chunk run's token ids (packed columns 3 .. 3 + c): [Bp*C, n, dim]."""
+    return model.streams(packed[:, 3: 3 + c].flatten())
 
 
 def region_summary(runner: Any) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.batch_decode = graph.batch_decode
         self.graph_mode = graph.mode
+        self.chunk_graphs = bool(graph.chunk_graphs)  # multi-token entries as chunk-region graphs (else eager)
         layer_ids = list(range(cfg.n_layers)) + [cfg.n_layers + i for i in range(len(model.mtp))]
         self.num_steps = 0  # forward calls so far
         for layer in [*model.layers, *model.mtp]:
@@ -79,7 +80,8 @@ class ModelRunner:
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
                                         max_blocks=cache.max_blocks_per_seq, timer=self.timer,
-                                        buckets=graph.batch_buckets)
+                                        buckets=graph.batch_buckets,
+                                        chunk_buckets=graph.chunk_sizes(cache.max_num_batched_tokens))
 
     # -- execution -------------------------------------------------------------------------------------------------
     def free_slot(self, slot: int) -> None:
@@ -106,8 +108,17 @@ class ModelRunner:
                 raise ValueError(f"slot {s.slot}: block table has {len(s.block_table)} blocks, needs {need}")
         self.num_steps += 1
         captured = None
-        if self.regions is not None and self.batch_decode and steps and all(s.n == 1 for s in steps) \
-                and not self.capture:
+        graphs = self.regions is not None and self.batch_decode and bool(steps) and not self.capture
+        multi = any(s.n > 1 for s in steps)
+        if graphs and multi and self.chunk_graphs:
+            # multi-token entries (prefill chunks, verify steps): decode run + chunk-region runs, heads per run
+            rows = [s.token_start + s.n - 1 for s in steps] if logit_index is None else logit_index.tolist()
+            res = self.regions.step(steps, input_ids, [] if return_hidden else rows,
+                                    hidden=return_hidden or self.keep_hidden)
+            if self.keep_hidden:
+                self._last = (steps, res.hidden, None)
+            return res.hidden if return_hidden else res.logits
+        if graphs and not multi:
             # pure decode: region graphs; rows in step order, then the bucket's padding rows
             x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None

@@ -53,8 +53,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, chunk_buckets: tuple[int, ...] = ()) -> None:
+        """`chunk_buckets` (graph modes: the sizes multi-token steps are compiled for, increasing): a prefill chunk
+        is at most the largest, and is cut down to a bucket when padding it up would cost more rows than the cut
+        defers (`fit_chunk`)."""
         self.config = config
+        self.chunk_buckets = tuple(chunk_buckets)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         self.waiting: list[Sequence] = []  # sorted by arrival order
         self.running: list[Sequence] = []  # sorted by arrival order
@@ -116,7 +120,7 @@ class Scheduler:
                 budget -= plan[seq]
         for seq in self.running:
             if budget and seq not in plan and seq.num_uncomputed_tokens:
-                plan[seq] = min(seq.num_uncomputed_tokens, budget)
+                plan[seq] = self.fit_chunk(min(seq.num_uncomputed_tokens, budget))
                 budget -= plan[seq]
 
         # Reserve blocks oldest first; a sequence may only evict sequences newer than itself.
@@ -150,7 +154,8 @@ class Scheduler:
         # to preempt (the pool is contended: admitting now would only be evicted again).
         while not batch.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget, bm.max_coverable_tokens(seq) - seq.num_computed_tokens)
+            n = self.fit_chunk(min(seq.num_uncomputed_tokens, budget,
+                                   bm.max_coverable_tokens(seq) - seq.num_computed_tokens))
             if n < 1 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break
             self.waiting.pop(0)
@@ -163,6 +168,18 @@ class Scheduler:
             budget -= n
         batch.entries = list(plan.items())
         return batch
+
+    def fit_chunk(self, n: int) -> int:
+        """A prefill chunk of up to n tokens, fitted to the chunk buckets (none: n): at most the largest bucket; cut
+        down to the largest bucket <= n when the padding up to n's bucket would be more rows than the tokens the
+        cut defers to later steps (130 -> 128 with buckets 8/32/128/512, not 512 rows; 22 stays 22 with 8/24)."""
+        bk = self.chunk_buckets
+        if not bk or n <= 1:
+            return n
+        n = min(n, bk[-1])
+        up = next(b for b in bk if b >= n)
+        down = max((b for b in bk if b <= n), default=0)
+        return down if down and up - n > n - down else n
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the runner executed `batch`: those tokens are now in the KV state (a verify step's drafts only as

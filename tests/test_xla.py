@@ -57,7 +57,7 @@ be = eng.runner.backend
 # the last request finishes after 4 tokens: from the 4th decode step on the batch is 3, inside the same bucket (4)
 for p, n in (([5, 6, 7], 7), ([9, 10, 11, 12], 7), ([13, 14], 7), ([15, 16, 17], 4)):
     eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-eng.step()  # prefill (eager ops)
+eng.step()  # prefill (chunk graphs)
 steps = []
 for _ in range(6):
     before = be.counters()
@@ -65,7 +65,8 @@ for _ in range(6):
     delta = be.counters().minus(before)
     keys = ("graph_compiles", "compiles", "transfers_to_host", "transfers_to_device", "fallbacks")
     steps.append({**{k: delta[k] for k in keys}, "finished": sum(o.finished for o in outs)})
-print(json.dumps({"graphs": len(eng.runner.regions.compiled), "steps": steps}))
+print(json.dumps({"graphs": len([k for k in eng.runner.regions.compiled if not k[0].startswith("chunk")]),
+                  "steps": steps}))
 """
 
 
@@ -85,8 +86,8 @@ def _decode_counters(**over) -> tuple[int, list[dict]]:
 
 def test_decode_graphs_do_not_grow_with_layers() -> None:
     g4, steps4 = _decode_counters()
-    g8, steps8 = _decode_counters(n_layers=8, compress_ratios=[0, 4, 16, 4, 16, 4, 16, 4, 0])
-    assert g4 == g8 == 4  # layer graphs: (sliding, hash), (CSA, hash), (HCA), (CSA) x one bucket
+    g8, steps8 = _decode_counters(n_layers=8, compress_ratios=EIGHT_LAYERS)
+    assert g4 == g8 == 4  # decode layer graphs: (sliding, hash), (CSA, hash), (HCA), (CSA) x one bucket
     # twice the layers, the same compiled graphs (per-layer graphs would compile 4 more per new shape)
     assert sum(s["graph_compiles"] for s in steps8) == sum(s["graph_compiles"] for s in steps4) > 0
     # after warm-up (also once the batch shrank inside its bucket): nothing compiles, nothing falls back, one copy to
@@ -94,6 +95,80 @@ def test_decode_graphs_do_not_grow_with_layers() -> None:
     for s in steps4[1:] + steps8[1:]:
         assert (s["compiles"], s["transfers_to_host"], s["fallbacks"]) == (0, 1, 0), (steps4, steps8)
         assert s["transfers_to_device"] == 1 + s["finished"], (steps4, steps8)
+
+
+EIGHT_LAYERS = [0, 4, 16, 4, 16, 4, 16, 4, 0]  # 8 layers (+ the MTP block's entry): the tiny model's 4 structures
+
+_PREFILL = """
+import json, sys, torch
+import engine
+from deepinfer_bench.golden import GOLDEN_DIR, golden_config, load_golden, workload
+from engine.config import EngineConfig, ModelConfig
+from engine.llm import greedy_with_logits
+base = golden_config(graph_mode="eager")
+_, golden = load_golden(GOLDEN_DIR, base.model.config)
+cfg = ModelConfig(**{**base.model.config.__dict__, **json.loads(sys.argv[1])})
+config = EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer", load_format="dummy",
+                                        workload=workload(golden))
+eng = engine.build(config)
+be, runner = eng.runner.backend, eng.runner
+keys = ("compiles", "graph_compiles", "fallbacks", "transfers_to_host")
+acc = dict.fromkeys(keys + ("steps",), 0)
+forward = runner.forward
+def counted(steps, *args, **kw):  # the counters of every step with a multi-token entry (a prefill chunk)
+    before = be.counters()
+    out = forward(steps, *args, **kw)
+    if any(s.n > 1 for s in steps):
+        delta = be.counters().minus(before)
+        for k in keys:
+            acc[k] += delta[k]
+        acc["steps"] += 1
+    return out
+runner.forward = counted
+def run(prompts):
+    acc.update(dict.fromkeys(acc, 0))
+    greedy_with_logits(eng, prompts, 3)
+    return dict(acc)
+first = run([p.prompt_ids for p in golden])
+chunk = sorted([k[0], list(k[1]), *k[2:]] for k in runner.regions.compiled if k[0].startswith("chunk"))
+g = torch.Generator().manual_seed(7)
+second = run([torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in json.loads(sys.argv[2])])
+print(json.dumps({"first": first, "second": second, "chunk_graphs": chunk}))
+"""
+
+# Prompt lengths other than the golden's (2, 6, 15, 22, 23, 26, 44, 63, 163, 250, 330 are none of them) whose
+# bucket-fitted chunks fall in the (batch, chunk, block) buckets the golden prompts used: steps of
+# (C 8 x 4, C 32 x 5, C 128 x 2, C 512 x 1), then (C 8 x 3, C 32 x 2, C 128 x 1), then C 8 x 2.
+OTHER_LENGTHS = [2, 6, 15, 16, 22, 23, 26, 44, 63, 163, 250, 330]
+
+
+def _prefill_counters(over: dict) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _PREFILL, json.dumps(over), json.dumps(OTHER_LENGTHS)],
+                         capture_output=True, text=True, timeout=1800, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_prefill_graphs_per_bucket_not_per_layer_or_prompt() -> None:
+    """Prefill chunks run as chunk-region graphs, one per (structure, batch bucket, chunk bucket, block bucket):
+    the golden prompts compile the same graphs with 4 layers and with 8, nothing falls back to the CPU, and a
+    second set of prompts of other lengths compiles nothing at all in its prefill steps."""
+    r4 = _prefill_counters({})
+    r8 = _prefill_counters({"n_layers": 8, "compress_ratios": EIGHT_LAYERS})
+    structures = 4  # (sliding, hash), (CSA, hash), (CSA), (HCA)
+    shapes = {tuple(k[2:]) for k in r4["chunk_graphs"]}  # (batch bucket, chunk bucket, block bucket)
+    assert r4["chunk_graphs"] == r8["chunk_graphs"] and len(r4["chunk_graphs"]) == structures * len(shapes)
+    # the same compiles in the prefill steps with twice the layers (chunk, decode, embed and head graphs; eager
+    # one-op graphs included): nothing is compiled per layer
+    assert r4["first"]["graph_compiles"] == r8["first"]["graph_compiles"] >= len(r4["chunk_graphs"])
+    assert r4["first"]["compiles"] == r8["first"]["compiles"], (r4, r8)
+    for r in (r4, r8):
+        assert r["first"]["fallbacks"] == r["second"]["fallbacks"] == 0
+        assert r["second"]["steps"] >= 3 and r["second"]["compiles"] == 0, r
 
 
 def test_compile_writes_hlo_per_graph(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ class Compressor(OpsUser, nn.Module):
         u = w // self.cp
         epb = pool.shape[1]
         blk = tables.gather(1, (u // epb).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [B]
-        pool[torch.where(keep, blk, pool.shape[0] - 1), u % epb] = entries
+        write_pool(pool, torch.where(keep, blk, pool.shape[0] - 1), u % epb, entries)
 
     def _store(self, entries: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor) -> None:
         """Write entries [K, D] with ids w [K] into the pool; under cp only this rank's share (w % cp == rank), at
@@ -159,9 +159,9 @@ class Compressor(OpsUser, nn.Module):
         u = w // self.cp
         epb = pool.shape[1]
         if tables.dim() == 2:
-            pool[tables[torch.arange(len(u), device=u.device), u // epb], u % epb] = entries
+            write_pool(pool, tables[torch.arange(len(u), device=u.device), u // epb], u % epb, entries)
         else:
-            pool[tables[u // epb], u % epb] = entries
+            write_pool(pool, tables[u // epb], u % epb, entries)
 
 
 class Indexer(OpsUser, nn.Module):
@@ -205,12 +205,34 @@ def floor_mod(a: torch.Tensor, m: int) -> torch.Tensor:
     return a - torch.div(a, m, rounding_mode="floor") * m
 
 
+# The KV state is written and read through these four helpers only (one place per kind of access); each store is a
+# `KVStore` (engine/model/cache.py: values in, values out, whatever bytes --kv-cache-dtype keeps).
+def write_ring(win_kv: KVStore, slots: torch.Tensor | int, rows: torch.Tensor, kv: torch.Tensor) -> None:
+    """Window-ring write: kv [..., D] into win_kv [S, wl, D] at (slots, rows) (broadcast index tensors)."""
+    win_kv[slots, rows] = kv
+
+
+def ring_keys(win_kv: KVStore, slots: torch.Tensor | int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Window-ring read: the whole ring of each slot (`rows` None: [B, wl, D]) or the rows (slots, rows)."""
+    return win_kv[slots] if rows is None else win_kv[slots, rows]
+
+
+def write_pool(pool: KVStore, blocks: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor) -> None:
+    """Pool write: entries [..., D] into pool [NB, epb, D] at (blocks, rows) (compressed entries, indexer keys)."""
+    pool[blocks, rows] = entries
+
+
+def gather_pool(pool: KVStore, tables: torch.Tensor) -> torch.Tensor:
+    """Pool read: every entry of the blocks of `tables` [B, nb] in order -> [B, nb * epb, D]."""
+    return pool[tables].flatten(1, 2)
+
+
 def gather_entries(pool: KVStore | torch.Tensor, tables: torch.Tensor, num: int) -> torch.Tensor:
     """Local entries 0..num-1 of each sequence: pool [NB, epb, D] (a KVStore: values), tables [B, max_blocks] ->
     [B, num, D]."""
     epb = pool.shape[1]
     nblk = -(-num // epb)
-    return pool[tables[:, :nblk]].flatten(1, 2)[:, :num]
+    return gather_pool(pool, tables[:, :nblk])[:, :num]
 
 
 # Prefill chunks on the host attend query tile by query tile over only the keys some query of the tile may see (a
@@ -437,10 +459,10 @@ class Attention(OpsUser, nn.Module):
         cos, sin = self.rope.cos_sin(pos)  # [B, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
         aux = self._aux(x, qr, cos, sin)
-        cp, wl, ring = self.cp, cache.win_kv.shape[1], cache.win_store
+        cp, wl = self.cp, cache.win_kv.shape[1]
         own = self._owned(pos)
-        ring[torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl] = kv
-        keys = ring[slots]  # [B, wl, D]
+        write_ring(cache.win_store, torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl, kv)
+        keys = ring_keys(cache.win_store, slots)  # [B, wl, D]
         g = _Group(rows=slice(None), q=q[:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
         split("attn.qkv")
         if self.ratio:
@@ -454,10 +476,10 @@ class Attention(OpsUser, nn.Module):
             nloc = tables.shape[1] * cache.cmp_pool.shape[1]  # static: every entry the tables can hold
             ids = self.rank + cp * torch.arange(nloc, device=pos.device)  # [E] global ids
             g.n_win = wl
-            g.keys = torch.cat([keys, cache.cmp_store[tables].flatten(1, 2).to(keys.dtype)], 1)  # [B, wl + E, D]
+            g.keys = torch.cat([keys, gather_pool(cache.cmp_store, tables).to(keys.dtype)], 1)  # [B, wl + E, D]
             g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
             if self.indexer is not None:
-                ikeys = cache.idx_store[tables].flatten(1, 2)  # [B, E, Di]
+                ikeys = gather_pool(cache.idx_store, tables)  # [B, E, Di]
                 g.scores = self.ops.index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
                 g.visible, g.ids = visible, ids
                 self._select([g])
@@ -479,13 +501,13 @@ class Attention(OpsUser, nn.Module):
         ppos = ppos[self._owned(ppos)]
         own_new = self._owned(qpos)
         ring = cache.win_store
-        keys = torch.cat([ring[s.slot, (ppos // cp) % wl], kv[own_new].to(ring.dtype)], 0)
+        keys = torch.cat([ring_keys(ring, s.slot, (ppos // cp) % wl), kv[own_new].to(ring.dtype)], 0)
         kpos = torch.cat([ppos, qpos[own_new]])
         valid = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - win)  # [n, Nw]
         tail = max(0, n - wl * cp)  # the last positions the ring holds (no negative slice start: XLA does not clamp)
         keep = qpos[tail:]
         keep_own = self._owned(keep)
-        ring[s.slot, (keep[keep_own] // cp) % wl] = kv[tail:][keep_own]
+        write_ring(cache.win_store, s.slot, (keep[keep_own] // cp) % wl, kv[tail:][keep_own])
         g = _Group(rows=rows, q=q[None], keys=keys[None], valid=valid[None])
         if self.ratio:
             self.compressor.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_store,
@@ -500,10 +522,10 @@ class Attention(OpsUser, nn.Module):
     # -- many sequences, one token each ----------------------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _Group:
         tok, slots, pos, tables = plan.dec_tokens, plan.dec_slots, plan.dec_pos, plan.dec_tables
-        cp, wl, ring = self.cp, cache.win_kv.shape[1], cache.win_store
+        cp, wl = self.cp, cache.win_kv.shape[1]
         own = self._owned(pos)
-        ring[slots[own], (pos[own] // cp) % wl] = kv[tok[own]]
-        keys = ring[slots]  # [B, wl, D]
+        write_ring(cache.win_store, slots[own], (pos[own] // cp) % wl, kv[tok[own]])
+        keys = ring_keys(cache.win_store, slots)  # [B, wl, D]
         g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
         if self.ratio:
             ckv, csc = aux["c"]
