@@ -15,7 +15,7 @@ import engine
 from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden
 from engine.config import EngineConfig
 from engine.llm import greedy_with_logits
-from engine.model import draft as draft_mod
+from engine.model import drafting as draft_mod
 
 TINY = Path(__file__).resolve().parents[2] / "golden" / "tiny"
 PROMPTS = [list(range(3, 10)), torch.randint(3, 1000, (37,), generator=torch.Generator().manual_seed(1)).tolist()]
