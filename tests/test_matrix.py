@@ -145,7 +145,7 @@ def test_cli_matrix_on_xla_is_labelled_pjrt_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(M, "run_matrix", lambda spec, config, *, runner=None, progress=None: _fake_df(spec))
     res = CliRunner().invoke(app, ["bench", "matrix", "--backend", "xla", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    label = "xla on PJRT CPU (not trn2 numbers)"
+    label = "xla (the PyTorch/XLA lane) on PJRT CPU (not trn2 numbers)"
     assert f"TTFT p50 ms, out=16 ({label})" in " ".join(res.output.split())  # titles wrap
     (csv,) = tmp_path.glob("matrix-quick-*/matrix-quick.csv")
     assert json.loads((csv.parent / "meta.json").read_text())["measured_on"] == label
@@ -153,7 +153,8 @@ def test_cli_matrix_on_xla_is_labelled_pjrt_cpu(tmp_path, monkeypatch):
     engine.envs.get_envs.cache_clear()
     from engine.backends import measured_on
 
-    assert measured_on("neuron") == "neuron on PJRT NEURON"
+    assert measured_on("neuron") == 'TorchNeuron (torch.compile backend="neuron", neuronx-cc NEFFs) on a Neuron device'
+    assert "not neuronx-cc, not trn2" in measured_on("neuron-standin")
     engine.envs.get_envs.cache_clear()
 
 

@@ -167,7 +167,9 @@ def test_official_bf16_engine_is_batch_invariant() -> None:
     from engine import build
     from engine.llm import greedy_with_logits
 
-    config = golden_config(numerics="official", dtype="bfloat16")
+    # the reference table: the claim is about the official ops' exact accumulation; with the native host kernels
+    # (what `--kernels auto` picks on the host) the prefill logits moved by 0.38 between alone and batched
+    config = golden_config(numerics="official", dtype="bfloat16", kernels="reference")
     ids = [5, 17, 300, 41, 9, 77, 120, 3, 8, 64, 11]
     others = [[(i * 13 + j) % 900 + 2 for i in range(n)] for j, n in enumerate((3, 29, 40))]
     eng = build(config)

@@ -13,7 +13,7 @@ tests a device type or imports a device stack:
   variables), which layouts it can run (`check_parallel`), joining the job's process group (`join_group`);
 * its counters, in one schema every backend fills (`counters() -> Counters`);
 * writing its graphs for an offline compiler (`export_graphs`, `deepinfer compile`);
-* what its numbers are (`measured_on`: e.g. "xla on PJRT CPU (not trn2 numbers)").
+* what its numbers are (`measured_on`: e.g. "xla (the PyTorch/XLA lane) on PJRT CPU (not trn2 numbers)").
 
 Registry: `host` (CPU torch), `xla` (the PyTorch/XLA lane: PJRT CPU here, the legacy torch-neuronx 2.9 stack on the
 Neuron PJRT device elsewhere), `neuron` (TorchNeuron, the SDK's native backend) and `neuron-standin` (the TorchNeuron

@@ -95,6 +95,8 @@ def with_numerics(ops: types.SimpleNamespace, numerics: Numerics | str = Numeric
         t.entry_in = _identity
         return t
     t.act_quant = act_quant
+    # the host table's one-call MoE FFN quantises no activations: official numerics take the op-by-op experts
+    t.moe_ffn = None
     for name in ("fp8_linear", "fp4_linear"):
         kernel = (aq_kernels or {}).get(name)
         if kernel is not None:
