@@ -116,6 +116,7 @@ def test_greedy_chunked_prefill_in_graphs_matches_eager(mode: str) -> None:
     assert {k[3] for k in eng.runner.regions.compiled if k[0].startswith("chunk")} <= {8, 24}
 
 
+@pytest.mark.slow  # ~30 s alone; the xla lane checks the same bound on real device graphs (tests/test_xla.py)
 def test_chunk_graphs_do_not_grow_with_layers() -> None:
     """Through dynamo: chunk regions of one structure share one graph per (batch, chunk, block) bucket, so a 6-layer
     model compiles what its 2 layer structures need, like a 2-layer one."""

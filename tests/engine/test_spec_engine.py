@@ -72,6 +72,7 @@ def test_tokens_and_logits_are_the_plain_engines(plain, monkeypatch: pytest.Monk
         assert 0 < st.num_accepted_tokens < st.num_draft_tokens
 
 
+@pytest.mark.slow  # ~35 s alone; the default run covers preemption with the fake runner (tests/test_speculative.py)
 def test_golden_with_speculation_under_scheduler_pressure() -> None:
     """The trained MTP block's real drafts, 3 at a time, with chunked prefill and preemption: 12/12 against HF."""
     run = run_golden(golden_config(speculative="mtp", num_speculative_tokens=3, max_num_seqs=3,
