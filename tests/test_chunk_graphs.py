@@ -167,7 +167,7 @@ def test_chunk_sizes_and_fitted_chunks() -> None:
 
 
 def test_chunk_graphs_are_resolved_with_the_backend() -> None:
-    """Auto: chunk graphs in the graph modes of a device backend; the host keeps its eager prefill (and its chunk
+    """Auto: chunk graphs in the graph modes of xla and neuron; the host keeps its eager prefill (and its chunk
     lengths) in every mode; asking for chunk graphs without graphs is an error."""
     from engine.config import EngineConfig
 
@@ -175,6 +175,10 @@ def test_chunk_graphs_are_resolved_with_the_backend() -> None:
     assert EngineConfig.from_model_config(cfg, backend="xla", graph_mode="layer").graph.chunk_graphs is True
     assert EngineConfig.from_model_config(cfg, backend="xla", graph_mode="eager").graph.chunk_graphs is False
     assert EngineConfig.from_model_config(cfg, backend="host", graph_mode="layer").graph.chunk_graphs is False
+    # the stand-in opts in (its compiles cost ~40 s each on a CPU): off by default, on when asked
+    standin = {"backend": "neuron-standin", "graph_mode": "layer"}
+    assert EngineConfig.from_model_config(cfg, **standin).graph.chunk_graphs is False
+    assert EngineConfig.from_model_config(cfg, **standin, chunk_graphs=True).graph.chunk_graphs is True
     with pytest.raises(ValueError, match="chunk_graphs needs graph mode"):
         EngineConfig.from_model_config(cfg, graph_mode="eager", chunk_graphs=True)
 
