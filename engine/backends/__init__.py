@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,3 +177,18 @@ def check_available(name: Any, compile_only: bool = False) -> None:
 def measured_on(name: Any) -> str:
     """`Backend.measured_on()` of the backend registered under `name`."""
     return backend_class(name).measured_on()
+
+
+def counted_compiler(inner: Callable[..., Any], counters: Counters) -> Callable[..., Any]:
+    """Dynamo backend `inner` counting each graph it compiles and the seconds its compile call takes."""
+
+    def counted(gm: Any, example_inputs: list[Any]) -> Any:
+        t0 = time.perf_counter()
+        out = inner(gm, example_inputs)
+        counters.compiles += 1
+        counters.graph_compiles += 1
+        counters.compile_seconds += time.perf_counter() - t0
+        return out
+
+    return counted
+

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.backends.xla_export import fresh_cache, packed_inputs
+from engine.backends.xla_export import edge_graph_inputs, edge_meta, head_params, region_graph_inputs
 
 NCC_CODE = re.compile(r"NCC_[A-Z]+\d+")
 
@@ -66,33 +66,20 @@ def decode_specs(runner: Any) -> list[GraphSpec]:
     rr = runner.regions
     if rr is None:
         raise ValueError("deepinfer compile writes region graphs: use --graph-mode regions or layer")
-    reps = rr.representatives()
-    model, dim, n = runner.model, runner.cfg.dim, runner.cfg.hc_mult
-    shapes = rr.decode_shapes(runner.max_num_seqs)
-    specs = []
-    fns = {structure: _region_fn(reg) for structure, (reg, _) in reps.items()}
-    for bp, nb in shapes:
-        packed = packed_inputs(runner, bp, nb)
-        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
-        for structure, (reg, li) in reps.items():
-            roots = fresh_cache(runner).roots[reg.ratio]
-            name = f"{'_'.join(map(str, structure))}_b{bp}_nb{nb}".replace("True", "hash").replace("False", "nohash")
-            params = reg.params()
-            specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed),
-                                   {"region": reg.kind, "structure": [str(s) for s in structure[1:]],
-                                    "ratio": reg.ratio, "batch_bucket": bp, "block_bucket": nb},
-                                   {"x": x, "packed": packed, "layer_index": li,
-                                    **{f"root.{k}": v for k, v in roots.items()}, **params}))
-    head_params = {k: v for k, v in model.named_parameters() if not k.startswith(("layers.", "mtp.", "embed."))}
-    for bp in sorted({bp for bp, _ in shapes}):
-        packed = packed_inputs(runner, bp, 1)
-        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
+    model = runner.model
+    specs, fns = [], {}
+    for name, structure, reg, li, x, roots, packed, meta in region_graph_inputs(runner):
+        if structure not in fns:
+            fns[structure] = _region_fn(reg)
+        params = reg.params()
+        specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed), meta,
+                               {"x": x, "packed": packed, "layer_index": li,
+                                **{f"root.{k}": v for k, v in roots.items()}, **params}))
+    for bp, packed, x in edge_graph_inputs(runner):
         specs.append(GraphSpec(f"embed_b{bp}", lambda packed: model.streams(packed[:, 2]), (packed,),
-                               {"region": "embed", "structure": [], "ratio": None, "batch_bucket": bp,
-                                "block_bucket": None}, {"packed": packed, "embed.weight": model.embed.weight}))
-        specs.append(GraphSpec(f"head_b{bp}", model.logits, (x,),
-                               {"region": "head", "structure": [], "ratio": None, "batch_bucket": bp,
-                                "block_bucket": None}, {"x": x, **head_params}))
+                               edge_meta("embed", bp), {"packed": packed, "embed.weight": model.embed.weight}))
+        specs.append(GraphSpec(f"head_b{bp}", model.logits, (x,), edge_meta("head", bp),
+                               {"x": x, **head_params(model)}))
     return specs
 
 

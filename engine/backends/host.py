@@ -9,14 +9,13 @@ as plain Python with the same static shapes; the fast tests use it to check the 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.backends import Counters
+from engine.backends import Counters, counted_compiler
 from engine.choices import HostCompiler
 from engine.model.capabilities import HOST
 
@@ -77,18 +76,7 @@ class HostBackend:
 
     def _compiler(self) -> Callable[..., Any]:
         """The torch.compile backend of `self.compiler`, counting each graph it compiles and the seconds it takes."""
-        inner = torch._dynamo.lookup_backend(self.compiler.value)
-        c = self._counters
-
-        def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            t0 = time.perf_counter()
-            out = inner(gm, example_inputs)
-            c.compiles += 1
-            c.graph_compiles += 1
-            c.compile_seconds += time.perf_counter() - t0
-            return out
-
-        return counted
+        return counted_compiler(torch._dynamo.lookup_backend(self.compiler.value), self._counters)
 
     def compile_region(self, region: Any) -> Callable[..., Any]:
         """`none`: the region as plain Python. Otherwise one torch.compile graph over `region` as a template, each

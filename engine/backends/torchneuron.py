@@ -37,14 +37,13 @@ exercise (tests/test_torchneuron.py).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.backends import Counters
+from engine.backends import Counters, counted_compiler
 from engine.model.capabilities import DEVICE
 
 if TYPE_CHECKING:
@@ -175,18 +174,7 @@ class TorchNeuronBackend:
     def _dynamo_backend(self, name: str) -> Callable[..., Any]:
         """TorchNeuron's Dynamo backend, counting each graph it compiles and the seconds its compile call takes
         (neuronx-cc runs there or at the graph's first call: the first call's time is then not in compile_seconds)."""
-        inner = torch._dynamo.lookup_backend("neuron")
-        c = self._counters
-
-        def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            t0 = time.perf_counter()
-            out = inner(gm, example_inputs)
-            c.compiles += 1
-            c.graph_compiles += 1
-            c.compile_seconds += time.perf_counter() - t0
-            return out
-
-        return counted
+        return counted_compiler(torch._dynamo.lookup_backend("neuron"), self._counters)
 
     def _count_execution(self) -> None:
         self._counters.executions += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,8 @@ def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict
         raise ValueError("deepinfer compile traces region graphs: use --graph-mode regions or layer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reps = rr.representatives()
     rows = []
-    model, dim, n = runner.model, runner.cfg.dim, runner.cfg.hc_mult
+    model = runner.model
 
     def emit(name: str, fn: Any, meta: dict[str, Any], inputs: dict[str, torch.Tensor]) -> None:
         with be.grad_context():
@@ -66,25 +66,48 @@ def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict
         rows.append({"graph": name, **meta, "inputs": _inputs(inputs), "hlo_bytes": len(proto),
                      "sha256": hashlib.sha256(proto).hexdigest(), "has_fp8": bool(_F8.search(text))})
 
-    shapes = rr.decode_shapes(runner.max_num_seqs)
-    for bp, nb in shapes:
+    for name, _, reg, li, x, roots, packed, meta in region_graph_inputs(runner):
+        emit(name, lambda reg=reg, li=li, roots=roots, x=x, p=packed: [reg(x, roots, li, p), *roots.values()], meta,
+             {"x": x, "packed": packed, "layer_index": li, **{f"root.{k}": v for k, v in roots.items()},
+              **reg.params()})
+    for bp, packed, x in edge_graph_inputs(runner):
+        emit(f"embed_b{bp}", lambda packed=packed: [model.streams(packed[:, 2])], edge_meta("embed", bp),
+             {"packed": packed, "embed.weight": model.embed.weight})
+        emit(f"head_b{bp}", lambda x=x: [model.logits(x)], edge_meta("head", bp), {"x": x, **head_params(model)})
+    return rows
+
+
+def region_graph_inputs(runner: Any) -> Iterator[tuple[str, tuple, Any, Any, torch.Tensor, dict[str, torch.Tensor],
+                                                          torch.Tensor, dict[str, Any]]]:
+    """Every decode region graph a step can run, with example inputs: (name, structure, region, layer index, x,
+    cache roots (a fresh cache each), packed step inputs, meta) per region structure x decode shape (batch bucket x
+    block bucket). The one enumeration every graph export walks."""
+    rr = runner.regions
+    reps = rr.representatives()
+    dim, n = runner.cfg.dim, runner.cfg.hc_mult
+    for bp, nb in rr.decode_shapes(runner.max_num_seqs):
         packed = packed_inputs(runner, bp, nb)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         for structure, (reg, li) in reps.items():
             roots = fresh_cache(runner).roots[reg.ratio]
             name = f"{'_'.join(map(str, structure))}_b{bp}_nb{nb}".replace("True", "hash").replace("False", "nohash")
-            emit(name, lambda reg=reg, li=li, roots=roots, x=x, p=packed: [reg(x, roots, li, p), *roots.values()],
-                 {"region": reg.kind, "structure": [str(s) for s in structure[1:]], "ratio": reg.ratio,
-                  "batch_bucket": bp, "block_bucket": nb},
-                 {"x": x, "packed": packed, "layer_index": li, **{f"root.{k}": v for k, v in roots.items()},
-                  **reg.params()})
-    for bp in sorted({bp for bp, _ in shapes}):
-        packed = packed_inputs(runner, bp, 1)
-        x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
-        emit(f"embed_b{bp}", lambda packed=packed: [model.streams(packed[:, 2])],
-             {"region": "embed", "structure": [], "ratio": None, "batch_bucket": bp, "block_bucket": None},
-             {"packed": packed, "embed.weight": model.embed.weight})
-        emit(f"head_b{bp}", lambda x=x: [model.logits(x)],
-             {"region": "head", "structure": [], "ratio": None, "batch_bucket": bp, "block_bucket": None},
-             {"x": x, **{k: v for k, v in model.named_parameters() if not k.startswith(("layers.", "mtp.", "embed."))}})
-    return rows
+            yield name, structure, reg, li, x, roots, packed, {
+                "region": reg.kind, "structure": [str(s) for s in structure[1:]], "ratio": reg.ratio,
+                "batch_bucket": bp, "block_bucket": nb}
+
+
+def edge_graph_inputs(runner: Any) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(batch bucket, packed step inputs, streams x) for the embed and head graphs, one per batch bucket."""
+    dim, n = runner.cfg.dim, runner.cfg.hc_mult
+    for bp in sorted({bp for bp, _ in runner.regions.decode_shapes(runner.max_num_seqs)}):
+        yield bp, packed_inputs(runner, bp, 1), torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
+
+
+def edge_meta(region: str, bp: int) -> dict[str, Any]:
+    return {"region": region, "structure": [], "ratio": None, "batch_bucket": bp, "block_bucket": None}
+
+
+def head_params(model: Any) -> dict[str, torch.Tensor]:
+    """The parameters the head graph reads (all but the layers', the draft layers' and the embedding)."""
+    return {k: v for k, v in model.named_parameters() if not k.startswith(("layers.", "mtp.", "embed."))}
+
