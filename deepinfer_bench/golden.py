@@ -194,9 +194,14 @@ KERNEL_COLUMNS = ["family", "dispatch_key", "executor", "calls"]
 
 
 def kernel_dispatches(dispatcher: Any) -> list[dict[str, Any]]:
-    """The kernel dispatches a runner's dispatcher counted (nki_kernels/dispatch.py), one row per (key, executor)."""
+    """The kernel dispatches a runner's dispatcher counted (nki_kernels/dispatch.py), one row per (key, executor),
+    plus the fallbacks to the reference traced into compiled graphs (executor "reference (in graph)")."""
+    from nki_kernels.dispatch import IN_GRAPH_FALLBACKS
+
     return [{"family": key.split(".")[0], "dispatch_key": key, "executor": ex, "calls": n}
-            for (key, ex), n in sorted(dispatcher.counts_of().items())]
+            for (key, ex), n in sorted(dispatcher.counts_of().items())] + \
+        [{"family": name, "dispatch_key": f"{name}.fallback:{why}", "executor": "reference (in graph)", "calls": n}
+         for (name, why), n in sorted(IN_GRAPH_FALLBACKS.items())]
 
 
 def forced_with_logits(engine: Any, prompts: list[list[int]], forced: list[list[int]],

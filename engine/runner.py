@@ -66,6 +66,13 @@ class ModelRunner:
             layer.ffn.capacity = graph.moe_capacity
             layer.ffn.static_moe = str(graph.moe)
             layer.ffn.stack_experts()  # views: no extra memory; lets decode regions gather experts by index
+        kops = getattr(model.ops, "kernel_ops", None)  # a kernel table: its weight layouts made now, not in a graph
+        self.kernel_layouts: dict[str, int] = {}
+        if kops is not None:
+            from engine.model.kernel_weights import prepare
+
+            with self.backend.grad_context():
+                self.kernel_layouts = dict(prepare(model, kops, self.dtype))
         self.timer = RegionTimer(enabled=graph.region_timing, synchronize=self.backend.synchronize)
         self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,

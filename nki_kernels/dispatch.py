@@ -165,7 +165,20 @@ def dispatch(name: str, kernel: _nki.Kernel, args: tuple, executor: str | None,
     return current().dispatch(name, kernel, args, executor, reference)
 
 
+# fallbacks traced into a compiled graph, per (name, reason): counted per execution of the graph (Dynamo replays a
+# global counter's update after each run), here because the active dispatcher (a context variable) is not readable
+# inside a trace
+IN_GRAPH_FALLBACKS: Counter[tuple[str, str]] = Counter()
+
+
 def fallback(name: str, reason: str, reference: Callable[[], Any]) -> Any:
+    """`current().fallback(...)`; inside a traced graph the reference is traced into the graph and the fallback is
+    counted in `IN_GRAPH_FALLBACKS` (never silently)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        IN_GRAPH_FALLBACKS[(name, reason)] += 1
+        return reference()
     return current().fallback(name, reason, reference)
 
 

@@ -48,22 +48,25 @@ Explicit fallbacks to the reference (`dispatch.fallback`: counted as "<family>.f
 Torch first. Every op prepares its kernel operands as torch tensors: activations stay on their device and every
 adapter above (widening, reshapes, transposes, padding, concatenation, the compress_pool interleave, the ones
 vector of `weight=None`, index_score's visible-key counts) is a torch op on that device. Weight layout conversions
-(transposes, dtype casts, fp32 scales, `blockquant.to_trn2_fp8`) are made once per weight tensor and cached as
-torch tensors on the weight's device (`WeightCache`: keyed on the tensor object, invalidated when its version
-counter, data pointer, shape or dtype changes; a weight already in the kernel's layout is cached without a copy;
-`to_trn2_fp8` and the UE8M0 scale decode run on the host once per weight, and the result is moved to the device
-once). `_run` makes non-contiguous operands contiguous with torch, on their device.
+(transposes, dtype casts, fp32 scales, `blockquant.to_trn2_fp8`, expert stacks: nki_kernels/weight_layouts.py) are
+made once per weight tensor: at load for the engine (`KernelOps.prepare`, engine/model/kernel_weights.py), else on
+first use, cached (`WeightCache`: keyed on the tensor object, invalidated when its version counter, data pointer,
+shape or dtype changes) and kept on the weight tensor, where a traced graph reads them as graph inputs; a traced
+call never converts a weight (a missing layout raises). A weight already in the kernel's layout (an fp32 norm
+weight) is used as is. `_run` makes non-contiguous operands contiguous with torch, on their device.
 
-The torch <-> NumPy boundary is in one place, `KernelOps._run`:
-    * "stand-in" / "simulator": every tensor operand becomes a bit-exact, read-only NumPy array (`_convert.to_np`
-      with copy=False: no copy of a contiguous CPU tensor, so a cached weight is not copied per call, and a kernel
-      can never write into a weight or an activation); the NumPy result comes back as torch (`_convert.from_np`) on
-      the device of the kernel's first operand (the activation);
-    * "neuron": the torch tensors go unchanged to the real `nki.jit` callable (`Kernel.run`). Called with torch
-      tensors, `nki.jit` takes its PyTorch integration (torch-neuronx / torch-xla): the kernel is a custom call on
-      the device tensors, with no host copy (NumPy arguments would select a standalone run, every operand copied
-      off the device and back). Its torch result is used as is; operands on more than one device are refused,
-      never moved.
+Every kernel launch goes through the kernel's torch op, `torch.ops.deepinfer.<kernel>` (nki_kernels/torch_ops.py),
+so that the same call is one node of a compiled graph (`fullgraph=True`) and an eager call alike:
+    * "stand-in" / "simulator" (CPU tensors): the op's CPU implementation is the torch <-> NumPy boundary: every
+      tensor operand becomes a bit-exact, read-only NumPy array (`_convert.to_np` with copy=False: no copy of a
+      contiguous CPU tensor, so a cached weight is not copied per call, and a kernel can never write into a weight
+      or an activation), the kernel runs through `dispatch` (counted per execution, inside a graph too), the
+      NumPy result comes back as torch;
+    * "neuron" on a TorchNeuron device: the op launches `wrap_nki(kernel)[lnc]` (a custom call inside the NEFF);
+    * "neuron" on another device (torch-xla's lazy tensors, the PyTorch/XLA lane): the torch tensors go unchanged
+      to the real `nki.jit` callable (`Kernel.run`), whose PyTorch integration makes the kernel a custom call on
+      the device tensors, with no host copy. Its torch result is used as is; operands on more than one device are
+      refused, never moved.
 The per-kernel wrappers of the kernel modules (`deepinfer kernels`, the trn2 check) keep passing NumPy arrays: a
 standalone run, which is what those compare.
 
@@ -78,23 +81,21 @@ how non-tensor arguments (ints, floats, bools: compile-time values) are speciali
 test_kernel_ops_neuron_route.py` proves the calling convention with a fake real `nki` on the host (and on `xla:0`
 in the xla lane).
 
-This module imports torch and the kernel modules (so the stand-in / `nki` resolution; NumPy only through
-`_convert`, at the boundary); `nki_kernels` never imports `engine`.
+This module imports torch and the kernel modules (so the stand-in / `nki` resolution; no NumPy: the boundary is the
+torch ops'); `nki_kernels` never imports `engine`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from nki_kernels import _convert, dispatch, quant, reference
 from nki_kernels import blockquant as _bq
 from nki_kernels import compress_pool as _pool
+from nki_kernels import dispatch, quant, reference, torch_ops
 from nki_kernels import hc_attn_out as _hao
 from nki_kernels import hc_collapse as _hcc
 from nki_kernels import hc_expand as _hce
@@ -103,6 +104,7 @@ from nki_kernels import index_score as _idx
 from nki_kernels import rmsnorm as _rms
 from nki_kernels import sparse_attn as _sa
 from nki_kernels import swiglu as _swi
+from nki_kernels import weight_layouts as _wl
 
 KERNEL_OPS = ("rms_norm", "swiglu", "linear", "fp8_linear", "fp4_linear", "grouped_out_proj", "hc_mixes",
               "hc_collapse", "hc_expand", "hc_attn_out", "compress_pool", "index_score", "sparse_attn",
@@ -122,58 +124,6 @@ def make_ops(executor: str = "stand-in") -> dict[str, Callable[..., Any]]:
     return KernelOps(executor).table()
 
 
-# ---- weight cache ------------------------------------------------------------------------------------------------
-def _sig(t: torch.Tensor) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors have no version counter
-        version = -1
-    return (id(t), version, t.data_ptr(), tuple(t.shape), t.dtype, str(t.device))
-
-
-class WeightCache:
-    """Layout conversions of weights, made once per (weight tensor, tag): `get(tag, weight, make, *deps)` returns
-    the cached value while `weight` (and `deps`, e.g. the scale of an FP8 weight) are unchanged, else calls
-    `make()` again. Entries die with their weight tensor. `conversions` counts the `make()` calls per tag."""
-
-    def __init__(self) -> None:
-        self._store: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.conversions: Counter[str] = Counter()
-
-    def get(self, tag: str, weight: torch.Tensor, make: Callable[[], Any], *deps: torch.Tensor) -> Any:
-        sig = tuple(_sig(t) for t in (weight, *deps))
-        slot = self._store.get(weight)
-        if slot is None:
-            slot = {}
-            self._store[weight] = slot
-        hit = slot.get(tag)
-        if hit is not None and hit[0] == sig:
-            return hit[1]
-        value = make()
-        slot[tag] = (sig, value)
-        self.conversions[tag] += 1
-        return value
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._store.values())
-
-
-# ---- the torch <-> NumPy boundary ------------------------------------------------------------------------------
-def _to_host(a: Any) -> Any:
-    return _convert.to_np(a, copy=False) if isinstance(a, torch.Tensor) else a
-
-
-def _from_host(out: Any, device: torch.device) -> Any:
-    if isinstance(out, tuple):
-        return tuple(_from_host(o, device) for o in out)
-    return _convert.from_np(out).to(device)
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    """A weight as a contiguous fp32 tensor on its device (no copy when it is one already)."""
-    return t.detach().float().contiguous()
-
-
 # ---- the ops ---------------------------------------------------------------------------------------------------
 class KernelOps:
     """The kernel-backed ops on one executor, with one weight cache. `table()` is the engine's op table."""
@@ -184,25 +134,34 @@ class KernelOps:
             raise ValueError("KernelOps runs kernels; use make_ops('reference') for the reference table")
         dispatch.resolve_executor(executor)  # fail early when the executor is unavailable here
         self.executor = executor
-        self.cache = WeightCache()
+        self.cache = _wl.WeightCache()
         self._ones: dict[tuple[int, str], torch.Tensor] = {}
+        torch_ops.registered()
+        # kernel function name -> its torch op (resolved now: a traced call only looks it up)
+        self._ops = {kname: getattr(getattr(torch.ops, torch_ops.NAMESPACE), op)
+                     for op, (_, kname) in torch_ops.KERNELS.items()}
 
     def table(self) -> dict[str, Callable[..., Any]]:
         return {name: getattr(self, name) for name in KERNEL_OPS}
 
     def _run(self, name: str, kernel, args: tuple):
-        """Dispatch kernel `name` on torch operands (plus compile-time scalars); returns torch. The one torch <->
-        NumPy boundary of the kernel ops (module docstring): NumPy only for the host executors."""
+        """Launch kernel `name` on torch operands (plus compile-time scalars); returns torch. Through its torch op
+        `torch.ops.deepinfer.<op>` (nki_kernels/torch_ops.py: one graph node when traced; on CPU tensors the op runs
+        the kernel on the host executor, counted; on a TorchNeuron device `wrap_nki(kernel)[lnc]`), except executor
+        "neuron" on a device of another stack (torch-xla): there the real `nki.jit` is called with the torch tensors
+        (its own PyTorch integration, a custom call in the lazy XLA graph)."""
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         device = tensors[0].device  # the activation (every kernel's first operand)
-        ex = dispatch.resolve(self.executor)
-        if ex != "neuron":  # stand-in / simulator: NumPy in, NumPy out
-            return _from_host(dispatch.dispatch(name, kernel, tuple(_to_host(a) for a in args), ex)[1], device)
+        ex = self.executor if self.executor != "auto" else dispatch.resolve(self.executor)
+        if ex != "neuron":  # stand-in / simulator: the op's host implementation (NumPy in, NumPy out)
+            return self._ops[kernel.__name__](name, ex, *args)
         others = {str(t.device) for t in tensors} - {str(device)}
         if others:
             raise ValueError(f"{name}: kernel operands on {str(device)} and {sorted(others)}; the weights must be on "
                              "the activations' device (nothing is copied between devices here)")
+        if device.type == "neuron":  # TorchNeuron: the op launches wrap_nki(kernel)[lnc] (inside a graph too)
+            return self._ops[kernel.__name__](name, ex, *args)
         out = dispatch.dispatch(name, kernel, args, ex)[1]  # the PyTorch integration of the real nki.jit
         for o in out if isinstance(out, tuple) else (out,):
             if not isinstance(o, torch.Tensor):
@@ -210,7 +169,41 @@ class KernelOps:
                                 "torch.Tensor")
         return out
 
+    def _layout(self, kind: str, weight: torch.Tensor, *deps: torch.Tensor, dt: torch.dtype | None = None,
+                groups: int | None = None) -> Any:
+        """`weight` (with `deps`) converted to kernel layout `kind` (nki_kernels/weight_layouts.py). Eager: from the
+        weight cache (converted on first use or when the weight changed) and kept on the weight for traced calls.
+        Traced: the layout kept on the weight at load - a graph input, never a conversion inside the graph; a
+        missing one raises. A weight already in the layout (an fp32 contiguous one for "fp32") is used as is."""
+        if kind == "fp32" and weight.dtype == torch.float32 and weight.is_contiguous():
+            return weight
+        name = _wl.tag(kind, dt, groups)
+        if torch.compiler.is_compiling():
+            found = _wl.attached(weight, name)
+            if found is None and kind in ("T", "stackT") and dt is not None:  # in the weight's dtype: a cast here
+                other = _wl.attached(weight, _wl.tag(kind, weight.dtype))
+                if other is not None:
+                    return other.to(dt)
+            if found is None:
+                raise RuntimeError(f"kernel weight layout {name!r} of a {tuple(weight.shape)} {weight.dtype} weight "
+                                   "was not prepared at load (KernelOps.prepare_*: engine/model/kernel_weights.py); "
+                                   "a traced graph does not convert weights")
+            return found
+        value = self.cache.get(name, weight, lambda: _wl.make(kind, weight, *deps, dt=dt, groups=groups), *deps)
+        _wl.attach(weight, name, value)
+        return value
+
+    def prepare(self, kind: str, weight: torch.Tensor, *deps: torch.Tensor, dt: torch.dtype | None = None,
+                groups: int | None = None) -> Any:
+        """Convert `weight` to kernel layout `kind` now (at load, before any graph is traced) and keep it on the
+        weight: what engine/model/kernel_weights.py calls for every weight a kernel of this table reads."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("KernelOps.prepare runs at load, not inside a traced graph")
+        return self._layout(kind, weight, *deps, dt=dt, groups=groups)
+
     def _ones_for(self, d: int, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a constant of the graph (not a weight)
+            return torch.ones(d, dtype=torch.float32, device=device)
         key = (d, str(device))
         if key not in self._ones:
             self._ones[key] = torch.ones(d, dtype=torch.float32, device=device)
@@ -228,7 +221,7 @@ class KernelOps:
         if weight is None:
             w = self._ones_for(d, x.device)
         else:
-            w = self.cache.get("fp32", weight, lambda: _fp32(weight))
+            w = self._layout("fp32", weight)
         xk = x if x.dtype in _NATIVE else x.float()  # the reference widens too; one rounding back below
         out = self._run(_rms.NAME, _rms.rmsnorm_kernel, (xk.reshape(-1, d), w, float(eps)))
         return out.reshape(x.shape).to(x.dtype)
@@ -253,7 +246,7 @@ class KernelOps:
         if x.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.dense", "dtype", lambda: reference.linear(x, weight))
         dt = x.dtype
-        wT = self.cache.get(f"T.{dt}", weight, lambda: weight.detach().to(dt).t().contiguous())
+        wT = self._layout("T", weight, dt=dt)
         k, n = weight.shape[1], weight.shape[0]
         out = self._run("blockquant.dense", _bq.grouped_out_proj_kernel, (x.reshape(-1, k), wT, 1))
         return out.reshape(*x.shape[:-1], n)
@@ -268,12 +261,7 @@ class KernelOps:
             return dispatch.fallback("blockquant.fp8", "empty", ref)
         if x.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.fp8", "dtype", ref)
-
-        def convert():  # on the host once per weight (NumPy e4m3 re-blocking), then to the weight's device once
-            codes, sT = _bq.to_trn2_fp8(w_u8.detach().cpu().view(torch.float8_e4m3fn), scale_u8.detach().cpu())
-            return torch.from_numpy(codes).to(w_u8.device), torch.from_numpy(sT).to(w_u8.device)
-
-        codes, sT = self.cache.get("trn2_fp8", w_u8, convert, scale_u8)
+        codes, sT = self._layout("trn2_fp8", w_u8, scale_u8)
         out = self._run("blockquant.fp8", _bq.fp8_gemm_kernel, (x.reshape(-1, k), codes, sT))
         return out.reshape(*x.shape[:-1], n)
 
@@ -287,14 +275,7 @@ class KernelOps:
             return dispatch.fallback("blockquant.fp4", "empty", ref)
         if x.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.fp4", "dtype", ref)
-
-        def convert():  # the packed bytes as they are; the UE8M0 scales decoded on the host once, then moved once
-            from nki_kernels import formats
-
-            s32 = formats.ue8m0_to_float(scale_u8.detach().cpu()).contiguous()
-            return packed_u8.detach().contiguous(), s32.to(packed_u8.device)
-
-        packed, s32 = self.cache.get("fp4", packed_u8, convert, scale_u8)
+        packed, s32 = self._layout("fp4", packed_u8, scale_u8)
         out = self._run("blockquant.fp4", _bq.fp4_gemm_kernel, (x.reshape(-1, k), packed, s32))
         return out.reshape(*x.shape[:-1], n)
 
@@ -309,6 +290,29 @@ class KernelOps:
         """`fp8_linear_aq` for an FP4 expert weight."""
         return self.fp4_linear(quant.fp8_dequant(a_codes, a_scale, quant.ACT_BLOCK, out_dtype), packed_u8, scale_u8)
 
+    def stack_linear(self, x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: int | torch.Tensor,
+                     fmt: str | None) -> torch.Tensor:
+        """x @ stack[i]^T for local expert i of an expert stack [E, N, ...] (an int, or a 1-element index tensor
+        gathered on the device), `fmt` None | "fp8" | "fp4" (`scales`: the stack of scale bytes): the GEMM kernel of
+        `linear` / `fp8_linear` / `fp4_linear` on expert i's slice of the stack's layout, converted once for the
+        whole stack (never per expert per call). The activation comes quantised already where the numerics say so
+        (engine/model/ops.py `with_composites`)."""
+        pick = (lambda t: t[i]) if isinstance(i, int) else (lambda t: t.index_select(0, i)[0])  # noqa: E731
+        key = {None: "blockquant.dense", "fp8": "blockquant.fp8", "fp4": "blockquant.fp4"}[fmt]
+        if x.numel() == 0 or x.dtype not in _NATIVE:
+            ref = {None: lambda: reference.linear(x, pick(stack)),
+                   "fp8": lambda: reference.fp8_linear(x, pick(stack), pick(scales)),
+                   "fp4": lambda: reference.fp4_linear(x, pick(stack), pick(scales))}[fmt]
+            return dispatch.fallback(key, "empty" if x.numel() == 0 else "dtype", ref)
+        k, n = x.shape[-1], stack.shape[1]
+        if fmt is None:
+            args = (x.reshape(-1, k), pick(self._layout("stackT", stack, dt=x.dtype)), 1)
+            out = self._run(key, _bq.grouped_out_proj_kernel, args)
+        else:
+            a, b = (pick(t) for t in self._layout(f"stack_{fmt}", stack, scales))
+            out = self._run(key, _bq.fp8_gemm_kernel if fmt == "fp8" else _bq.fp4_gemm_kernel, (x.reshape(-1, k), a, b))
+        return out.reshape(*x.shape[:-1], n)
+
     def grouped_out_proj(self, o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
         t, hd = o.shape
         if hd % groups or wo_a.shape[1] != hd // groups or wo_a.shape[0] % groups:
@@ -319,12 +323,7 @@ class KernelOps:
             return dispatch.fallback("blockquant.wo_a", "empty", ref)
         if o.dtype not in _NATIVE:
             return dispatch.fallback("blockquant.wo_a", "dtype", ref)
-        dt, kg, r = o.dtype, hd // groups, wo_a.shape[0] // groups
-
-        def convert():
-            return wo_a.detach().to(dt).view(groups, r, kg).transpose(1, 2).reshape(groups * kg, r).contiguous()
-
-        woaT = self.cache.get(f"woaT.{dt}.{groups}", wo_a, convert)
+        woaT = self._layout("woaT", wo_a, dt=o.dtype, groups=int(groups))
         return self._run("blockquant.wo_a", _bq.grouped_out_proj_kernel, (o, woaT, int(groups)))
 
     # -- mHC -----------------------------------------------------------------------------------------------------
@@ -339,9 +338,7 @@ class KernelOps:
                          (iters < 1, "iters < 1")):
             if bad:
                 return dispatch.fallback(_hcm.NAME, why, ref)
-        fnT = self.cache.get("fnT", fn, lambda: fn.detach().float().t().contiguous())
-        sc = self.cache.get("fp32", scale, lambda: _fp32(scale))
-        bs = self.cache.get("fp32", base, lambda: _fp32(base))
+        fnT, sc, bs = self._layout("fnT", fn), self._layout("fp32", scale), self._layout("fp32", base)
         xk = x if x.dtype in _NATIVE else x.float()
         args = (xk.reshape(x.shape[0], -1), fnT, sc, bs, int(n), int(iters), float(hc_eps), float(norm_eps))
         return tuple(self._run(_hcm.NAME, _hcm.hc_mixes_kernel, args))
@@ -389,7 +386,7 @@ class KernelOps:
             if bad:
                 return dispatch.fallback(_hao.NAME, why, ref)
         dt = o.dtype
-        wT = self.cache.get(f"T.{dt}", wo_b, lambda: wo_b.detach().to(dt).t().contiguous())
+        wT = self._layout("T", wo_b, dt=dt)
         rk = residual if residual.dtype in _NATIVE else residual.float()  # loaded into fp32 tiles either way
         return self._run(_hao.NAME, _hao.hc_attn_out_kernel, (o, wT, rk, post.float(), comb.float()))
 
@@ -472,7 +469,7 @@ class KernelOps:
             qk, kvk = q, kv
         else:  # the reference computes in fp32 from both
             qk, kvk = q.float(), kv.float()
-        sink_t = self.cache.get("sink", sink, lambda: sink.detach().float().reshape(h, 1).contiguous())
+        sink_t = self._layout("sink", sink)
         bias = torch.where(valid, 0.0, _sa.MASKED).float()
         out = []
         for bi in range(b):

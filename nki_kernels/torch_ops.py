@@ -19,8 +19,9 @@ Registration: on a TorchNeuron process (torch_neuronx with `nki_op` / `wrap_nki`
 `torch_neuronx.nki_op(qualname, mutates_args={})` - TorchNeuron's way of making a kernel wrapper a custom op its
 compiler lowers - with the fake added unless nki_op made one; anywhere else through `torch.library.custom_op` +
 `register_fake`. Either way the schema comes from the typed functions below. Written, not run: the TorchNeuron
-registration and the device launch (no Neuron SDK here). Not yet wired: the model's kernel wrappers
-(kernel_ops.py) still dispatch directly, not through these ops; the NKI pin is still 0.6 (engine/stack.py).
+registration and the device launch (no Neuron SDK here). The model's kernel table (kernel_ops.py `KernelOps._run`)
+launches every kernel through these ops; the TorchNeuron CPU stand-in cuts a graph at them and runs each op between
+its compiled pieces (engine/backends/standin_split.py).
 
 This module imports torch and the kernel modules; never `engine`, and torch_neuronx only when it is loaded already
 (TorchNeuron autoloads with torch on a Neuron host).

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.ops import OpsUser
+from nki_kernels import weight_layouts
 from nki_kernels.reference import rope_cos_sin, rope_inv_freq
 
 # The one list of fp32 tensors. Stored as F32 in the released checkpoint (so always loaded as fp32): the mHC
@@ -73,11 +74,19 @@ class Linear(OpsUser, nn.Module):
         that take dense weights only (the fused attention tail)."""
         if self.fmt is None:
             return self.weight
+        name = f"dense.{dtype}"
+        if torch.compiler.is_compiling():  # traced: the one made at load (engine/model/kernel_weights.py)
+            found = weight_layouts.attached(self.weight, name)
+            if found is None:
+                raise RuntimeError(f"Linear.dense({dtype}) of a stored {self.fmt} weight was not made at load: a "
+                                   "traced graph does not dequantise weights")
+            return found
         key = (self.weight.data_ptr(), self.weight._version, dtype)
         if self._dense is None or self._dense[0] != key:
             from engine.model.ops import dequant
 
             self._dense = (key, dequant(self.weight, self.scale, self.fmt, dtype))
+            weight_layouts.attach(self.weight, name, self._dense[1])
         return self._dense[1]
 
     @property

@@ -108,7 +108,7 @@ class MoE(OpsUser, nn.Module):
         (static), a 1-element index tensor gathers that expert's weight (a device index: no host sync)."""
         fmt = getattr(self.experts[self.local.start], w).fmt
         stack, scales = getattr(self, f"stack_{w}"), getattr(self, f"stack_{w}_scale", None)
-        if not isinstance(i, int):
+        if not isinstance(i, int) or getattr(self.ops, "kernel_ops", None) is not None:  # kernel tables: int i too
             return self.ops.stack_linear(x, stack, scales, i, fmt)
         if fmt is None:
             return self.ops.linear(x, stack[i])

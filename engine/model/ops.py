@@ -40,16 +40,22 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
     * `attn_out_expand(o, wo_b, residual, post, comb)`: the attention tail hc_expand(wo_b(o), ...), or the fused
       `hc_attn_out` kernel with `fused_attn_tail`;
     * `stack_linear(x, stack, scales, i, fmt)`: x @ stack[i]^T for a 1-element index tensor i (the MoE gather path:
-      a device index, no host sync) through the table's own GEMMs; fmt None | "fp8" | "fp4" (scales: the matching
-      stack of scale bytes, or None)."""
+      a device index, no host sync) or an int i, through the table's own GEMMs; fmt None | "fp8" | "fp4" (scales:
+      the matching stack of scale bytes, or None). A kernel table (`ops.kernel_ops`) runs its GEMM kernels on the
+      stack's kernel layout, converted once at load (nki_kernels/kernel_ops.py `KernelOps.stack_linear`), after
+      the numerics' activation quantisation."""
+    kops = getattr(ops, "kernel_ops", None)
 
-    def stack_linear(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
+    def stack_linear(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: int | torch.Tensor,
                      fmt: str | None) -> torch.Tensor:
-        weight = stack.index_select(0, i)[0]
+        if kops is not None:
+            return kops.stack_linear(ops.act_quant(x) if fmt else x, stack, scales, i, fmt)
+        pick = (lambda t: t[i]) if isinstance(i, int) else (lambda t: t.index_select(0, i)[0])  # noqa: E731
+        weight = pick(stack)
         if fmt is None:
             return ops.linear(x, weight)
         fn = ops.fp8_linear if fmt == "fp8" else ops.fp4_linear
-        return fn(x, weight, scales.index_select(0, i)[0])
+        return fn(x, weight, pick(scales))
 
     if fused_attn_tail:  # the fused kernel takes wo_b dense: a stored wo_b's activation quantisation comes first
         ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_attn_out(
@@ -62,9 +68,10 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
 
 def _table(executor: str, numerics: str = "hf", kv_cache_dtype: str = "auto") -> types.SimpleNamespace:
     ops = make_ops(executor)
-    aq = getattr(ops.get("fp8_linear"), "__self__", None)  # KernelOps: its GEMMs take FP8 activations themselves
-    aq = {n: getattr(aq, f"{n}_aq") for n in ("fp8_linear", "fp4_linear")} if aq is not None else None
-    table = with_numerics(types.SimpleNamespace(**ops, kernels=executor), numerics, kv_cache_dtype, aq)
+    aq_ops = getattr(ops.get("fp8_linear"), "__self__", None)  # KernelOps: its GEMMs take FP8 activations themselves
+    aq = {n: getattr(aq_ops, f"{n}_aq") for n in ("fp8_linear", "fp4_linear")} if aq_ops is not None else None
+    table = with_numerics(types.SimpleNamespace(**ops, kernels=executor, kernel_ops=aq_ops), numerics, kv_cache_dtype,
+                          aq)
     return with_composites(table, fused_attn_tail=executor != "reference")
 
 

@@ -292,7 +292,11 @@ def test_weight_layouts_are_converted_once():
     conv = ops.cache.conversions
     assert conv["trn2_fp8"] == 1 and conv["fp4"] == 1 and conv["T.torch.float32"] == 1
     assert conv["fnT"] == 1 and conv["woaT.torch.float32.2"] == 1
-    assert conv["fp32"] == 3  # rms weight, hc scale, hc base
+    assert conv["fp32"] == 0  # rms weight, hc scale, hc base are fp32 and contiguous already: used as they are
+    bf = norm.bfloat16()
+    ops.rms_norm(x, bf, EPS)
+    ops.rms_norm(x, bf, EPS)
+    assert ops.cache.conversions["fp32"] == 1  # a bf16 norm weight: widened once
     ops.linear(x.bfloat16(), w)  # another activation dtype is another layout
     assert ops.cache.conversions["T.torch.bfloat16"] == 1
 
