@@ -57,6 +57,8 @@ class Counters:
     fallbacks: int = 0  # ops or graphs that ran elsewhere than asked (CPU fallbacks, graphs left eager)
     compile_seconds: float = 0.0
     fallback_ops: dict[str, int] = field(default_factory=dict)
+    graph_pieces: int = 0  # pure pieces of graphs cut at kernel custom ops (the CPU stand-in: standin_split.py)
+    custom_op_calls: dict[str, int] = field(default_factory=dict)  # kernel custom ops run inside graphs, per op
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,7 +66,7 @@ class Counters:
     def minus(self, earlier: Counters) -> dict[str, float]:
         """The numeric counters since `earlier` (a snapshot of the same backend)."""
         return {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("device", "fallback_ops")}
+                if f.name not in ("device", "fallback_ops", "custom_op_calls")}
 
 
 class Backend(Protocol):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,8 @@ class GraphRecord:
     mutated_inputs: int = 0
     mlir: str | None = None
     fallback: str | None = None  # the lowering error when the graph fell back to eager
+    pieces: int = 0  # a graph with kernel custom ops: its pure pieces (engine/backends/standin_split.py)
+    custom_ops: int = 0  # ... and the custom-op calls between them
 
     @property
     def compile_s(self) -> float:
@@ -71,19 +74,24 @@ class StandinStats:
     executions: int = 0
     compile_s: float = 0.0
     fallbacks: int = 0
+    graphs_split: int = 0  # graphs with kernel custom ops, run as pieces + ops (engine/backends/standin_split.py)
+    pieces_compiled: int = 0  # pure pieces of those through XLA (or lowered only, compile_xla=False)
+    custom_op_calls: Counter[str] = field(default_factory=Counter)  # kernel ops run between pieces, per op
     graphs: list[GraphRecord] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The counters for results metadata (meta.json)."""
         return {"graphs_compiled": self.graphs_compiled, "graphs_lowered": self.graphs_lowered,
-                "executions": self.executions,
+                "executions": self.executions, "graphs_split": self.graphs_split,
+                "pieces_compiled": self.pieces_compiled, "custom_op_calls": dict(sorted(self.custom_op_calls.items())),
                 "compile_s": round(self.compile_s, 3), "fallbacks": self.fallbacks, "label": LABEL}
 
     def manifest(self) -> list[dict[str, Any]]:
         """One row per graph (compiled or fallen back): what `deepinfer compile` writes next to the .mlir files."""
         return [{"name": r.name, "mlir": r.mlir, "inputs": [[list(sh), dt] for sh, dt in r.inputs], "ops": r.ops,
                  "mutated_inputs": r.mutated_inputs, "lower_s": round(r.lower_s, 3), "mlir_s": round(r.mlir_s, 3),
-                 "xla_s": round(r.xla_s, 3), "fallback": r.fallback} for r in self.graphs]
+                 "xla_s": round(r.xla_s, 3), "pieces": r.pieces, "custom_ops": r.custom_ops, "fallback": r.fallback}
+                for r in self.graphs]
 
 
 def _imports() -> tuple[Any, Any]:
@@ -235,10 +243,10 @@ class _Executable:
     aliased outputs copied into the mutated inputs."""
 
     def __init__(self, exe: Any, n_out: int, mutated: list[int], consts: list[torch.Tensor],
-                 stats: StandinStats) -> None:
+                 stats: StandinStats, count: bool = True) -> None:
         import jax
 
-        self._exe, self._n_out, self._mutated, self._stats = exe, n_out, mutated, stats
+        self._exe, self._n_out, self._mutated, self._stats, self._count = exe, n_out, mutated, stats, count
         self._consts = consts
         self._from_dlpack = jax.dlpack.from_dlpack
 
@@ -254,7 +262,8 @@ class _Executable:
         outs = [torch.from_dlpack(a[0]) for a in res.disassemble_into_single_device_arrays()]
         for i, new in zip(self._mutated, outs[self._n_out:], strict=True):
             tensors[i].copy_(new)
-        self._stats.executions += 1
+        if self._count:  # a piece of a split graph: the split graph counts its execution once
+            self._stats.executions += 1
         return outs[: self._n_out]
 
 
@@ -315,7 +324,22 @@ class StandinPipeline:
         self._names[name] = k + 1
         return name if k == 0 else f"{name}.{k}"
 
-    def _compile(self, fw: torch.fx.GraphModule, fw_inputs: list[Any], record: GraphRecord) -> Callable:
+    def _compile(self, fw: torch.fx.GraphModule, fw_inputs: list[Any], record: GraphRecord,
+                 piece: bool = False) -> Callable:
+        """One graph through the checks, torch-mlir and XLA; a graph with kernel custom ops is split at them and
+        each pure piece comes back here (`piece=True`: counted as a piece, not as a graph)."""
+        from engine.backends.standin_split import compile_split, custom_op_nodes
+
+        if not piece and custom_op_nodes(fw):
+            run = compile_split(self, fw, record)
+            if self.compile_xla:
+                self.stats.graphs_compiled += 1
+            else:
+                self.stats.graphs_lowered += 1
+            self.stats.graphs.append(record)
+            return run
+        record.inputs = record.inputs or _static_shapes(record.name, [n.meta.get("val") for n in fw.graph.nodes
+                                                                      if n.op == "placeholder"])
         _static_shapes(record.name, [n.meta.get("val") for n in fw.graph.nodes if n.op == "placeholder"])
         out_node = next(n for n in fw.graph.nodes if n.op == "output")
         outs = out_node.args[0]
@@ -344,7 +368,10 @@ class StandinPipeline:
         if not self.compile_xla:
             from functorch.compile import make_boxed_func
 
-            self.stats.graphs_lowered += 1
+            if piece:
+                self.stats.pieces_compiled += 1
+            else:
+                self.stats.graphs_lowered += 1
             self.stats.graphs.append(record)
             return make_boxed_func(original.forward)
         t1 = time.perf_counter()
@@ -354,9 +381,12 @@ class StandinPipeline:
             raise StandinError(f"{record.name}: XLA's CPU compiler rejected the StableHLO module: "
                                f"{str(e).strip().splitlines()[0][:400]}") from e
         record.xla_s = time.perf_counter() - t1
-        self.stats.graphs_compiled += 1
+        if piece:
+            self.stats.pieces_compiled += 1
+        else:
+            self.stats.graphs_compiled += 1
         self.stats.graphs.append(record)
-        run = _Executable(exe, n_out, mutated, consts, self.stats)
+        run = _Executable(exe, n_out, mutated, consts, self.stats, count=not piece)
         run._boxed_call = True  # AOTAutograd calls it with one list (the boxed convention)
         return run
 

@@ -291,7 +291,9 @@ class NeuronStandinBackend(TorchNeuronBackend):
     come from the pipeline (graphs compiled, executions, compile seconds, fallbacks)."""
 
     name = "neuron-standin"
-    kernel_tables = ("reference",)  # the NKI kernel ops have no StableHLO lowering (on a trn2 each is a NEFF call)
+    # the kernels' torch ops have no StableHLO lowering: a graph holding them is cut at them and the ops run their
+    # NumPy stand-in between the compiled pieces (engine/backends/standin_split.py); on a trn2 each is a NEFF call
+    kernel_tables = ("reference", "stand-in")
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         from engine.backends.host import _raise_recompile_limit
@@ -319,9 +321,9 @@ class NeuronStandinBackend(TorchNeuronBackend):
     @classmethod
     def kernel_hint(cls, kernels: str) -> str:
         if kernels == "nki":
-            return (": the NKI kernel ops have no StableHLO lowering (on a trn2 each is its own NEFF call); "
-                    "--kernels stand-in runs the kernels on the NumPy stand-in on --backend host")
-        return ": the stand-in lowers the torch reference ops (--kernels reference)"
+            return (": --kernels nki launches the NKI kernels on a Neuron device (--backend neuron); here --kernels "
+                    "stand-in runs the same kernel ops inside the stand-in's graphs, on the NumPy stand-in")
+        return ": the stand-in lowers the torch reference ops (--kernels reference) or runs the kernel ops (stand-in)"
 
     @classmethod
     def measured_on(cls) -> str:
@@ -350,7 +352,8 @@ class NeuronStandinBackend(TorchNeuronBackend):
         return Counters(device="cpu (TorchNeuron stand-in: torch-mlir + XLA CPU)", compiles=s.graphs_compiled,
                         graph_compiles=s.graphs_compiled, executions=s.executions,
                         transfers_to_host=self._counters.transfers_to_host, fallbacks=s.fallbacks,
-                        compile_seconds=s.compile_s, fallback_ops=fallen)
+                        compile_seconds=s.compile_s, fallback_ops=fallen, graph_pieces=s.pieces_compiled,
+                        custom_op_calls=dict(sorted(s.custom_op_calls.items())))
 
     def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
                       master_port: int | None = None) -> None:
