@@ -19,6 +19,38 @@ import importlib
 import types
 from typing import Any
 
+# ---- NKI 0.7 / 0.8 (Neuron SDK 2.33 / 2.34, the SDKs of TorchNeuron): what changed for these kernels ---------------
+# Read (2026-12-04, through the docs search; the SDK repository snapshot here stops at 2.32 / NKI 0.6):
+#   SDK v2.33.1 `nki/migration/index.html` "Migrating from NKI 0.6.0 to NKI 0.7.0" (its introduction),
+#   `release-notes/components/nki` "NKI [0.7.0] (Neuron 2.33.0 Release)" (its introduction), the announcements
+#   `announce-nki-specialization-change` (2026-10-16), `announce-intent-eos-nki-virtualregister-lnc-apis` (NKI 0.8.0
+#   deprecations), `announce-removal-neuronxcc-nki-2-34`, `announce-intent-eos-nki-spmd-launch-grid`, and the
+#   error code page `compiler/error-codes/EVRF066`. NOT found in the stored material: the body of "Migrating from
+#   NKI 0.7.0 to NKI 0.8.0" and of the NKI 0.8.0 release notes (only the deprecation announcement that links them),
+#   nor the 0.7 / 0.8 API reference: the signatures in static_check.py remain the 0.6 ones.
+# What the notes change, checked against every construct of the kernel files (grep of nki_kernels/*.py):
+# * 0.7: specialization traces the kernel with Python (NKI API calls emit the IR) instead of compiler passes over
+#   the source. The kernels here use only Python `range` loops, `if` on Python ints and calls of plain helper
+#   functions (_tiles.py): unrolled / resolved at trace time as before; `_rebind` hands the tracer a copy of the
+#   function whose globals are the real `nki` modules, which is what a Python tracer calls. No change needed.
+# * 0.7: `nl.dynamic_range` and `while <register>:` loops removed (fori_loop / while_loop): not used here.
+# * 0.7: `==` on user-defined classes follows Python semantics: the kernels compare ints only.
+# * 0.7: the compiler rejects a kernel whose LNC differs from neuronx-cc's (NCC_EVRF066; a bare `kernel(...)` is
+#   LNC 1, neuronx-cc defaults to 2 on trn2). `Kernel.run` launches `kernel[lnc]` with lnc = NEURON_LOGICAL_NC_CONFIG
+#   (engine.stack.logical_nc_config), the same variable TorchNeuron's worker environment sets for neuronx-cc
+#   (engine/backends/torchneuron.py `worker_env`); the bare call only for lnc 1. A NEURON_CC_FLAGS="--lnc=N" that
+#   disagrees now fails at compile time (EVRF066) instead of at run time. The `[lnc]` launch grid is announced as
+#   deprecated (a matching grid keeps working; a mismatching one is a compile error).
+# * 0.7: `NKI_COMPILER_FRONTEND=custom` keeps the old specialization (deprecated, removed in 2.34): not needed.
+# * 0.8 deprecations (DeprecationWarning, removal later): nisa.sendrecv / sendrecv_compute / core_barrier (-> nki.lnc),
+#   nisa.register_* / VirtualRegister (-> scalar_load / scalar_store, NkiScalar): not used here.
+# * 0.8 announced: nisa.tensor_tensor / tensor_scalar with a bitvec operator will reject engine=gpsimd / scalar.
+#   blockquant's FP4 decode uses bitwise_and / bitwise_or / left_shift / right_shift in tensor_scalar and
+#   tensor_tensor without an `engine` argument, which is the form the notes ask for. local_gather: not used.
+# * 2.34: `neuronxcc.nki` removed from neuronx-cc: this project imports only the standalone `nki`.
+# So the kernels need no source change for 0.7 / 0.8 by these notes; engine/stack.py accepts 0.6, 0.7 and 0.8. Not
+# verified: any compile with the real NKI 0.7 / 0.8 (nothing of the SDK installs here).
+
 
 @functools.cache
 def real_nki() -> tuple[Any, Any, Any] | None:

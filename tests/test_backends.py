@@ -223,9 +223,12 @@ def test_stack_probe_and_nki_version(envs) -> None:
     with pytest.raises(ValueError, match="expected 1 or 2"):
         stack.logical_nc_config()
     stack.check_nki_version(None)
-    stack.check_nki_version("0.6.1")
-    with pytest.raises(ValueError, match="nki 0.5.0 is installed.*written and checked for nki 0.6"):
+    for v in ("0.6.1", "0.7.0", "0.8.0"):  # SDK 2.32, and TorchNeuron's 2.33 / 2.34 (nki_kernels/_nki.py notes)
+        stack.check_nki_version(v)
+    with pytest.raises(ValueError, match="nki 0.5.0 is installed.*written and checked for nki 0.6 / 0.7 / 0.8"):
         stack.check_nki_version("0.5.0")
+    with pytest.raises(ValueError, match="nki 0.9.0 is installed"):
+        stack.check_nki_version("0.9.0")
 
 
 def test_torchrun_ranks_meet_on_the_gloo_control_group(fake_xla, envs, monkeypatch: pytest.MonkeyPatch) -> None:
