@@ -2,8 +2,9 @@
 
 The graphs are those the runner's RegionRunner knows (engine/regions.py): each decode region structure (layer or
 attn / moe, by compress ratio and hash routing) at every (batch bucket, block bucket) the config allows, the embedding
-and the head at every batch bucket - and any further graph a RegionRunner lists through `export_specs(runner)` (the
-hook through which chunked-prefill graphs join the export: each a `GraphSpec`). Each graph gets valid inputs of its
+and the head at every batch bucket; the prefill chunk-region structures at every (batch bucket, chunk bucket, block
+bucket) a chunk run can take, with the chunk embedding and head (`chunk_specs`); and any further graph a RegionRunner
+lists through `export_specs(runner)` (each a `GraphSpec`). Each graph gets valid inputs of its
 static shape (the engine's own weights, a fresh KV cache of the engine's sizes, a packed step of in-range positions,
 slots and blocks) and is compiled on its own by a fresh `torch.compile(fullgraph=True, dynamic=False)`:
 
@@ -83,10 +84,38 @@ def decode_specs(runner: Any) -> list[GraphSpec]:
     return specs
 
 
+def chunk_specs(runner: Any) -> list[GraphSpec]:
+    """The prefill graphs: chunk-region structures x chunk shapes (batch bucket x chunk bucket x block bucket), the
+    chunk embedding and the chunk head (each entry's last row) per (batch bucket, chunk bucket) - what a graph
+    backend runs a prefill chunk (or a verify step) as."""
+    import functools
+
+    from engine.backends.xla_export import chunk_edge_inputs, chunk_graph_inputs
+    from engine.regions import _embed_chunk
+
+    rr, model = runner.regions, runner.model
+    specs, fns = [], {}
+    for name, structure, reg, li, x, roots, packed, meta in chunk_graph_inputs(runner):
+        if structure not in fns:
+            fns[structure] = _region_fn(reg)
+        params = reg.params()
+        specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed), meta,
+                               {"x": x, "packed": packed, "layer_index": li,
+                                **{f"root.{k}": v for k, v in roots.items()}, **params}))
+    for bp, c, packed, x in chunk_edge_inputs(runner):
+        edge = {"structure": [], "ratio": None, "batch_bucket": bp, "chunk_bucket": c, "block_bucket": None}
+        specs.append(GraphSpec(f"chunk_embed_b{bp}_c{c}", functools.partial(_embed_chunk, model, c), (packed,),
+                               {"region": "chunk.embed", **edge},
+                               {"packed": packed, "embed.weight": model.embed.weight}))
+        specs.append(GraphSpec(f"chunk_head_b{bp}_c{c}", rr._last_logits, (x, packed),
+                               {"region": "chunk.head", **edge}, {"x": x, "packed": packed, **head_params(model)}))
+    return specs
+
+
 def graph_specs(runner: Any) -> list[GraphSpec]:
-    """Every graph the runner's RegionRunner knows: the decode graphs, then whatever it lists itself
-    (`export_specs(runner)`, e.g. chunked-prefill graphs per chunk bucket)."""
-    specs = decode_specs(runner)
+    """Every graph the runner's RegionRunner knows: the decode graphs, the prefill chunk graphs, then whatever it
+    lists itself (`export_specs(runner)`)."""
+    specs = decode_specs(runner) + chunk_specs(runner)
     extra = getattr(runner.regions, "export_specs", None)
     if extra is not None:
         specs.extend(extra(runner))

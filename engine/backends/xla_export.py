@@ -96,6 +96,49 @@ def region_graph_inputs(runner: Any) -> Iterator[tuple[str, tuple, Any, Any, tor
                 "batch_bucket": bp, "block_bucket": nb}
 
 
+def chunk_packed_inputs(runner: Any, bp: int, c: int, nb: int) -> torch.Tensor:
+    """Valid chunk-run inputs of the static shape [bp, 3 + c + nb]: entry i a full chunk of c tokens from position 0
+    in slot i (or the scratch slot), scratch blocks (RegionRunner.prepare_chunk's layout)."""
+    cache = runner.cache
+    packed = torch.zeros(bp, 3 + c + nb, dtype=torch.long)
+    packed[:, 1] = c
+    packed[:, 2] = torch.arange(bp).clamp(max=cache.num_slots)
+    packed[:, 3: 3 + c] = torch.arange(bp * c).reshape(bp, c) % runner.cfg.vocab_size
+    packed[:, 3 + c:] = cache.num_blocks
+    return packed.to(runner.device)
+
+
+def chunk_graph_inputs(runner: Any) -> Iterator[tuple[str, tuple, Any, Any, torch.Tensor, dict[str, torch.Tensor],
+                                                         torch.Tensor, dict[str, Any]]]:
+    """Every prefill chunk-region graph a step can run (engine/regions.py ChunkRegion), with example inputs: as
+    `region_graph_inputs`, per chunk structure x chunk shape (batch bucket x chunk bucket x block bucket, the
+    scheduler's cap: `RegionRunner.chunk_shapes`)."""
+    rr = runner.regions
+    reps = rr.representatives(chunk=True)
+    dim, n = runner.cfg.dim, runner.cfg.hc_mult
+    for bp, c, nb in rr.chunk_shapes(runner.max_num_seqs, runner.config.cache.max_num_batched_tokens):
+        packed = chunk_packed_inputs(runner, bp, c, nb)
+        x = torch.randn(bp * c, n, dim, dtype=runner.dtype).to(runner.device)
+        for structure, (reg, li) in reps.items():
+            roots = fresh_cache(runner).roots[reg.ratio]
+            name = f"{'_'.join(map(str, structure))}_b{bp}_c{c}_nb{nb}".replace("True", "hash").replace(
+                "False", "nohash")
+            yield name, structure, reg, li, x, roots, packed, {
+                "region": f"chunk.{reg.kind}", "structure": [str(s) for s in structure[2:]], "ratio": reg.ratio,
+                "batch_bucket": bp, "chunk_bucket": c, "block_bucket": nb}
+
+
+def chunk_edge_inputs(runner: Any) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(batch bucket, chunk bucket, packed chunk inputs, streams x [bp*c, n, dim]) for the chunk embed / head graphs
+    (their shapes do not depend on the block bucket)."""
+    rr = runner.regions
+    dim, n = runner.cfg.dim, runner.cfg.hc_mult
+    for bp, c in sorted({(bp, c) for bp, c, _ in rr.chunk_shapes(runner.max_num_seqs,
+                                                                 runner.config.cache.max_num_batched_tokens)}):
+        yield bp, c, chunk_packed_inputs(runner, bp, c, 1), torch.randn(bp * c, n, dim,
+                                                                        dtype=runner.dtype).to(runner.device)
+
+
 def edge_graph_inputs(runner: Any) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(batch bucket, packed step inputs, streams x) for the embed and head graphs, one per batch bucket."""
     dim, n = runner.cfg.dim, runner.cfg.hc_mult
