@@ -1,8 +1,8 @@
 """`--backend neuron-standin`: the TorchNeuron backend with its compile step on the CPU stand-in (torch-mlir StableHLO
 -> XLA CPU). Every test here is marked `standin`: it needs the `neuron-standin` extra (torch-mlir==20261001,
 jax[cpu]==0.10.2) and is deselected by the marker in the default lane (pyproject addopts); run with
-`python -m pytest -m standin tests/test_neuron_standin.py` in a venv that has the extra. The golden run compiles ~18
-XLA CPU graphs (about 7 min of CPU on 2 cores, longer on a shared box). Its results say: TorchNeuron pipeline on a CPU
+`python -m pytest -m standin tests/test_neuron_standin.py` in a venv that has the extra. Each golden run compiles ~18
+XLA CPU graphs (3.5-5 min on 2 cores, longer on a shared box); the compile export lowers 18 graphs (~4 min). Its results say: TorchNeuron pipeline on a CPU
 stand-in (torch-mlir + XLA CPU), not neuronx-cc, not trn2."""
 
 from __future__ import annotations
@@ -52,10 +52,29 @@ def test_golden_through_the_standin_is_12_of_12(tmp_path: Path, capsys: pytest.C
     assert b["fallbacks"] == 0 and b["fallback_ops"] == {} and b["graph_compiles_after_warmup"] == 0
 
 
+def test_golden_with_the_kernel_ops_inside_the_graphs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--kernels stand-in: every NKI kernel family runs as a custom op inside the stand-in's graphs (each graph cut
+    at its kernel calls, engine/backends/standin_split.py), 12/12, no eager fallback (~3.5 min here)."""
+    from nki_kernels import torch_ops
+
+    code, _, err = run_main(["golden", "--backend", "neuron-standin", "--kernels", "stand-in", "--out", str(tmp_path)],
+                            capsys)
+    assert code == 0, err
+    assert "12/12 prompts match" in err
+    (meta_path,) = tmp_path.glob("golden-*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    b = meta["backend"]
+    assert b["fallbacks"] == 0 and b["fallback_ops"] == {} and b["graph_compiles_after_warmup"] == 0
+    assert set(b["custom_op_calls"]) == set(torch_ops.KERNELS)  # all 12 kernel ops ran inside graphs
+    assert b["graph_pieces"] > b["graph_compiles"] > 0
+    kernels = (meta_path.parent / "golden_kernels.csv").read_text().splitlines()[1:]
+    assert kernels and all(row.split(",")[2] == "stand-in" for row in kernels)  # no reference fallback, in or out
+
+
 def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "graphs"
     code, _, err = run_main(["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
-                             "--out", str(out)],
+                             "--max-num-batched-tokens", "16", "--out", str(out)],
                             capsys)
     assert code == 0, err
     files = sorted(out.glob("*.mlir"))
@@ -69,3 +88,10 @@ def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.Capture
     assert {Path(r["mlir"]).name for r in rows} == {f.name for f in files}
     assert all(r["status"] == "pass" and not r["has_fp8"] for r in rows)
     assert {r["region"] for r in rows} >= {"layer", "embed", "head"}
+    # the prefill graphs too: every chunk structure at every chunk bucket (8 and the 16-token budget), + embed / head
+    decode = [r for r in rows if not r["region"].startswith("chunk.")]
+    chunk = [r for r in rows if r["region"] == "chunk.layer"]
+    assert {r["chunk_bucket"] for r in chunk} == {8, 16}
+    assert len(chunk) == 2 * sum(r["region"] == "layer" for r in decode)  # one per structure and bucket (b1, nb1)
+    assert sum(r["region"] in ("chunk.embed", "chunk.head") for r in rows) == 4
+    assert len(rows) >= len(decode) + 2

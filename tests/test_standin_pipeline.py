@@ -79,6 +79,50 @@ def test_graph_with_cache_writes_runs_and_writes_back(pipe, tmp_path: Path):
     assert s.as_dict()["graphs_compiled"] == 1 and "not trn2" in s.as_dict()["label"]
 
 
+def _kernel_step(ops, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 norm: torch.Tensor) -> torch.Tensor:
+    h = ops.rms_norm(x * 2, norm, 1e-6)  # a kernel op between pure torch ops
+    y = ops.linear(torch.tanh(h), w)
+    cache[slots] = y  # a cache write after the last kernel op: written back by the last piece
+    return ops.swiglu(y, y + 1, 1.0).sum(-1)
+
+
+@standin
+def test_a_graph_with_kernel_ops_is_cut_at_them(pipe, tmp_path: Path):
+    """`--kernels stand-in` on the stand-in: one Dynamo graph (fullgraph) holding the kernels' torch ops is cut at
+    them; each pure piece is lowered (checked, .mlir written) and XLA-compiled, each op runs its NumPy stand-in
+    between them, counted; the results and the cache write equal the eager kernel ops'."""
+    from nki_kernels import dispatch, kernel_ops
+
+    kops = kernel_ops.KernelOps("stand-in")
+    w, norm = torch.randn(16, 16, generator=g) * 0.1, torch.rand(16, generator=g) + 0.5
+    kops.prepare("T", w, dt=torch.float32)
+    f = pipe.compile_fn(lambda *a: _kernel_step(kops, *a), "kernel_step")
+    cache, ref = torch.zeros(4, 16), torch.zeros(4, 16)
+    d = dispatch.Dispatcher("stand-in")
+    with d.active():
+        for step in range(2):
+            slots, x = torch.tensor([step, 3]), torch.randn(2, 16, generator=g)
+            with torch.inference_mode():
+                got = f(cache, slots, x, w, norm)
+            want = _kernel_step(kops, ref, slots, x, w, norm)
+            assert cache[slots].abs().sum() > 0  # the write reached the caller's tensor ...
+            torch.testing.assert_close(cache, ref, rtol=0, atol=1e-5)  # ... (XLA's tanh: not bit-equal to torch's)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    s = pipe.stats
+    assert (s.graphs_compiled, s.graphs_split, s.executions, s.fallbacks) == (1, 1, 2, 0)
+    assert dict(s.custom_op_calls) == {"rmsnorm": 2, "grouped_out_proj": 2, "swiglu": 2}
+    # 2 eager + 2 graph runs of each kernel, all on the stand-in
+    assert d.counts == {("rmsnorm", "stand-in"): 4, ("blockquant.dense", "stand-in"): 4, ("swiglu", "stand-in"): 4}
+    parent = next(r for r in s.graphs if r.name == "kernel_step")
+    assert parent.custom_ops == 3 and parent.pieces == s.pieces_compiled >= 3 and parent.mutated_inputs == 1
+    pieces = sorted(tmp_path.glob("kernel_step.p*.mlir"))
+    assert len(pieces) == s.pieces_compiled
+    for piece in pieces:
+        text = piece.read_text()
+        assert module_problems(text) == [] and "deepinfer" not in text
+
+
 @standin
 def test_dynamic_shapes_are_refused(pipe):
     f = torch.compile(lambda x: x * 2, backend=pipe, dynamic=True)
