@@ -140,6 +140,7 @@ class Kernel:
         self.__doc__ = fn.__doc__
         self._bound: dict[str, types.FunctionType] = {}
         self._jitted: dict[int, Any] = {}  # lnc -> real nki.jit object (kept: NKI caches compiles per object)
+        self._plain: Any = None  # the real nki.jit object without a launch grid (`jitted()`)
 
     def bind(self, kind: str) -> types.FunctionType:
         """A copy of the kernel whose globals (and those of its helper sub-kernels) use backend `kind`."""
@@ -168,6 +169,14 @@ class Kernel:
         if executor == "neuron":
             return jitted(*args)
         raise ValueError(f"unknown executor {executor!r}")
+
+    def jitted(self) -> Any:
+        """The real `nki.jit` object of this kernel without a launch grid: what TorchNeuron's `wrap_nki(...)[lnc]`
+        takes (nki_kernels/torch_ops.py; the LNC subscript is wrap_nki's). Kept, as NKI caches compiles per object."""
+        if self._plain is None:
+            real, _, _ = backend("real")
+            self._plain = real.jit(self.bind("real"))
+        return self._plain
 
     def __call__(self, *args):
         raise TypeError(f"call {self.__name__} through its wrapper (or Kernel.run(executor, ...)), not directly")

@@ -108,3 +108,38 @@ def test_every_kernel_family_of_the_table_goes_through_its_torch_op(monkeypatch:
     kops.swiglu(x, x, 1.0)
     assert launched == ["rmsnorm_kernel", "swiglu_kernel"]
     assert set(kops._ops) == {k for _, k in torch_ops.KERNELS.values()}
+
+
+def test_a_device_launch_is_wrap_nki_of_the_kernel_at_the_dispatchers_lnc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a TorchNeuron device the op launches `wrap_nki(kernel.jitted())[lnc](*operands)` - the real `nki.jit`
+    object of the kernel, the active dispatcher's LNC, the operands unchanged - counted once per eager launch.
+    Fakes: TorchNeuron's wrap_nki, the real nki's jit; meta tensors stand for device tensors."""
+    import sys
+    import types
+
+    from nki_kernels import _nki, stand_in
+
+    launched: list = []
+
+    class WrapNki:
+        def __init__(self, kernel: object) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, lnc: int):
+            return lambda *a: launched.append((self.kernel, lnc, a)) or a[0].new_empty(a[0].shape)
+
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(nki_op=None, wrap_nki=WrapNki))
+    fake = types.SimpleNamespace(jit=lambda fn: ("nki.jit", fn.__name__, fn.__globals__["nki"]))
+    monkeypatch.setattr(_nki, "real_nki", lambda: (fake, stand_in.language, stand_in.isa))
+    kernel = torch_ops.kernel_of("rmsnorm")
+    monkeypatch.setattr(kernel, "_plain", None)
+    monkeypatch.setattr(kernel, "_bound", {})
+    x, w = torch.empty(4, 64, device="meta"), torch.empty(64, device="meta")
+    d = dispatch.Dispatcher("stand-in", lnc=2)
+    with d.active():
+        out = torch_ops._launch("rmsnorm", "rmsnorm", "neuron", (x, w, 1e-6))
+    ((jitted, lnc, args),) = launched
+    assert jitted == ("nki.jit", "rmsnorm_kernel", fake) and lnc == 2  # the kernel bound to the real nki
+    assert args[0] is x and args[1] is w and args[2] == 1e-6 and out.shape == x.shape
+    assert kernel.jitted() is kernel.jitted()  # one nki.jit object per kernel (NKI caches compiles per object)
+    assert d.counts == {("rmsnorm", "neuron"): 1}
