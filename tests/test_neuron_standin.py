@@ -2,8 +2,8 @@
 -> XLA CPU). Every test here is marked `standin`: it needs the `neuron-standin` extra (torch-mlir==20261001,
 jax[cpu]==0.10.2) and is deselected by the marker in the default lane (pyproject addopts); run with
 `python -m pytest -m standin tests/test_neuron_standin.py` in a venv that has the extra. Each golden run compiles ~18
-XLA CPU graphs (3.5-5 min on 2 cores, longer on a shared box); the compile export lowers 18 graphs (~4 min). Its results say: TorchNeuron pipeline on a CPU
-stand-in (torch-mlir + XLA CPU), not neuronx-cc, not trn2."""
+XLA CPU graphs (3.5-5 min on 2 cores, longer on a shared box); the compile export lowers 18 graphs (~4 min). Its
+results say: TorchNeuron pipeline on a CPU stand-in (torch-mlir + XLA CPU), not neuronx-cc, not trn2."""
 
 from __future__ import annotations
 
