@@ -143,3 +143,16 @@ def test_a_device_launch_is_wrap_nki_of_the_kernel_at_the_dispatchers_lnc(monkey
     assert args[0] is x and args[1] is w and args[2] == 1e-6 and out.shape == x.shape
     assert kernel.jitted() is kernel.jitted()  # one nki.jit object per kernel (NKI caches compiles per object)
     assert d.counts == {("rmsnorm", "neuron"): 1}
+
+
+def test_a_fallback_traced_into_a_graph_is_counted_per_execution() -> None:
+    """A case the kernel does not cover (swiglu with broadcasting shapes) runs the reference inside the graph; the
+    active dispatcher cannot be read in a trace, so it is counted in `dispatch.IN_GRAPH_FALLBACKS` per run."""
+    kops = kernel_ops.KernelOps("stand-in")
+    torch._dynamo.reset()
+    graph = torch.compile(lambda g, u: kops.swiglu(g, u, 1.0), backend="eager", fullgraph=True, dynamic=False)
+    before = dispatch.IN_GRAPH_FALLBACKS[("swiglu", "broadcast")]
+    g, u = torch.randn(3, 8), torch.randn(1, 8)
+    for _ in range(3):
+        torch.testing.assert_close(graph(g, u), kernel_ops.reference.swiglu(g, u, 1.0))
+    assert dispatch.IN_GRAPH_FALLBACKS[("swiglu", "broadcast")] == before + 3
