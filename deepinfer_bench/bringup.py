@@ -79,7 +79,7 @@ def _argv(plan: Plan, step: str, dirs: Path) -> list[str]:
         "golden-cp2": ["golden", *b, "--cp", "2", "--out", str(dirs / "golden")],
         "regions": ["regions", *b, *model, "--timing", "--batch", "2", "--context", "32", "--steps", "5",
                     "--out", str(dirs / "regions")],
-        "matrix": ["matrix", *b, *model, "--matrix", "quick", "--out", str(dirs / "matrix")],
+        "matrix": ["bench", "matrix", *b, *model, "--matrix", "quick", "--out", str(dirs / "matrix")],
     }[step]
 
 

@@ -52,6 +52,8 @@ class EngineArgs:
     kv_cache_dtype: KVCacheDType | None = None
     moe: MoeMode | None = None
     host_compiler: HostCompiler | None = None
+    chunk_graphs: bool | None = None
+    chunk_buckets: str | None = None
     speculative: Speculative | None = None
     num_speculative_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -119,6 +121,13 @@ _OPTIONS: dict[str, Any] = {
                                           "T*K < local experts, else grouped on the host, dense on a device).")],
     "host_compiler": Annotated[HostCompiler | None, _opt("--host-compiler", help="torch.compile backend of region "
                                                          "graphs on the host (default: DEEPINFER_HOST_COMPILER)")],
+    "chunk_graphs": Annotated[bool | None, _opt("--chunk-graphs/--no-chunk-graphs", help="Prefill chunks and verify "
+                                                "steps as compiled chunk graphs, one per structure x chunk bucket "
+                                                "(default: on for xla and neuron, off on the host and "
+                                                "neuron-standin).", show_default=False)],
+    "chunk_buckets": Annotated[str | None, _opt("--chunk-buckets", help="Chunk-length buckets of the chunk graphs, "
+                                                "increasing comma-separated ints (default 8,32,128,512; the "
+                                                "budget --max-num-batched-tokens caps the top one).")],
     "speculative": Annotated[Speculative | None, _opt("--speculative", help="Speculative decoding with the "
                                                       "checkpoint's own draft head: mtp (the MTP block, preview "
                                                       "checkpoints) or dspark (the DSpark head, 0731 / 0813 "

@@ -290,7 +290,11 @@ class GraphConfig:
         object.__setattr__(self, "moe", MoeMode.parse(self.moe, "moe"))
         for name in ("batch_buckets", "chunk_buckets"):
             raw = getattr(self, name)
-            buckets = tuple(int(b) for b in raw)
+            items = raw.split(",") if isinstance(raw, str) else raw  # "8,32,128" from the CLI / environment
+            try:
+                buckets = tuple(int(b) for b in items)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name} must be increasing positive ints, got {raw!r}") from None
             if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
                 raise ValueError(f"{name} must be increasing positive ints, got {raw!r}")
             object.__setattr__(self, name, buckets)

@@ -432,5 +432,5 @@ def region_summary(runner: Any) -> dict[str, Any]:
     if rr is None:
         return {"graph_mode": "eager", "graph_launches_per_step": 0}
     return {"graph_mode": str(rr.mode), "graph_launches_per_step": rr.launches_last_step,
-            "graph_backend": f"{rr.backend.name}:{getattr(rr.backend, 'compiler', '')}",
+            "graph_backend": ":".join(filter(None, (rr.backend.name, str(getattr(rr.backend, "compiler", "") or "")))),
             "compiled_shapes": len(rr.compiled), "distinct_graphs": len(rr.compiled)}

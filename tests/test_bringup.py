@@ -43,10 +43,10 @@ def test_standin_runs_what_it_can_and_lists_the_rest(tmp_path: Path, probe_ok) -
                       "golden-cp2": "not run", "regions": "pass", "matrix": "pass"}
     reasons = dict(zip(df["step"], df["reason"], strict=True))
     assert "Neuron device" in reasons["kernels"] and "cp=2 on --backend neuron-standin" in reasons["golden-cp2"]
-    assert [c[0] for c in steps.calls] == ["compile", "golden", "regions", "matrix"]
+    assert [c[0] for c in steps.calls] == ["compile", "golden", "regions", "bench"] and steps.calls[-1][1] == "matrix"
     assert steps.calls[0] == ["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
                               "--out", str(tmp_path / "compile")]
-    assert all(c[1:3] == ["--backend", "neuron-standin"] for c in steps.calls)
+    assert all(c[c.index("--backend") + 1] == "neuron-standin" for c in steps.calls)
     assert meta["ok"] and meta["first_failure"] is None and meta["not_run"] == ["kernels", "golden-cp2"]
     assert probe_ok == ["neuron-standin"]
 
@@ -101,3 +101,21 @@ def test_cli_writes_one_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     assert list(df["exit_code"].dropna()) == [0, 0, 0]
     code, _, err = run_main(["bringup", "--skip", "warp", "--out", str(tmp_path)], capsys)
     assert code == 2 and "unknown step(s)" in err
+
+
+@pytest.mark.parametrize("backend", ["neuron", "neuron-standin"])
+def test_every_step_is_a_command_line_the_cli_parses(tmp_path: Path, backend: str) -> None:
+    """Each step's argv names a real command (sub-commands included) and every option it passes parses: the fake
+    steps above would accept a misspelt command that only fails on the device host."""
+    import typer.main
+
+    from deepinfer_bench.cli import app
+
+    plan = B.Plan(backend, tmp_path, model_dir="/m")
+    for step in B.STEPS[1:]:
+        cmd, args = typer.main.get_command(app), B._argv(plan, step, tmp_path)
+        while hasattr(cmd, "commands"):  # a group (Typer vendors its own click: no isinstance check)
+            name, args = args[0], args[1:]
+            cmd = cmd.commands.get(name)
+            assert cmd is not None, f"{step}: no command {name!r}"
+        cmd.make_context(step, list(args))  # raises a usage error on an unknown option or a bad value

@@ -159,6 +159,9 @@ def test_chunk_sizes_and_fitted_chunks() -> None:
     assert GraphConfig(mode="layer", chunk_graphs=True).scheduler_buckets(24) == (8, 24)
     with pytest.raises(ValueError, match="chunk_buckets"):
         GraphConfig(chunk_buckets=(32, 8))
+    assert GraphConfig(chunk_buckets="8, 32").chunk_buckets == (8, 32)  # the CLI's comma list
+    with pytest.raises(ValueError, match="chunk_buckets"):
+        GraphConfig(chunk_buckets="8,x")
     sched = Scheduler(CacheConfig(max_num_seqs=2, max_num_batched_tokens=956, num_kv_blocks=64, block_size=16,
                                   max_model_len=1024), gc.chunk_sizes(956))
     fit = [sched.fit_chunk(n) for n in (1, 5, 8, 20, 43, 64, 130, 300, 900)]

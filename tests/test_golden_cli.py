@@ -128,6 +128,16 @@ def test_cli_golden_takes_the_shared_engine_options(tmp_path: Path, monkeypatch:
     assert str(c.graph.mode) == "layer" and str(c.backend) == "host" and str(c.model.dtype) == "bfloat16"
     assert c.cache.max_model_len == max(p["prompt_len"] + len(p["output_ids"])
                                         for p in json.loads((GOLDEN_DIR / "golden.json").read_text())["prompts"])
+    # chunk graphs: opt in / out from the command line, buckets as a comma list
+    res = CliRunner().invoke(app, ["golden", "--graph-mode", "layer", "--chunk-graphs", "--chunk-buckets", "16,64",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert seen["config"].graph.chunk_graphs is True and seen["config"].graph.chunk_buckets == (16, 64)
+    res = CliRunner().invoke(app, ["golden", "--backend", "xla", "--graph-mode", "layer", "--no-chunk-graphs",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code in (0, 2), res.output  # 2: torch-xla is not in this venv (checked before run_golden)
+    if res.exit_code == 0:
+        assert seen["config"].graph.chunk_graphs is False
 
 
 def test_golden_piped_at_80_columns_cuts_no_value(tmp_path: Path) -> None:
