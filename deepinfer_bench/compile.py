@@ -19,8 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-SUMMARY_COLUMNS = ("graph", "region", "ratio", "batch_bucket", "block_bucket", "status", "seconds", "ncc_error",
-                   "has_fp8", "hlo_bytes", "mlir")
+SUMMARY_COLUMNS = ("graph", "region", "ratio", "batch_bucket", "chunk_bucket", "block_bucket", "status", "seconds",
+                   "ncc_error", "has_fp8", "hlo_bytes", "mlir")
 
 
 def compile_graphs(config: Any, out: Path) -> tuple[pd.DataFrame, Path]:

@@ -95,3 +95,21 @@ def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.Capture
     assert len(chunk) == 2 * sum(r["region"] == "layer" for r in decode)  # one per structure and bucket (b1, nb1)
     assert sum(r["region"] in ("chunk.embed", "chunk.head") for r in rows) == 4
     assert len(rows) >= len(decode) + 2
+
+
+def test_compile_with_the_kernel_table_writes_each_graphs_pieces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--kernels stand-in`: every decode and prefill graph traces with its kernel ops (fullgraph) and is written as
+    its pure pieces (`<graph>.p<k>.mlir`), each checked (~2 min here)."""
+    out = tmp_path / "graphs"
+    code, _, err = run_main(["compile", "--backend", "neuron-standin", "--kernels", "stand-in", "--max-num-seqs", "1",
+                             "--max-model-len", "16", "--max-num-batched-tokens", "16", "--out", str(out)], capsys)
+    assert code == 0, err
+    rows = json.loads((out / "manifest.json").read_text())["graphs"]
+    assert rows and all(r["status"] == "pass" and not r["has_fp8"] and not r["problems"] for r in rows)
+    layers = [r for r in rows if r["region"] in ("layer", "chunk.layer")]
+    assert {r["region"] for r in layers} == {"layer", "chunk.layer"}
+    assert all(r["custom_ops"] > 0 and 0 < len(r["mlir"]) <= r["pieces"] for r in layers)
+    for r in layers:
+        for f in r["mlir"]:
+            text = Path(f).read_text()
+            assert "stablehlo." in text and "f8E" not in text and "torch." not in text, f

@@ -9,7 +9,9 @@ static shape (the engine's own weights, a fresh KV cache of the engine's sizes, 
 slots and blocks) and is compiled on its own by a fresh `torch.compile(fullgraph=True, dynamic=False)`:
 
 * `--backend neuron-standin`: the stand-in pipeline lowers it to StableHLO (no XLA compile), checks the module (no
-  f8 type, no unlowered torch op) and writes `<graph>.mlir`; the graph then runs eagerly on the CPU;
+  f8 type, no unlowered torch op) and writes `<graph>.mlir`; the graph then runs eagerly on the CPU. With the kernel
+  table (`--kernels stand-in`) a graph holding kernel ops is cut at them (engine/backends/standin_split.py): its
+  pieces are written as `<graph>.p<k>.mlir` (the row's `mlir` lists them; `pieces`, `custom_ops` count them);
 * `--backend neuron`: TorchNeuron in compile-only mode (TORCH_NEURONX_COMPILE_ONLY=1,
   NEURON_PLATFORM_TARGET_OVERRIDE=trn2, set before the engine is built: `compile_only_env`) runs the whole lowering
   and neuronx-cc and executes nothing; compilation artifacts are kept under `<out>/artifacts`, and a failure's NCC
@@ -163,11 +165,16 @@ def export_standin(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
 
     def after(spec: GraphSpec, row: dict[str, Any]) -> None:
         rec = next((r for r in reversed(pipe.stats.graphs) if r.name == spec.name), None)
-        mlir = Path(rec.mlir) if rec is not None and rec.mlir else None
-        text = mlir.read_text() if mlir is not None and mlir.exists() else ""
-        problems = module_problems(text) if text else []
-        row.update(mlir=str(mlir) if mlir is not None else None, ops=rec.ops if rec is not None else None,
+        if rec is not None and rec.pieces:  # a graph with kernel ops (--kernels stand-in): its pieces' modules
+            files = [Path(r.mlir) for r in pipe.stats.graphs if r.name.startswith(f"{spec.name}.p") and r.mlir]
+        else:
+            files = [Path(rec.mlir)] if rec is not None and rec.mlir else []
+        problems = [p for f in files if f.exists() for p in module_problems(f.read_text())]
+        row.update(mlir=str(files[0]) if len(files) == 1 and not (rec and rec.pieces) else
+                   ([str(f) for f in files] or None), ops=rec.ops if rec is not None else None,
                    lower_s=round(rec.lower_s, 3) if rec is not None else None,
+                   pieces=rec.pieces if rec is not None else None,
+                   custom_ops=rec.custom_ops if rec is not None else None,
                    has_fp8=any("float8" in p for p in problems), problems=problems or None)
 
     return compile_each(be, graph_specs(runner), lambda name: _Named(pipe, name), after)

@@ -130,6 +130,19 @@ class SplitGraph:
         return [env[o] if isinstance(o, Node) else o for o in (outs if isinstance(outs, (tuple, list)) else [outs])]
 
 
+def _writeback(piece: _Piece) -> Callable[[list[Any]], list[Any]]:
+    """A piece made only of `copy_(graph input, value)` nodes (the input mutations AOTAutograd puts at the end, when
+    the last values come from a kernel op): the copies themselves, in order."""
+
+    def run(args: list[Any]) -> list[Any]:
+        env: dict[Node, Any] = dict(zip(piece.inputs, args, strict=True))
+        for node in piece.nodes:
+            env[node] = env[node.args[0]].copy_(env[node.args[1]])
+        return [env[n] for n in piece.outputs]
+
+    return run
+
+
 def compile_split(pipeline: StandinPipeline, fw: GraphModule, record: GraphRecord) -> SplitGraph:
     """`fw` (an AOTAutograd graph with custom-op nodes) as pure pieces, each through the pipeline's compile step
     (`<graph>.p<k>`), and its custom ops between them."""
@@ -139,9 +152,12 @@ def compile_split(pipeline: StandinPipeline, fw: GraphModule, record: GraphRecor
     pieces = [s for s in steps if isinstance(s, _Piece)]
     for k, piece in enumerate(pieces):
         gm = _piece_module(fw, piece)
-        if not piece.outputs and not any(n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-                                         for n in piece.nodes):
+        copies = [n.op == "call_function" and n.target is torch.ops.aten.copy_.default for n in piece.nodes]
+        if not piece.outputs and not any(copies):
             piece.run = lambda args: []  # nothing used after it, nothing written: dead code
+            continue
+        if all(copies):  # only the graph's cache writes of values computed before it: no program to compile
+            piece.run = _writeback(piece)
             continue
         sub = GraphRecord(name=f"{record.name}.p{k}", inputs=[])
         piece.run = pipeline._compile(gm, [], sub, piece=True)
