@@ -438,11 +438,14 @@ sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, s
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
+from engine.host_kernels import attn_ops  # noqa: E402  (its ops are built on the helpers above)
+
 # What `--kernels host` replaces in the reference table (engine/model/ops.py `ops_for("host")` assembles the table:
 # these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
 NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn, "moe_ffn": moe_ffn}
+    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn, "moe_ffn": moe_ffn,
+    "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj}
 
 
 def ensure_loaded() -> HostLibrary:

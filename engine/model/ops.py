@@ -29,6 +29,7 @@ import torch
 
 from engine.model.capabilities import HOST, Capabilities
 from engine.model.numerics import with_numerics
+from nki_kernels import reference
 from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
 
 __all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for", "with_composites"]
@@ -57,6 +58,8 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
     else:
         ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
     ops.stack_linear = stack_linear
+    if not hasattr(ops, "rope_tail"):  # RoPE on the trailing dims: the reference's, unless the table has its own
+        ops.rope_tail = reference.rope_tail
     return ops
 
 
