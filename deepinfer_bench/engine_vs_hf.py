@@ -233,7 +233,7 @@ def targets(ratios: dict[str, float], graph_modes: tuple[str, ...], batch: int |
             want = ratios.get(f"b{b}_batch_target")
             rows.append({"engine": label, "measure": f"batch-{b} tok/s / batch-1 tok/s (engine)", "value": bk,
                          "target": f">= {want}" if want is not None else "-",
-                         "met": bk >= want if want is not None else None})
+                         "met": bk >= want if want is not None else "-"})
         if label != graph_modes[0]:
             v = ratios[f"{label}:b1_ms_per_token_over_eager"]
             rows.append({"engine": label, "measure": f"batch-1 ms/token, {label} / {graph_modes[0]}", "value": v,
