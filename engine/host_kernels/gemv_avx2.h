@@ -306,7 +306,7 @@ static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const
     const int64_t half = pairs ? (N + 1) / 2 : N; /* pairs: work item n is rows n and n + half */
     int emin = 0, emax = 0, fail = 0;
     if (fmt == FMT_FP8) exp_range(xp, M * kp, &emin, &emax);
-#pragma omp parallel num_threads(nthreads) reduction(| : fail)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : fail)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
         const unsigned csr = _mm_getcsr();

@@ -331,7 +331,7 @@ class Attention(OpsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
         """x [T, dim] (attn_norm applied) -> [T, G*o_lora] (before wo_b)."""
-        cos, sin = self.rope.cos_sin(plan.positions)  # [T, rd/2]
+        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [T, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
         aux = self._aux(x, qr, cos, sin)
         groups = []
@@ -521,7 +521,8 @@ class Attention(OpsUser, nn.Module):
         own = self._owned(pos)
         write_ring(cache.win_store, slots[own], (pos[own] // cp) % wl, kv[tok[own]])
         keys = ring_keys(cache.win_store, slots)  # [B, wl, D]
-        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
+        valid = plan.shared(("ring_valid", wl, self.win, self.rank, self.cp), lambda: self._ring_valid(pos, wl))
+        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=valid[:, None])
         if self.ratio:
             ckv, csc = aux["c"]
             self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_store,
