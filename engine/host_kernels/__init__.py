@@ -25,11 +25,15 @@ hundreds of microseconds as chains of torch ops (on the tiny model they were ~45
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
 fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above).
 
+`attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
+held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>".
+
 `moe.c` holds the MoE FFN of a decode step after the gate (routed experts in expert order, each on its tokens with
 the routing weight before w2, plus the shared expert) as one native call over the same GEMMs (`moe_ffn`, key
 "host.moe_ffn"; engine/model/moe.py `MoE.forward` calls it when the op table has it): the ~15 torch ops and op-table
 calls per (token, expert) pair were the largest non-GEMM cost of a mid-model batch-1 step. Native for CPU fp32 x of
-at most max_m("mhc") rows (and each weight format's own limit), else the module's op-by-op path, counted by reason.
+at most max_m("mhc") rows (and each weight format's own limit), else the module's op-by-op path, counted by reason;
+in decode-region graphs (`MoE.forward_static`) the custom op `deepinfer::host_moe_ffn`.
 
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
 portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into

@@ -14,7 +14,8 @@
 Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
 another). Besides the kernel ops, the table has two composites the model needs (`with_composites`): `attn_out_expand`,
 the attention tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused
-`hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index.
+`hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index;
+and `rope_tail` (RoPE on the trailing dims: `reference.rope_tail`, native in the host table).
 Every table also carries the numerics hooks of `--numerics` / `--kv-cache-dtype` (engine/model/numerics.py
 `with_numerics`; identities for hf numerics and an auto cache), applied before the composites so these run over
 them.
