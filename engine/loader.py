@@ -477,7 +477,8 @@ def _wanted(cfg: ModelConfig, layers: Iterable[int] | None, experts: Iterable[in
 
 
 # Quantised in the checkpoint but always dequantised at load, as the official convert.py does: wo_a runs in a
-# grouped bf16 einsum (and the grouped wo_a kernel takes a dense weight).
+# grouped bf16 einsum (and the grouped wo_a kernel takes a dense weight). Under `weights=stored` an fp32 model holds
+# it as bf16 (every FP8 x UE8M0 value is exact there; checked): half the bytes a decode step reads, same values.
 DEQUANT_ALWAYS = ("attn.wo_a.weight",)
 
 
@@ -530,7 +531,11 @@ def _dequant(ckpt: _Checkpoint, name: str, key: str, shape: tuple[int, ...], dty
     if stored and keeps_stored(name):
         return ("fp8" if st_dtype == "F8_E4M3" else "fp4"), as_bytes(w), as_bytes(s)
     if st_dtype == "F8_E4M3":
-        return dequant_fp8_block(w, s, out_dtype)
+        dense = dequant_fp8_block(w, s, out_dtype)
+        if stored and out_dtype == torch.float32:  # DEQUANT_ALWAYS: held as bf16 (as convert.py does) where exact
+            narrow = dense.to(torch.bfloat16)  # e4m3 x 2^k: exact in bf16 unless below 2^-133
+            return narrow if torch.equal(narrow.float(), dense) else dense
+        return dense
     return dequant_fp4(w, s, out_dtype)
 
 

@@ -2,6 +2,7 @@
 
     python golden/make_bench_model.py --preset mid                   # golden/bench/mid/        (~0.8 GB)
     python golden/make_bench_model.py --preset flash --layers 2      # golden/bench/flash-2l/   (~9 GB)
+    python golden/make_bench_model.py --preset mid --vocab 8192      # golden/bench/mid-v8192/  (~0.2 GB)
     python golden/make_bench_model.py --list                         # the presets, their configs and sizes
 
 Each output directory holds `config.json` (official `inference/config.json` spelling), one safetensors shard per
@@ -58,6 +59,7 @@ SEED = 20269
 OUT_ROOT = GOLDEN / "bench"
 TINY = GOLDEN / "tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MIN_VOCAB = 1024  # the tokenizer's ids (golden/tiny's)
 CHUNK_ELEMS = 1 << 22  # elements per generated chunk (16 MB as fp32)
 
 # FP8 codes ~ N(0, 80): the RMS of e4m3 codes the official 128x128 quantiser gives a Gaussian weight (~82; block
@@ -85,7 +87,7 @@ class Preset:
     hash_layers: int  # default n_hash_layers (clamped to the layer count)
 
     def config(self, layers: int | None = None, mtp: int | None = None,
-               hash_layers: int | None = None) -> ModelConfig:
+               hash_layers: int | None = None, vocab: int | None = None) -> ModelConfig:
         n = self.layers if layers is None else int(layers)
         if not 1 <= n <= len(self.pattern):
             raise ValueError(f"layers={n}: this preset has 1 to {len(self.pattern)} layers ({list(self.pattern)})")
@@ -93,7 +95,12 @@ class Preset:
         h = min(self.hash_layers, n) if hash_layers is None else int(hash_layers)
         if not 0 <= h <= n:
             raise ValueError(f"hash_layers={h} outside [0, layers={n}]")
-        return ModelConfig(**self.fields, n_layers=n, n_mtp_layers=m, n_hash_layers=h,
+        fields = dict(self.fields)
+        if vocab is not None:
+            if int(vocab) < MIN_VOCAB:
+                raise ValueError(f"vocab={vocab}: at least {MIN_VOCAB} (the tokenizer's ids)")
+            fields["vocab_size"] = int(vocab)
+        return ModelConfig(**fields, n_layers=n, n_mtp_layers=m, n_hash_layers=h,
                            compress_ratios=self.pattern[:n] + (0,) * m)
 
 
@@ -127,12 +134,15 @@ PRESETS: dict[str, Preset] = {
 
 
 def default_out(preset: str, cfg: ModelConfig) -> Path:
-    """golden/bench/<preset> for a preset's full default model, else <preset>-<N>l[-mtp<M>] (flash-2l, mid-2l)."""
+    """golden/bench/<preset> for a preset's full default model, else <preset>-<N>l[-mtp<M>][-v<vocab>] (flash-2l,
+    mid-2l, mid-v8192)."""
     base = PRESETS[preset]
     full = cfg.n_layers == base.layers == len(base.pattern)
     name = preset if full else f"{preset}-{cfg.n_layers}l"
     if cfg.n_mtp_layers != base.mtp:
         name += f"-mtp{cfg.n_mtp_layers}"
+    if cfg.vocab_size != base.fields["vocab_size"]:
+        name += f"-v{cfg.vocab_size}"
     return OUT_ROOT / name
 
 
@@ -374,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mtp", type=int, default=None, help="MTP layers (sliding; default: mid 1, flash 0)")
     p.add_argument("--hash-layers", type=int, default=None, help="the first N layers route by token hash "
                    "(default: mid 2, flash 1; at most --layers)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (embedding and head rows; default: the "
+                   "preset's, mid / flash 129280 as V4; issue 24's host-speed model is mid with --vocab 8192)")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", type=Path, default=None, help="default golden/bench/<preset>[-<N>l]")
     p.add_argument("--layout-only", action="store_true",
@@ -384,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, pre in PRESETS.items():
             print(_describe(name, pre.config()))
         return
-    cfg = PRESETS[args.preset].config(args.layers, args.mtp, args.hash_layers)
+    cfg = PRESETS[args.preset].config(args.layers, args.mtp, args.hash_layers, args.vocab)
     out = args.out or default_out(args.preset, cfg)
     print(_describe(args.preset, cfg))
     print(f"writing {out} (seed {args.seed}{', layout only' if args.layout_only else ''})")

@@ -245,6 +245,13 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return out.to(x.dtype)
 
 
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the trailing `rd` dims of x [..., D] (V4 lays heads out as [nope | rope]); the rest is untouched.
+    (A composite of `rope_apply`, not a kernel family of its own: not in `__all__`; the model calls it through its
+    op table, `ops.rope_tail`, where the host table has a native one.)"""
+    return torch.cat([x[..., :-rd], rope_apply(x[..., -rd:], cos, sin, inverse)], dim=-1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # mHC
 

@@ -218,6 +218,17 @@ def test_preset_parameter_counts():  # the figures golden/README.md quotes
     assert cfg.index_topk < 2048 // 4 and cfg.max_position_embeddings >= 8192
 
 
+def test_vocab_option():  # issue 24's host-speed model: mid at vocab 8192 (the head no longer dominates a step)
+    small = mbm.PRESETS["mid"].config(vocab=8192)
+    counts = mbm.param_counts(small)
+    assert small.vocab_size == 8192 and counts["embed_head"] == 2 * 8192 * 1024
+    assert counts["main_body"] == mbm.param_counts(mbm.PRESETS["mid"].config())["main_body"]
+    assert mbm.default_out("mid", small).name == "mid-v8192"
+    assert mbm.default_out("mid", mbm.PRESETS["mid"].config(layers=2, vocab=8192)).name == "mid-2l-v8192"
+    with pytest.raises(ValueError, match="vocab=512"):
+        mbm.PRESETS["mid"].config(vocab=512)
+
+
 def test_flash_layout_loads(tmp_path):
     """The exact flash shard layout, headers and sparse zero data only (no time, no disk): the loader reads it."""
     cfg = mbm.PRESETS["flash"].config(layers=1)

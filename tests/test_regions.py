@@ -257,3 +257,21 @@ def test_quantiles_match_numpy() -> None:
     xs = [0.3, 9.0, 1.5, 2.25, 7.0, 4.0, 4.0]
     assert np.allclose(quantiles(xs, 10, 50, 90, 99), np.percentile(xs, [10, 50, 90, 99]), rtol=0, atol=1e-12)
     assert all(q != q for q in quantiles([], 50, 90))  # NaN when there is nothing to summarise
+
+
+@pytest.mark.parametrize("compiler", ["none", "eager", "aot_eager"])
+def test_host_kernels_in_layer_graphs_match_eager(compiler: str) -> None:
+    """`--kernels host` in decode regions: the native MoE FFN (`moe_ffn`, the custom op `deepinfer::host_moe_ffn`
+    inside a graph) and the other native ops give the eager host path's tokens and logits."""
+    cfg = CSA1
+    prompts = _prompts((6, 21))
+    weights = {k: v.bfloat16() if "experts." in k and v.dim() == 2 else v  # bf16 experts: the native MoE's
+               for k, v in random_weights(cfg, 0, with_mtp=False).items()}
+    runs = []
+    for mode in ("eager", "layer"):
+        eng = build(cfg, weights, max_model_len=256, graph_mode=mode, host_compiler=compiler, kernels="host")
+        runs.append((*greedy(eng, prompts, 4), eng.runner.dispatcher.counts))
+    (ref, ref_logits, _), (got, logits, counts) = runs
+    assert got == ref
+    assert _dlogit(logits, ref_logits) < 1e-4
+    assert counts[("host.moe_ffn", "host")] > 0 and counts[("host.rope_tail", "host")] > 0, sorted(counts.items())

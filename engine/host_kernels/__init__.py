@@ -25,11 +25,15 @@ hundreds of microseconds as chains of torch ops (on the tiny model they were ~45
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
 fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above).
 
+`attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
+held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>".
+
 `moe.c` holds the MoE FFN of a decode step after the gate (routed experts in expert order, each on its tokens with
 the routing weight before w2, plus the shared expert) as one native call over the same GEMMs (`moe_ffn`, key
 "host.moe_ffn"; engine/model/moe.py `MoE.forward` calls it when the op table has it): the ~15 torch ops and op-table
 calls per (token, expert) pair were the largest non-GEMM cost of a mid-model batch-1 step. Native for CPU fp32 x of
-at most max_m("mhc") rows (and each weight format's own limit), else the module's op-by-op path, counted by reason.
+at most max_m("mhc") rows (and each weight format's own limit), else the module's op-by-op path, counted by reason;
+in decode-region graphs (`MoE.forward_static`) the custom op `deepinfer::host_moe_ffn`.
 
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
 portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
@@ -68,11 +72,14 @@ __all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", 
 # * avx2 (Zen 3, 2 cores shared with other jobs): head 3.0x at 32, 0.84x at 64; FP8 1.05-1.7x at 64, 0.5-0.9x at 128;
 #   FP4 1.0-2.0x at 128, 0.7x at 256; small ops 1.7-2.3x and sparse_attn 1.3x at 64. A later run (2026-12-03, load
 #   ~9 on the 2 cores, interleaved): FP8 1.3-5.3x at 32 but 0.94-0.99x (fp8_4096, wo_b) at 64, hence FP8 <= 32.
+#   2026-12-04 (load ~2.5): the bf16 kernel with two weight rows per tile: head 2.0-2.6x at 8-16, 2.13x at 64,
+#   hence linear <= 64; sparse_attn 1.00-1.10x at 8-16 but 0.80-0.91x at 32-64 (q [1, T, 16, 128], 384 keys),
+#   hence sparse_attn <= 16.
 # * portable (no AVX2): 1.7-8x at M = 1, but head 0.81x and FP8 0.44-2.2x at 4, FP4 6.9x at 4 and 0.6x at 16,
 #   sparse_attn 0.93-1.08x at 1 (0: never native) and 0.45x at 4; the other small ops 1.5-3x up to 64.
 _AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64},
+         "avx2": {"linear": 64, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 16},
          "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 
@@ -363,19 +370,11 @@ _FMT_DTYPE = {None: torch.bfloat16, "fp8": torch.uint8, "fp4": torch.uint8}
 _FMT_KEY = {None: "linear", "fp8": "fp8", "fp4": "fp4"}
 
 
-def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit: float, e_lo: int,
-            routed: tuple[str | None, tuple[torch.Tensor | None, ...]],
-            shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None,
-            ref: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The MoE FFN of a decode step (engine/model/moe.py `MoE.forward` after the gate: routed experts + shared
-    expert) as one native call (moe.c `dk_moe_ffn`), else `ref()` (the module's own op-by-op path), counted by
-    reason under "host.moe_ffn". x [T, D] fp32, weights / indices [T, K] (fp32 / int64) -> fp32 [T, D].
-    `routed` = (fmt, (w1, s1, w3, s3, w2, s2)): the local experts' stacks [E_local, ...] from expert e_lo on, scales
-    None for bf16 weights (fmt None); `shared` the same for the shared expert's [I, D] / [D, I] tensors (None: no
-    shared expert). The GEMMs are the ones `linear` / `fp8_linear` / `fp4_linear` run, in the module's order, so
-    results equal the op-by-op host path up to silu's exp (libm's expf, within an ulp or two)."""
+def _moe_why_not(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 parts: list[tuple[str | None, tuple[torch.Tensor | None, ...]]]) -> str | None:
+    """Why `moe_ffn` does not take this call natively (None: it does); reads metadata only (works on the fake
+    tensors of a graph being traced)."""
     t = x.shape[0] if x.dim() == 2 else 0
-    parts = [routed] + ([shared] if shared is not None else [])
     why = _why_not_rows("mhc", t, x, weights, indices)
     if why is None and (x.dtype is not torch.float32 or weights.dtype is not torch.float32
                         or indices.dtype is not torch.int64):
@@ -388,13 +387,43 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit
             if fmt not in _FMT_CODE or ts[0].dtype is not _FMT_DTYPE[fmt] or ts[2].dtype is not _FMT_DTYPE[fmt] \
                     or ts[4].dtype is not _FMT_DTYPE[fmt] or any(u is not None and not u.is_contiguous() for u in ts):
                 why = "dtype"
-            elif ts[0].shape[-2] != routed[1][0].shape[-2]:
+            elif ts[0].shape[-2] != parts[0][1][0].shape[-2]:
                 why = "shape"
             elif t > max_m(_FMT_KEY[fmt]):
                 why = f"M > {max_m(_FMT_KEY[fmt])}"
+    return why
+
+
+def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit: float, e_lo: int,
+            routed: tuple[str | None, tuple[torch.Tensor | None, ...]],
+            shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None,
+            ref: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The MoE FFN of a decode step (engine/model/moe.py `MoE.forward` after the gate: routed experts + shared
+    expert) as one native call (moe.c `dk_moe_ffn`), else `ref()` (the module's own op-by-op path), counted by
+    reason under "host.moe_ffn". x [T, D] fp32, weights / indices [T, K] (fp32 / int64) -> fp32 [T, D].
+    `routed` = (fmt, (w1, s1, w3, s3, w2, s2)): the local experts' stacks [E_local, ...] from expert e_lo on, scales
+    None for bf16 weights (fmt None); `shared` the same for the shared expert's [I, D] / [D, I] tensors (None: no
+    shared expert). The GEMMs are the ones `linear` / `fp8_linear` / `fp4_linear` run, in the module's order, so
+    results equal the op-by-op host path up to silu's exp (libm's expf, within an ulp or two). Inside a graph being
+    compiled (decode regions: `MoE.forward_static`) the native call is the custom op `deepinfer::host_moe_ffn`."""
+    parts = [routed] + ([shared] if shared is not None else [])
+    why = _moe_why_not(x, weights, indices, parts)
+    if torch.compiler.is_compiling():  # decided on the traced shapes; counted when the op runs
+        if why is not None:
+            return ref()
+        return torch.ops.deepinfer.host_moe_ffn(x, weights, indices, limit, e_lo, routed[0] or "", list(routed[1]),
+                                                shared[0] or "" if shared else "", list(shared[1]) if shared else [])
     if why is not None:
         return dispatch.fallback("host.moe_ffn", why, ref)
+    return _moe_ffn_native(x, weights, indices, limit, e_lo, routed, shared)
+
+
+def _moe_ffn_native(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit: float, e_lo: int,
+                    routed: tuple[str | None, tuple[torch.Tensor | None, ...]],
+                    shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None) -> torch.Tensor:
     _count("host.moe_ffn")
+    parts = [routed] + ([shared] if shared is not None else [])
+    t = x.shape[0]
     fmt_r, rw = routed
     e_n, inter = rw[0].shape[0], rw[0].shape[1]
     d, k = x.shape[1], indices.shape[1]
@@ -408,6 +437,17 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit
     if rc != 0:
         raise MemoryError(f"host kernel moe_ffn: out of memory for x [{t}, {d}]")
     return y
+
+
+@torch.library.custom_op("deepinfer::host_moe_ffn", mutates_args=())
+def _moe_ffn_op(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit: float, e_lo: int, fmt_r: str,
+                routed: list[torch.Tensor | None], fmt_s: str, shared: list[torch.Tensor | None]) -> torch.Tensor:
+    """`moe_ffn`'s native call in a compiled graph (the caller checked `_moe_why_not` on the traced shapes)."""
+    return _moe_ffn_native(x, weights, indices, limit, e_lo, (fmt_r or None, tuple(routed)),
+                           (fmt_s or None, tuple(shared)) if shared else None)
+
+
+_moe_ffn_op.register_fake(lambda x, *_: x.new_empty(x.shape))
 
 
 def _native_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Callable[..., Any]:
@@ -438,11 +478,14 @@ sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, s
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
+from engine.host_kernels import attn_ops  # noqa: E402  (its ops are built on the helpers above)
+
 # What `--kernels host` replaces in the reference table (engine/model/ops.py `ops_for("host")` assembles the table:
 # these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
 NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn, "moe_ffn": moe_ffn}
+    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn, "moe_ffn": moe_ffn,
+    "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj}
 
 
 def ensure_loaded() -> HostLibrary:

@@ -312,3 +312,21 @@ int dk_fp4_linear(const float *x, const uint8_t *w, const uint8_t *s, float *y, 
                   int nthreads) {
     return run(FMT_FP4, x, w, s, y, M, N, K, nthreads);
 }
+
+/* reference.grouped_out_proj with a bf16 weight: y [M, G*R] = concat_g x[:, g*Kg:(g+1)*Kg] @ W[g*R:(g+1)*R]^T,
+ * x fp32 [M, G*Kg], W bf16 [G*R, Kg] (V4's wo_a): each group one dk_bf16_linear on a contiguous copy of its x
+ * columns. -1: out of memory. */
+int dk_bf16_grouped_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t G, int64_t R, int64_t Kg,
+                           int nthreads) {
+    float *xg = (float *)malloc((size_t)(M * Kg) * sizeof(float));
+    float *yg = (float *)malloc((size_t)(M * R) * sizeof(float));
+    int rc = xg == NULL || yg == NULL ? -1 : 0;
+    for (int64_t g = 0; g < G && rc == 0; g++) {
+        for (int64_t m = 0; m < M; m++) memcpy(xg + m * Kg, x + (m * G + g) * Kg, (size_t)Kg * sizeof(float));
+        rc = run(FMT_BF16, xg, (const uint8_t *)(w + g * R * Kg), NULL, yg, M, R, Kg, nthreads);
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * G * R + g * R, yg + m * R, (size_t)R * sizeof(float));
+    }
+    free(xg);
+    free(yg);
+    return rc;
+}

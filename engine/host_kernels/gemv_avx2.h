@@ -219,6 +219,58 @@ tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, 
     }
 }
 
+/* bf16, MT x rows (1..MT_TILE) against two weight rows w0, w1 -> y[m * N], y[m * N + 1]: each x vector is loaded
+ * once for both rows and each decoded weight vector used for MT rows (16 FMAs per 10 loads at MT = 4, where the
+ * one-row tile needs 18 loads per 16 FMAs and is load-bound from M ~ 4 on). One accumulator per (x row, weight
+ * row), 16 elements (one load of each weight row) per step. */
+static inline __attribute__((always_inline)) void
+tile2_bf16(const int MT, const float *x, int64_t kp, const uint8_t *w0, const uint8_t *w1, int64_t K, float *y,
+           int64_t N, int64_t dy) {
+    const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    uint8_t tail0[128] __attribute__((aligned(32))), tail1[128] __attribute__((aligned(32)));
+    __m256 acc[MT_TILE][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const uint8_t *s0 = chunk_src(FMT_BF16, w0, k0, K, tail0), *s1 = chunk_src(FMT_BF16, w1, k0, K, tail1);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(s0 + 32 * t));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(s1 + 32 * t));
+            const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+            const __m256 b0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi16));
+            const __m256 a1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+            const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi16));
+#pragma GCC unroll 4
+            for (int m = 0; m < MT; m++) {
+                const __m256 xa = XV(x, m, k0 + 16 * t), xb = XV(x, m, k0 + 16 * t + 8);
+                acc[m][0] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, acc[m][0]));
+                acc[m][1] = _mm256_fmadd_ps(xb, b1, _mm256_fmadd_ps(xa, a1, acc[m][1]));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; m++) {
+        y[m * N] = hsum8(acc[m][0]);
+        y[m * N + dy] = hsum8(acc[m][1]);
+    }
+}
+
+/* every x row against bf16 weight rows w0 and w1 -> y[m * N], y[m * N + dy] */
+static void rows2_bf16(const float *x, int64_t M, int64_t kp, const uint8_t *w0, const uint8_t *w1, int64_t K,
+                       float *y, int64_t N, int64_t dy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MT_TILE) {
+        const float *xt = x + m0 * kp;
+        float *yt = y + m0 * N;
+        switch (M - m0 < MT_TILE ? (int)(M - m0) : MT_TILE) {
+        case 1: tile2_bf16(1, xt, kp, w0, w1, K, yt, N, dy); break;
+        case 2: tile2_bf16(2, xt, kp, w0, w1, K, yt, N, dy); break;
+        case 3: tile2_bf16(3, xt, kp, w0, w1, K, yt, N, dy); break;
+        default: tile2_bf16(4, xt, kp, w0, w1, K, yt, N, dy); break;
+        }
+    }
+}
+
 /* every x row against one weight row (its scales srow) -> y[m * N] */
 static inline __attribute__((always_inline)) void
 row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, const uint8_t *wrow,
@@ -240,17 +292,21 @@ row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, cons
 }
 
 /* The AVX2 driver (gemv.c run() hands every call here): OpenMP over blocks of 16 weight rows, schedule(static),
- * one weight row at a time (with 16 vector registers a second row's decoded vectors do not fit), each read once,
- * whole, against every x row in tiles of up to MT_TILE rows. FP8: x pre-scaled once per 128-row scale block where
- * that is exact (see the top), in a per-thread copy. (Sweeping the rows k-block by k-block so that x stays in L1
- * for M > 4 measured slower here: the per-block sums and the row jumps cost more than the L2 reads of x save.) */
+ * each weight row read once, whole, against every x row in tiles of up to MT_TILE rows. FP8 and FP4: one weight row
+ * at a time (with 16 vector registers a second row's decoded vectors do not fit); FP8: x pre-scaled once per
+ * 128-row scale block where that is exact (see the top), in a per-thread copy. bf16 with M > 1: rows n and
+ * n + ceil(N/2) in one tile (tile2_bf16; two far-apart sequential streams: two adjacent rows read side by side
+ * streamed ~1.5x slower here). (Sweeping the rows k-block by k-block so that x stays in L1 for M > 4 measured
+ * slower here: the per-block sums and the row jumps cost more than the L2 reads of x save.) */
 static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s,
                     int64_t K, float *y, int64_t N, int nthreads) {
     enum { RB = 16 };
     const int64_t nkb = (K + 127) / 128, wstride = row_bytes(fmt, K);
+    const int pairs = fmt == FMT_BF16 && M > 1;
+    const int64_t half = pairs ? (N + 1) / 2 : N; /* pairs: work item n is rows n and n + half */
     int emin = 0, emax = 0, fail = 0;
     if (fmt == FMT_FP8) exp_range(xp, M * kp, &emin, &emax);
-#pragma omp parallel num_threads(nthreads) reduction(| : fail)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : fail)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
         const unsigned csr = _mm_getcsr();
@@ -260,14 +316,16 @@ static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const
         int exact = 0;
         fail |= fmt == FMT_FP8 && xs == NULL;
 #pragma omp for schedule(static)
-        for (int64_t r0 = 0; r0 < N; r0 += RB) {
+        for (int64_t r0 = 0; r0 < half; r0 += RB) {
             if (fmt == FMT_FP8 && xs == NULL) continue;
-            const int64_t r1 = r0 + RB < N ? r0 + RB : N;
+            const int64_t r1 = r0 + RB < half ? r0 + RB : half;
             if (fmt == FMT_FP8 && r0 >> 7 != cur) /* RB divides 128: a row block lies in one scale block */
                 cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, emin, emax);
             for (int64_t n = r0; n < r1; n++) {
                 const uint8_t *wrow = w + n * wstride;
-                if (fmt == FMT_BF16)
+                if (fmt == FMT_BF16 && pairs && n + half < N)
+                    rows2_bf16(xp, M, kp, wrow, wrow + half * wstride, K, y + n, N, half);
+                else if (fmt == FMT_BF16)
                     row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N);
                 else if (fmt == FMT_FP4)
                     row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N);

@@ -12,6 +12,7 @@
  *   dk_rms_norm    reference.rms_norm     x [T, D], weight [D] (or NULL) -> y [T, D]
  *   dk_hc_collapse reference.hc_collapse  x [T, n, D], pre [T, n] -> y [T, D]
  *   dk_hc_expand   reference.hc_expand    y [T, D], x [T, n, D], post [T, n], comb [T, n, n] -> out [T, n, D]
+ *   dk_rope_tail   reference.rope_tail    x [T, H, D], cos / sin [T, rd/2] -> y [T, H, D] (bitwise: no FMA)
  *
  * Dot products and sums of squares use 16 independent partial sums (gcc vectorises the lanes; the lane order is
  * fixed, so results do not depend on the thread count). Rows t are split over `nthreads` OpenMP threads when the
@@ -258,3 +259,28 @@ int dk_sparse_attn(const float *q, const float *kv, const uint8_t *valid, const 
     }
     return 0;
 }
+
+/* reference.rope_apply on the trailing rd dims of x [T, H, D] (reference.rope_tail): cos / sin [T, rd/2], one angle
+ * per token for all H heads (inverse: the negative angle); the leading D - rd dims are copied. Compiled without FMA
+ * contraction: every product and sum is rounded on its own, as the reference's separate torch ops round them, so the
+ * result is the reference's bit for bit. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+int dk_rope_tail(const float *x, const float *cs, const float *sn, float *y, int64_t T, int64_t H, int64_t D,
+                 int64_t rd, int inverse) {
+    const int64_t h2 = rd / 2, nope = D - rd;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + (t * H + h) * D, *c = cs + t * h2, *s = sn + t * h2;
+            float *yr = y + (t * H + h) * D;
+            for (int64_t i = 0; i < nope; i++) yr[i] = xr[i];
+            for (int64_t i = 0; i < h2; i++) {
+                const float a = xr[nope + 2 * i], b = xr[nope + 2 * i + 1], si = inverse ? -s[i] : s[i];
+                const float ac = a * c[i], bs = b * si, as = a * si, bc = b * c[i];
+                yr[nope + 2 * i] = ac - bs;
+                yr[nope + 2 * i + 1] = as + bc;
+            }
+        }
+    return 0;
+}
+#pragma GCC pop_options

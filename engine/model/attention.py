@@ -22,12 +22,7 @@ from engine.model.layers import Linear, RMSNorm, Rope, _empty
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import no_split
-from nki_kernels.reference import desc_order, index_topk, rope_apply, sparse_attn_merge
-
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
-    """RoPE on the trailing `rd` dims of x [..., D] (V4 lays heads out as [nope | rope]); the rest is untouched."""
-    return torch.cat([x[..., :-rd], rope_apply(x[..., -rd:], cos, sin, inverse)], dim=-1)
+from nki_kernels.reference import desc_order, index_topk, sparse_attn_merge
 
 
 class Compressor(OpsUser, nn.Module):
@@ -56,7 +51,7 @@ class Compressor(OpsUser, nn.Module):
         numerics rounding (engine/model/numerics.py: KV FP8 / the indexer's Hadamard + FP4). [W, D] -> [W, D]."""
         e = self.ops.rms_norm(self.ops.entry_in(pooled, dtype), self.norm.weight, self.eps)
         cos, sin = rope.cos_sin(first_pos)
-        e = rope_tail(e, cos, sin, self.rd).to(dtype)
+        e = self.ops.rope_tail(e, cos, sin, self.rd).to(dtype)
         return self.ops.index_key_quant(e) if self.rotate else self.ops.kv_quant(e, self.rd)
 
     # The slot state holds the raw projections (kv, gate logit + ape) of recent tokens, token p in row p % S
@@ -182,7 +177,7 @@ class Indexer(OpsUser, nn.Module):
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, Di] (RoPE on the trailing dims, no per-head norm) and head weights [T, Hi] fp32."""
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = self.ops.index_query_quant(rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd))
+        q = self.ops.index_query_quant(self.ops.rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd))
         w = self.ops.index_weights(self.weights_proj(x), self.weight_scale)
         return q, w
 
@@ -305,7 +300,7 @@ class Attention(OpsUser, nn.Module):
         self.rope = Rope(cfg, compressed=bool(self.ratio))
 
     def _rope_tail(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rope_tail(x, cos, sin, self.rd, inverse)
+        return self.ops.rope_tail(x, cos, sin, self.rd, inverse)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, dim] -> q [T, H, D], kv [T, D], qr [T, q_lora]."""
@@ -336,7 +331,7 @@ class Attention(OpsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
         """x [T, dim] (attn_norm applied) -> [T, G*o_lora] (before wo_b)."""
-        cos, sin = self.rope.cos_sin(plan.positions)  # [T, rd/2]
+        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [T, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
         aux = self._aux(x, qr, cos, sin)
         groups = []
@@ -526,7 +521,8 @@ class Attention(OpsUser, nn.Module):
         own = self._owned(pos)
         write_ring(cache.win_store, slots[own], (pos[own] // cp) % wl, kv[tok[own]])
         keys = ring_keys(cache.win_store, slots)  # [B, wl, D]
-        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=self._ring_valid(pos, wl)[:, None])
+        valid = plan.shared(("ring_valid", wl, self.win, self.rank, self.cp), lambda: self._ring_valid(pos, wl))
+        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=valid[:, None])
         if self.ratio:
             ckv, csc = aux["c"]
             self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_store,

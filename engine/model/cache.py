@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -322,6 +324,14 @@ class StepPlan:
     dec_pos: torch.Tensor | None = None  # [B]
     dec_tables: torch.Tensor | None = None  # [B, max_blocks] (padded with 0; masked by position)
     prefill: tuple[SeqStep, ...] = ()
+    # tensors every layer of the step derives alike from the plan (RoPE tables, window masks), made once: `shared`
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def shared(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()` the first time a layer asks for `key` in this step, the same (read-only) value after that."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, batch_decode: bool = True,

@@ -117,10 +117,10 @@ class Rope(nn.Module):
         super().__init__()
         if compressed:
             yarn = (cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
-            inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, yarn)
+            self.key = (cfg.rope_head_dim, cfg.compress_rope_theta, yarn)
         else:
-            inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, None)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.key = (cfg.rope_head_dim, cfg.rope_theta, None)  # what the table is (layers with one key share it)
+        self.register_buffer("inv_freq", rope_inv_freq(*self.key), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.inv_freq)

@@ -258,6 +258,13 @@ class MoE(OpsUser, nn.Module):
             return self._forward_ep(x, input_ids, static=True, split=split)
         weights, indices = self.gate(x, input_ids)
         split("moe.gate")
+        native = getattr(self.ops, "moe_ffn", None)  # the host table's one-call MoE FFN: a custom op in graphs
+        if native is not None and self._stacked:
+            y = native(x, weights, indices, self.experts[self.local.start].limit, self.local.start,
+                       self._weights_of(None), self._weights_of(self.shared_experts),
+                       lambda: self.routed_static(x, weights, indices) + self.shared_experts(x))
+            split("moe.experts")
+            return y.to(x.dtype)
         y = self.routed_static(x, weights, indices)
         split("moe.experts")
         y = y + self.shared_experts(x)

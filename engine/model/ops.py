@@ -14,7 +14,8 @@
 Modules read `self.ops` (an `OpsUser` class attribute: the reference table unless `Transformer.use_ops` set
 another). Besides the kernel ops, the table has two composites the model needs (`with_composites`): `attn_out_expand`,
 the attention tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused
-`hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index.
+`hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index;
+and `rope_tail` (RoPE on the trailing dims: `reference.rope_tail`, native in the host table).
 Every table also carries the numerics hooks of `--numerics` / `--kv-cache-dtype` (engine/model/numerics.py
 `with_numerics`; identities for hf numerics and an auto cache), applied before the composites so these run over
 them.
@@ -29,6 +30,7 @@ import torch
 
 from engine.model.capabilities import HOST, Capabilities
 from engine.model.numerics import with_numerics
+from nki_kernels import reference
 from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
 
 __all__ = ["KERNEL_OPS", "REFERENCE", "OpsUser", "ops_for", "with_composites"]
@@ -63,6 +65,8 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
     else:
         ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
     ops.stack_linear = stack_linear
+    if not hasattr(ops, "rope_tail"):  # RoPE on the trailing dims: the reference's, unless the table has its own
+        ops.rope_tail = reference.rope_tail
     return ops
 
 

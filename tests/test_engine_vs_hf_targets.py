@@ -1,0 +1,24 @@
+"""`deepinfer bench engine-vs-hf`'s targets table: issue 24's targets (batch-1 <= 0.25 x HF, >= 50 % of the memory
+roof, batch 8 >= 4 x batch 1) judged from a run's ratios (the run itself is a benchmark, not a test)."""
+
+from __future__ import annotations
+
+from deepinfer_bench import engine_vs_hf as E
+
+
+def _ratios(b1: float, roof: float, b2: float, b8: float) -> dict[str, float]:
+    r = {"b1_target": E.TARGET_B1_RATIO, "b1_roof_target": E.TARGET_B1_ROOF, "ttft_target": E.TARGET_TTFT_RATIO}
+    r |= {f"b{b}_batch_target": t for b, t in E.TARGET_BATCH_SPEEDUP.items()}
+    return r | {"eager:b1_ms_per_token_engine_over_hf": b1, "eager:b1_roof_fraction": roof,
+                "eager:b2_tok_s_over_b1": b2, "eager:b8_tok_s_over_b1": b8}
+
+
+def test_issue_24_targets() -> None:
+    df = E.targets(_ratios(0.24, 0.51, 1.5, 4.1), ("eager",), (2, 8), 0)
+    got = {m: (t, met) for m, t, met in zip(df.measure, df.target, df.met, strict=True)}
+    assert got == {"batch-1 ms/token, engine / HF": ("<= 0.25", True),
+                   "batch-1 achieved GB/s / memory roof (stored bytes)": (">= 0.5", True),
+                   "batch-2 tok/s / batch-1 tok/s (engine)": ("-", "-"),
+                   "batch-8 tok/s / batch-1 tok/s (engine)": (">= 4.0", True)}
+    missed = E.targets(_ratios(0.26, 0.49, 1.5, 3.9), ("eager",), (2, 8), 0)
+    assert list(missed.met) == [False, False, "-", False]
