@@ -22,13 +22,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-
-if TYPE_CHECKING:
-    from engine.backends.standin_pipeline import GraphRecord, StandinPipeline
 
 NAMESPACE = "deepinfer"  # nki_kernels.torch_ops.NAMESPACE (the engine's backends do not import the kernels)
 
@@ -143,11 +140,10 @@ def _writeback(piece: _Piece) -> Callable[[list[Any]], list[Any]]:
     return run
 
 
-def compile_split(pipeline: StandinPipeline, fw: GraphModule, record: GraphRecord) -> SplitGraph:
+def compile_split(pipeline: Any, fw: GraphModule, record: Any) -> SplitGraph:
     """`fw` (an AOTAutograd graph with custom-op nodes) as pure pieces, each through the pipeline's compile step
-    (`<graph>.p<k>`), and its custom ops between them."""
-    from engine.backends.standin_pipeline import GraphRecord
-
+    (`<graph>.p<k>`), and its custom ops between them. `pipeline` is the calling StandinPipeline and `record` its
+    GraphRecord (not imported here: the pipeline imports this module); a piece's record is a new one of that type."""
     steps = _steps(fw)
     pieces = [s for s in steps if isinstance(s, _Piece)]
     for k, piece in enumerate(pieces):
@@ -159,7 +155,7 @@ def compile_split(pipeline: StandinPipeline, fw: GraphModule, record: GraphRecor
         if all(copies):  # only the graph's cache writes of values computed before it: no program to compile
             piece.run = _writeback(piece)
             continue
-        sub = GraphRecord(name=f"{record.name}.p{k}", inputs=[])
+        sub = type(record)(name=f"{record.name}.p{k}", inputs=[])
         piece.run = pipeline._compile(gm, [], sub, piece=True)
         record.xla_s += sub.xla_s
         record.mlir_s += sub.mlir_s
