@@ -63,6 +63,20 @@ def _region_fn(reg: Any) -> Callable[..., Any]:
     return run
 
 
+def _region_specs(inputs: Any) -> list[GraphSpec]:
+    """One spec per (structure, shape) of `inputs` (xla_export.region_graph_inputs / chunk_graph_inputs); the
+    layers of a structure share one traced function."""
+    specs, fns = [], {}
+    for name, structure, reg, li, x, roots, packed, meta in inputs:
+        if structure not in fns:
+            fns[structure] = _region_fn(reg)
+        params = reg.params()
+        specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed), meta,
+                               {"x": x, "packed": packed, "layer_index": li,
+                                **{f"root.{k}": v for k, v in roots.items()}, **params}))
+    return specs
+
+
 def decode_specs(runner: Any) -> list[GraphSpec]:
     """The decode graphs of `runner` (graph mode regions | layer): region structures x decode shapes, embed and head
     per batch bucket."""
@@ -70,14 +84,7 @@ def decode_specs(runner: Any) -> list[GraphSpec]:
     if rr is None:
         raise ValueError("deepinfer compile writes region graphs: use --graph-mode regions or layer")
     model = runner.model
-    specs, fns = [], {}
-    for name, structure, reg, li, x, roots, packed, meta in region_graph_inputs(runner):
-        if structure not in fns:
-            fns[structure] = _region_fn(reg)
-        params = reg.params()
-        specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed), meta,
-                               {"x": x, "packed": packed, "layer_index": li,
-                                **{f"root.{k}": v for k, v in roots.items()}, **params}))
+    specs = _region_specs(region_graph_inputs(runner))
     for bp, packed, x in edge_graph_inputs(runner):
         specs.append(GraphSpec(f"embed_b{bp}", lambda packed: model.streams(packed[:, 2]), (packed,),
                                edge_meta("embed", bp), {"packed": packed, "embed.weight": model.embed.weight}))
@@ -96,14 +103,7 @@ def chunk_specs(runner: Any) -> list[GraphSpec]:
     from engine.regions import _embed_chunk
 
     rr, model = runner.regions, runner.model
-    specs, fns = [], {}
-    for name, structure, reg, li, x, roots, packed, meta in chunk_graph_inputs(runner):
-        if structure not in fns:
-            fns[structure] = _region_fn(reg)
-        params = reg.params()
-        specs.append(GraphSpec(name, fns[structure], (params, x, roots, li, packed), meta,
-                               {"x": x, "packed": packed, "layer_index": li,
-                                **{f"root.{k}": v for k, v in roots.items()}, **params}))
+    specs = _region_specs(chunk_graph_inputs(runner))
     for bp, c, packed, x in chunk_edge_inputs(runner):
         edge = {"structure": [], "ratio": None, "batch_bucket": bp, "chunk_bucket": c, "block_bucket": None}
         specs.append(GraphSpec(f"chunk_embed_b{bp}_c{c}", functools.partial(_embed_chunk, model, c), (packed,),
