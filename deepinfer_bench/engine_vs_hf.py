@@ -50,13 +50,18 @@ def memory_bandwidth_gb_s(mib: int = 1024, repeats: int = 3) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
-def engine_read_bytes(model: Any, batch: int) -> int:
+def engine_read_bytes(model: Any, batch: int, last_pos: int | None = None) -> int:
     """Weight bytes one decode step of `batch` tokens reads from the engine's model as it is held (stored bytes,
     scales included): every tensor of the main layers and the head once, the embedding `batch` rows, and per layer
-    min(local experts, batch x K) routed experts."""
+    min(local experts, batch x K) routed experts. With `last_pos` (the step's last position), not the indexer's
+    query weights of layers whose top-k keeps every entry at that context (engine/model/attention.py
+    `Attention.index_needed`: the step skips them)."""
+    skip = () if last_pos is None else tuple(
+        f"layers.{i}.attn.indexer.{w}." for i, layer in enumerate(model.layers)
+        if layer.attn.indexer is not None and not layer.attn.index_needed(last_pos) for w in ("wq_b", "weights_proj"))
     total = 0
     for name, t in model.named_parameters():
-        if name.startswith("mtp.") or ".ffn.experts." in name:
+        if name.startswith("mtp.") or ".ffn.experts." in name or name.startswith(skip):
             continue
         b = t.numel() * t.element_size()
         total += b // t.shape[0] * batch if name == "embed.weight" else b
@@ -179,7 +184,7 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
     for (system, b), times in samples.items():
         p50, p90 = quantiles(times, 50, 90)
         is_hf = system.startswith("hf")
-        nbytes = hf_read_bytes(cfg, dtype.itemsize, b) if is_hf else engine_read_bytes(model, b)
+        nbytes = hf_read_bytes(cfg, dtype.itemsize, b) if is_hf else engine_read_bytes(model, b, prompt_len + steps)
         gbs = nbytes / p50 / 1e9
         kernels = "-" if is_hf else str(variants[system.removeprefix("deepinfer[").removesuffix("]")].kernels)
         rows.append({"system": system, "kernels": kernels, "weights": "dequant" if is_hf else str(config.model.weights),

@@ -114,16 +114,20 @@ def _native() -> HostLibrary:
 
 def _why_not_rows(key: str, rows: int, x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """Why a native kernel does not take this call (None: it does): x's dtype, every tensor's device, autograd, an
-    empty x, or more than max_m(key) rows (x's token / row count `rows`)."""
+    empty x, or more than max_m(key) rows (x's token / row count `rows`). On the decode hot path (~70 calls a
+    step): plain loops, no generator per call."""
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         return "dtype"
-    if not x.is_cpu or any(t is not None and not t.is_cpu for t in others):
+    if not x.is_cpu:
         return "device"
+    for t in others:
+        if t is not None and not t.is_cpu:
+            return "device"
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
         return "autograd"
     if x.numel() == 0:
         return "empty"
-    if rows > (limit := max_m(key)):
+    if rows > (limit := MAX_M[_native().variant][key]):
         return f"M > {limit}"
     return None
 
@@ -139,7 +143,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _count(key: str) -> None:
-    dispatch.count(key, EXECUTOR)
+    dispatch.current().count(key, EXECUTOR)
 
 
 def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -46,11 +46,13 @@ class Compressor(OpsUser, nn.Module):
         xf = x.float()
         return self.wkv(xf), self.wgate(xf)
 
-    def finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, rope: Rope, dtype: torch.dtype,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """RMSNorm, then RoPE of the trailing dims at the position of the block's first token, then the entry's
-        numerics rounding (engine/model/numerics.py: KV FP8 / the indexer's Hadamard + FP4). [W, D] -> [W, D]."""
+        numerics rounding (engine/model/numerics.py: KV FP8 / the indexer's Hadamard + FP4). [W, D] -> [W, D].
+        `cos_sin`: rope's tables at `first_pos`, where the caller has them already."""
         e = self.ops.rms_norm(self.ops.entry_in(pooled, dtype), self.norm.weight, self.eps)
-        cos, sin = rope.cos_sin(first_pos)
+        cos, sin = rope.cos_sin(first_pos) if cos_sin is None else cos_sin
         e = self.ops.rope_tail(e, cos, sin, self.rd).to(dtype)
         return self.ops.index_key_quant(e) if self.rotate else self.ops.kv_quant(e, self.rd)
 
@@ -100,20 +102,30 @@ class Compressor(OpsUser, nn.Module):
         st_score.index_copy_(0, self._state_rows(pos[keep:], rows), score[keep:])
 
     # -- B sequences, one new token each ---------------------------------------------------------------------------
-    def decode(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-               st_kv: torch.Tensor, st_score: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rope: Rope,
-               dtype: torch.dtype) -> None:
-        """kv/score [B, coff*D] at positions pos [B]; states [S, rows, coff*D] indexed by slots [B]."""
-        m, rows = self.ratio, st_kv.shape[1]
-        row = self._state_rows(pos, rows)
-        st_kv[slots, row] = kv
-        st_score[slots, row] = score + self.ape[pos % m]
+    def decode_index(self, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, rows: int,
+                     rope: Rope) -> tuple:
+        """What `decode` derives from the step's positions alone, the same for every layer of this ratio and state
+        size (a decode step makes it once: `StepPlan.shared`): (state rows [B], pos % m [B], closing), closing None
+        when no block closes, else (their slots, block ids w, block tables, rope's (cos, sin) at w * m)."""
+        m = self.ratio
         closing = ((pos + 1) % m == 0).nonzero().flatten()
         if closing.numel() == 0:
-            return
-        pooled = self._pool(st_kv, st_score, slots[closing], pos[closing] // m)
+            return self._state_rows(pos, rows), pos % m, None
         w = pos[closing] // m
-        self._store(self.finish(pooled, w * m, rope, dtype), w, pool, tables[closing])
+        return self._state_rows(pos, rows), pos % m, (slots[closing], w, tables[closing], rope.cos_sin(w * m))
+
+    def decode(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, index: tuple, st_kv: torch.Tensor,
+               st_score: torch.Tensor, pool: torch.Tensor, dtype: torch.dtype) -> None:
+        """kv/score [B, coff*D] of the tokens at the step's decode positions; states [S, rows, coff*D] indexed by
+        slots [B]; `index` = decode_index(...) of this step."""
+        row, phase, closing = index
+        st_kv[slots, row] = kv
+        st_score[slots, row] = score + self.ape[phase]
+        if closing is None:
+            return
+        slots_c, w, tables_c, cos_sin = closing
+        pooled = self._pool(st_kv, st_score, slots_c, w)
+        self._store(self.finish(pooled, w * self.ratio, None, dtype, cos_sin), w, pool, tables_c)
 
     def _pool(self, st_kv: torch.Tensor, st_score: torch.Tensor, slots: torch.Tensor, w: torch.Tensor,
               ) -> torch.Tensor:
@@ -313,15 +325,27 @@ class Attention(OpsUser, nn.Module):
         kv = self.ops.kv_quant(self._rope_tail(kv, cos, sin), self.rd)  # [T, D] (numerics: FP8 non-RoPE dims)
         return q, kv, qr
 
-    def _aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
-        """Compressor projections ("c", "i") and indexer queries/weights ("q") of all tokens."""
+    def _aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             index: bool = True) -> dict:
+        """Compressor projections ("c", "i") and indexer queries/weights ("q") of all tokens (`index` False: no
+        queries, see `index_needed`)."""
         aux = {}
         if self.ratio:
             aux["c"] = self.compressor.project(x)
             if self.indexer is not None:
                 aux["i"] = self.indexer.compressor.project(x)
-                aux["q"] = self.indexer.queries(x, qr, cos, sin)
+                if index:
+                    aux["q"] = self.indexer.queries(x, qr, cos, sin)
         return aux
+
+    def index_needed(self, last_pos: int) -> bool:
+        """Whether the indexer's top-k can drop an entry for a query at position <= `last_pos`: only when more than
+        `index_topk` compressed entries exist (all ranks together). Up to there the top-k keeps every causal entry,
+        which is the mask attention applies anyway, so the indexer's queries, scores and selection change nothing
+        and are skipped (exactly the same result; contexts up to index_topk x 4 tokens: 1024 on the mid bench
+        model, 2048 x 4 on V4). The indexer's compressor still runs: its keys are needed once the context is longer.
+        """
+        return self.indexer is not None and (last_pos + 1) // self.ratio > self.indexer.topk
 
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped wo_a: o [T, H, D] -> [T, G*o_lora]. wo_b comes with the mHC expand
@@ -333,7 +357,7 @@ class Attention(OpsUser, nn.Module):
         """x [T, dim] (attn_norm applied) -> [T, G*o_lora] (before wo_b)."""
         cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [T, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
-        aux = self._aux(x, qr, cos, sin)
+        aux = self._aux(x, qr, cos, sin, self.index_needed(max(s.start + s.n - 1 for s in plan.seqs)))
         groups = []
         if plan.dec_tokens is not None:
             groups.append(self._decode(q, kv, aux, plan, cache))
@@ -343,8 +367,12 @@ class Attention(OpsUser, nn.Module):
                                       cache, sl))
         if self.indexer is not None:
             self._select(groups)
+        outs = self._attend(groups)
+        if len(groups) == 1 and isinstance(groups[0].rows, slice) and groups[0].rows == slice(None):
+            # a decode-only step: the group is every row
+            return self._out(outs[0].flatten(0, 1), cos, sin)
         o = torch.empty_like(q)
-        for g, og in zip(groups, self._attend(groups), strict=True):
+        for g, og in zip(groups, outs, strict=True):
             o[g.rows] = og.flatten(0, 1)
         return self._out(o, cos, sin)
 
@@ -356,7 +384,8 @@ class Attention(OpsUser, nn.Module):
             if g.scores is None:
                 picks.append(None)
                 continue
-            nvis = (g.visible - self.rank).clamp(min=0).add(self.cp - 1).div(self.cp, rounding_mode="floor")
+            nvis = (g.visible - self.rank).clamp(min=0).add(self.cp - 1).div(self.cp, rounding_mode="floor") \
+                if self.cp > 1 else g.visible
             picks.append(index_topk(g.scores, nvis, k, self.caps.bitcast))  # local order among this rank's entries
         if self.par is None:
             for g, p in zip(groups, picks, strict=True):
@@ -389,9 +418,11 @@ class Attention(OpsUser, nn.Module):
     def _attend(self, groups: list[_Group]) -> list[torch.Tensor]:
         """Attention of every group over this rank's keys; under cp the shares are merged with ONE all-gather."""
         if self.par is None:
-            cut = self.caps.data_dependent_shapes
-            return [torch.cat([self.ops.sparse_attn(q, k, v, self.attn_sink, self.scale) for q, k, v in _tiles(g, cut)],
-                              1) for g in groups]
+            cut, out = self.caps.data_dependent_shapes, []
+            for g in groups:
+                tiles = [self.ops.sparse_attn(q, k, v, self.attn_sink, self.scale) for q, k, v in _tiles(g, cut)]
+                out.append(tiles[0] if len(tiles) == 1 else torch.cat(tiles, 1))
+            return out
         packed = []
         for g in groups:
             parts = [self.ops.sparse_attn_partial(q, k, v, self.scale)
@@ -422,20 +453,30 @@ class Attention(OpsUser, nn.Module):
         p = self.rank + cp * j
         return (j >= 0) & (p > pos[:, None] - self.win)
 
-    def _entries(self, g: _Group, cache: LayerCache, tables: torch.Tensor, visible: torch.Tensor,
-                 aux_q: tuple | None) -> None:
-        """Append this rank's compressed entries (and indexer scores) for queries with `visible` [B, T] entries."""
+    def _entry_ids(self, visible: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """For queries with `visible` [B, T] causal entries: this rank's entry count, their global ids [E] and which
+        of them each query sees [B, T, E]; None while no entry exists (a host sync: the count sizes the gather)."""
         cp = self.cp
         num = int(visible.max())  # entries that exist (all ranks)
         if num == 0:
-            return
+            return None
         nloc = max(0, -(-(num - self.rank) // cp))  # this rank's share
-        ids = self.rank + cp * torch.arange(nloc, device=tables.device)  # their global ids
+        ids = self.rank + cp * torch.arange(nloc, device=visible.device)  # their global ids
+        return nloc, ids, ids.view(1, 1, -1) < visible.unsqueeze(-1)
+
+    def _entries(self, g: _Group, cache: LayerCache, tables: torch.Tensor, visible: torch.Tensor,
+                 aux_q: tuple | None, ids: tuple[int, torch.Tensor, torch.Tensor] | None | str = "make") -> None:
+        """Append this rank's compressed entries (and indexer scores) for queries with `visible` [B, T] entries.
+        `ids`: `_entry_ids(visible)` where the caller made it already (a decode step: once for all layers)."""
+        found = self._entry_ids(visible) if isinstance(ids, str) else ids
+        if found is None:
+            return
+        nloc, ids, seen = found
         entries = gather_entries(cache.cmp_store, tables, nloc)  # [B, E, D]
         g.n_win = g.keys.shape[1]
         g.keys = torch.cat([g.keys, entries.to(g.keys.dtype)], 1)
-        g.valid = torch.cat([g.valid, ids.view(1, 1, -1) < visible.unsqueeze(-1)], 2)
-        if self.indexer is not None:
+        g.valid = torch.cat([g.valid, seen], 2)
+        if self.indexer is not None and aux_q is not None:
             ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
             g.scores = self.ops.index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
             g.visible, g.ids = visible, ids
@@ -510,28 +551,63 @@ class Attention(OpsUser, nn.Module):
             if self.indexer is not None:
                 self.indexer.compressor.chunk(*aux["i"], start, cache.idx_kv[s.slot], cache.idx_score[s.slot],
                                               cache.idx_store, s.block_table, self.rope, cache.dtype)
-            aux_q = (aux["q"][0][None], aux["q"][1][None]) if self.indexer is not None else None
+            aux_q = (aux["q"][0][None], aux["q"][1][None]) if "q" in aux else None
             self._entries(g, cache, s.block_table[None], ((qpos + 1) // self.ratio)[None], aux_q)
         return g
 
     # -- many sequences, one token each ----------------------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _Group:
         tok, slots, pos, tables = plan.dec_tokens, plan.dec_slots, plan.dec_pos, plan.dec_tables
-        cp, wl = self.cp, cache.win_kv.shape[1]
-        own = self._owned(pos)
-        write_ring(cache.win_store, slots[own], (pos[own] // cp) % wl, kv[tok[own]])
+        wl = cache.win_kv.shape[1]
+        ix = plan.shared(("decode", wl, self.win, self.rank, self.cp), lambda: self._decode_index(plan, wl))
+        w_slots, w_rows, w_tok = ix.ring_write
+        write_ring(cache.win_store, w_slots, w_rows, kv if w_tok is None else kv[w_tok])
         keys = ring_keys(cache.win_store, slots)  # [B, wl, D]
-        valid = plan.shared(("ring_valid", wl, self.win, self.rank, self.cp), lambda: self._ring_valid(pos, wl))
-        g = _Group(rows=tok, q=q[tok][:, None], keys=keys, valid=valid[:, None])
+        pick = (lambda t: t) if ix.all_rows else (lambda t: t[tok])  # noqa: E731
+        g = _Group(rows=slice(None) if ix.all_rows else tok, q=pick(q)[:, None], keys=keys, valid=ix.valid)
         if self.ratio:
-            ckv, csc = aux["c"]
-            self.compressor.decode(ckv[tok], csc[tok], pos, slots, cache.cmp_kv, cache.cmp_score, cache.cmp_store,
-                                   tables, self.rope, cache.dtype)
+            self.compressor.decode(*(pick(t) for t in aux["c"]), slots, self._cmp_index(plan, cache.cmp_kv),
+                                   cache.cmp_kv, cache.cmp_score, cache.cmp_store, cache.dtype)
             aux_q = None
             if self.indexer is not None:
-                ikv, isc = aux["i"]
-                self.indexer.compressor.decode(ikv[tok], isc[tok], pos, slots, cache.idx_kv, cache.idx_score,
-                                               cache.idx_store, tables, self.rope, cache.dtype)
-                aux_q = (aux["q"][0][tok][:, None], aux["q"][1][tok][:, None])
-            self._entries(g, cache, tables, ((pos + 1) // self.ratio)[:, None], aux_q)
+                ic = self.indexer.compressor
+                ic.decode(*(pick(t) for t in aux["i"]), slots, self._cmp_index(plan, cache.idx_kv, ic), cache.idx_kv,
+                          cache.idx_score, cache.idx_store, cache.dtype)
+                if "q" in aux:
+                    aux_q = (pick(aux["q"][0])[:, None], pick(aux["q"][1])[:, None])
+            visible, ids = plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(pos))
+            self._entries(g, cache, tables, visible, aux_q, ids)
         return g
+
+    def _visible(self, pos: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids`."""
+        visible = ((pos + 1) // self.ratio)[:, None]
+        return visible, self._entry_ids(visible)
+
+    def _decode_index(self, plan: StepPlan, wl: int) -> _DecodeIndex:
+        """The step's decode-group indices for a window ring of `wl` rows (`_DecodeIndex`)."""
+        tok, slots, pos = plan.dec_tokens, plan.dec_slots, plan.dec_pos
+        all_rows = not plan.prefill and [s.token_start for s in plan.seqs] == list(range(len(plan.seqs)))
+        own = self._owned(pos)
+        mine = bool(own.all())
+        ring = (slots, (pos // self.cp) % wl, None if all_rows and mine else tok) if mine else \
+            (slots[own], (pos[own] // self.cp) % wl, tok[own])
+        return _DecodeIndex(all_rows, ring, self._ring_valid(pos, wl)[:, None])
+
+    def _cmp_index(self, plan: StepPlan, state: torch.Tensor, comp: Compressor | None = None) -> tuple:
+        """`Compressor.decode_index` of the step for `comp` (default: the attention's compressor) with `state`'s
+        rows, made once for every layer of the same ratio and state size."""
+        comp = comp or self.compressor
+        rows = state.shape[1]
+        return plan.shared(("compress", comp.ratio, rows, self.rope.key, self.rank, self.cp),
+                           lambda: comp.decode_index(plan.dec_pos, plan.dec_slots, plan.dec_tables, rows, self.rope))
+
+
+@dataclass
+class _DecodeIndex:
+    """What a decode step's attention derives from the plan alone, the same for every layer with the same ring
+    (made once a step: `StepPlan.shared`)."""
+
+    all_rows: bool  # the decode group is every token of the step, in order (no prefill): no row gather needed
+    ring_write: tuple  # (slots, ring rows, token rows or None) of this rank's window-ring writes
+    valid: torch.Tensor  # [B, 1, wl] the ring rows each query sees

@@ -117,17 +117,14 @@ class LayerCache:
         """The compute dtype the stores read back in."""
         return (self.win_kv if self.win_kv_rope is None else self.win_kv_rope).dtype
 
-    @property
-    def win_store(self) -> KVStore:
-        return KVStore(self.win_kv, self.win_kv_scale, self.win_kv_rope)
-
-    @property
-    def cmp_store(self) -> KVStore:
-        return KVStore(self.cmp_pool, self.cmp_pool_scale, self.cmp_pool_rope)
-
-    @property
-    def idx_store(self) -> KVStore:
-        return KVStore(self.idx_pool, self.idx_pool_scale, dtype=self.dtype)
+    def __post_init__(self) -> None:
+        """The stores, made once (a decode step reads them in every layer; a LayerCache's tensors are never
+        reassigned): `win_store`, and for compressed layers `cmp_store` and, CSA, `idx_store` (else None)."""
+        self.win_store = KVStore(self.win_kv, self.win_kv_scale, self.win_kv_rope)
+        self.cmp_store = KVStore(self.cmp_pool, self.cmp_pool_scale, self.cmp_pool_rope) \
+            if self.cmp_pool is not None else None
+        self.idx_store = KVStore(self.idx_pool, self.idx_pool_scale, dtype=self.dtype) \
+            if self.idx_pool is not None else None
 
     def reset_slot(self, slot: int) -> None:
         for st in self.win_store.tensors():

@@ -237,11 +237,21 @@ class MoE(OpsUser, nn.Module):
         native = getattr(self.ops, "moe_ffn", None)  # the host table's one-call MoE FFN (engine/host_kernels)
         if native is not None and self._stacked and not (grouped and self.capacity > 0) \
                 and not torch.compiler.is_compiling():
-            return native(x, weights, indices, self.experts[self.local.start].limit, self.local.start,
-                          self._weights_of(None), self._weights_of(self.shared_experts),
+            routed, shared = self._native_inputs()
+            return native(x, weights, indices, self.experts[self.local.start].limit, self.local.start, routed, shared,
                           lambda: self.routed(x, weights, indices, grouped) + self.shared_experts(x)).to(x.dtype)
         y = self.routed(x, weights, indices, grouped) + self.shared_experts(x)
         return y.to(x.dtype)
+
+    def _native_inputs(self) -> tuple[tuple, tuple]:
+        """`_weights_of` the routed stacks and of the shared expert, made once and reused while those tensors are
+        the module's (a decode step calls this in every layer; rebuilding the twelve-tensor tuples cost ~20 us)."""
+        key = (id(self.stack_w1), id(self.shared_experts.w1.weight))
+        cached = self.__dict__.get("_native_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, self._weights_of(None), self._weights_of(self.shared_experts))
+            self.__dict__["_native_cache"] = cached
+        return cached[1], cached[2]
 
     def _weights_of(self, ex: Expert | None) -> tuple[str | None, tuple[torch.Tensor | None, ...]]:
         """(fmt, (w1, s1, w3, s3, w2, s2)) of expert `ex`, or of the routed stacks (None): the native MoE's inputs."""

@@ -53,7 +53,9 @@ def test_cp_equals_cp1(baseline, cp: int, budget: int | None) -> None:
         assert coll[f"L{layer}.moe.exchange:all_gather"] == steps
         assert coll[f"L{layer}.moe.combine:all_reduce"] == steps
         assert coll[f"L{layer}.attn.merge:all_gather"] == steps
-    assert coll["L1.index.topk:all_gather"] == steps  # CSA layer only
+    # CSA layer only, at most once a step: none in a step whose queries all see at most index_topk entries (the
+    # top-k keeps them all: Attention.index_needed; the first chunk here), one in every other step
+    assert 0 < coll["L1.index.topk:all_gather"] <= steps
     assert "L2.index.topk:all_gather" not in coll
 
 
