@@ -617,6 +617,27 @@ def test_hc_mixes_matches_reference(lib: H.HostLibrary, t: int, n: int, d: int) 
 
 
 @pytest.mark.parametrize("t,n,d", SMALL_SHAPES)
+def test_hc_pre_is_the_three_ops_in_a_row(lib: H.HostLibrary, t: int, n: int, d: int) -> None:
+    """`hc_pre` (the front of an mHC site) gives exactly what hc_mixes, hc_collapse and rms_norm give one by one in
+    the host table, counted under those three keys; a bf16 x takes the one-by-one path (same result, same counts)."""
+    g = torch.Generator().manual_seed(t * 31 + d)
+    x, fn, scale, base = _mhc_inputs(t, n, d, g)
+    w = torch.randn(d, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        dispatch.reset_counts()
+        pre, post, comb = H.hc_mixes(xd, fn, scale, base, n, 20, 1e-6, 1e-6)
+        want = (H.rms_norm(H.hc_collapse(xd, pre), w, 1e-6), post, comb)
+        ops_one_by_one = dispatch.counts()
+        dispatch.reset_counts()
+        got = H.hc_pre(xd, fn, scale, base, w, n, 20, 1e-6, 1e-6)
+        assert dispatch.counts() == ops_one_by_one == {("host.hc_mixes", "host"): 1, ("host.hc_collapse", "host"): 1,
+                                                       ("host.rms_norm", "host"): 1}
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t,n,d", SMALL_SHAPES)
 def test_rms_norm_collapse_and_expand_match_reference(lib: H.HostLibrary, t: int, n: int, d: int) -> None:
     g = torch.Generator().manual_seed(t * 7 + d)
     x = torch.randn(t, n, d, generator=g)

@@ -23,7 +23,8 @@ by fp32 summation order only.
 `mhc.c` holds the small per-token ops of a decode step, which cost microseconds of arithmetic but tens to
 hundreds of microseconds as chains of torch ops (on the tiny model they were ~45% of an eager decode step):
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
-fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above).
+fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above); `hc_pre`
+(the front of an mHC site: hc_mixes, hc_collapse, rms_norm) runs those three native calls from one wrapper.
 
 `attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
 held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>".
@@ -279,6 +280,36 @@ def hc_mixes_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     return pre, post, comb
 
 
+def hc_pre_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
+                hc_mult: int, iters: int, hc_eps: float,
+                norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The front of an mHC site (engine/model/ops.py `hc_pre`: hc_mixes, hc_collapse with its pre, rms_norm) as the
+    three native calls in a row for fp32 x [T, n, D]: the same native code as the three ops one by one (so the same
+    numbers), without two of their three Python wrappers (an mHC site runs twice per layer and step). Counted
+    under each op's own key; any other case runs the three ops one by one (each natively or not, as it decides)."""
+    n = hc_mult
+    why = _why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, fn, scale, base, norm_w)
+    if why is None and (x.dtype is not torch.float32 or x.dim() != 3 or x.shape[1] != n or not 0 < n <= 16
+                        or tuple(fn.shape) != ((2 + n) * n, n * x.shape[2]) or scale.numel() < 3
+                        or base.numel() != (2 + n) * n or tuple(norm_w.shape) != (x.shape[2],)):
+        why = "shape"
+    if why is not None:
+        pre, post, comb = hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
+        return rms_norm(hc_collapse(x, pre), norm_w, norm_eps), post, comb
+    for key in ("host.hc_mixes", "host.hc_collapse", "host.rms_norm"):
+        _count(key)
+    t, _, d = x.shape
+    xf, fnf, sf, bf, wf = _f32(x), _f32(fn), _f32(scale), _f32(base), _f32(norm_w)
+    pre, post, comb = torch.empty(t, n), torch.empty(t, n), torch.empty(t, n, n)
+    h, y = torch.empty(t, d), torch.empty(t, d)
+    lib, nt = _native().lib, torch.get_num_threads()
+    lib.dk_hc_mixes(xf.data_ptr(), fnf.data_ptr(), sf.data_ptr(), bf.data_ptr(), pre.data_ptr(), post.data_ptr(),
+                    comb.data_ptr(), t, n, d, iters, hc_eps, norm_eps, nt)
+    lib.dk_hc_collapse(xf.data_ptr(), pre.data_ptr(), h.data_ptr(), t, n, d, nt)
+    lib.dk_rms_norm(h.data_ptr(), wf.data_ptr(), y.data_ptr(), t, d, norm_eps, nt)
+    return y, post, comb
+
+
 def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`reference.rms_norm` natively (mhc.c)."""
     if x.dim() == 0 or weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
@@ -479,6 +510,8 @@ rms_norm = _native_op("rms_norm", rms_norm_impl, lambda x, weight, eps: torch.em
 hc_collapse = _native_op("hc_collapse", hc_collapse_impl, lambda x, pre: x.new_empty(x.shape[0], x.shape[2]))
 hc_expand = _native_op("hc_expand", hc_expand_impl, lambda y, residual, post, comb: y.new_empty(residual.shape))
 sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, sink, scale: torch.empty_like(q))
+hc_pre = _native_op("hc_pre", hc_pre_impl, lambda x, fn, scale, base, norm_w, hc_mult, *_: (
+    x.new_empty(x.shape[0], x.shape[2]), *_mixes_fake(x, fn, scale, base, hc_mult)[1:]))
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
@@ -488,8 +521,8 @@ from engine.host_kernels import attn_ops  # noqa: E402  (its ops are built on th
 # these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
 NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
-    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "sparse_attn": sparse_attn, "moe_ffn": moe_ffn,
-    "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj}
+    "hc_collapse": hc_collapse, "hc_expand": hc_expand, "hc_pre": hc_pre, "sparse_attn": sparse_attn,
+    "moe_ffn": moe_ffn, "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj}
 
 
 def ensure_loaded() -> HostLibrary:

@@ -25,16 +25,12 @@ class Block(OpsUser, nn.Module):
         self.ffn = MoE(cfg, layer_id, par)
         self.attn_norm = RMSNorm(cfg.dim)
         self.ffn_norm = RMSNorm(cfg.dim)
+        # each site's tensors by name: (mixing fn, scale, base, norm module)
+        self._site_tensors = {s: (f"hc_{s}_fn", f"hc_{s}_scale", f"hc_{s}_base", f"{s}_norm") for s in ("attn", "ffn")}
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", _empty(cfg.mix_hc, cfg.hc_dim))
             setattr(self, f"hc_{site}_base", _empty(cfg.mix_hc))
             setattr(self, f"hc_{site}_scale", _empty(3))
-
-    def _mix(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        return self.ops.hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                                 getattr(self, f"hc_{site}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
-                                 c.norm_eps)
 
     def hc_site(self, x: torch.Tensor, site: str, inner: Callable[[torch.Tensor], torch.Tensor],
                 split: Callable[[str], None] = no_split) -> torch.Tensor:
@@ -42,9 +38,10 @@ class Block(OpsUser, nn.Module):
         x [T, n, dim] -> [T, n, dim]; `split` marks the stage boundaries (engine/regions.py). The attention site's
         `inner` returns the output before wo_b, which comes fused with the expand (`ops.attn_out_expand`)."""
         stage = "attn" if site == "attn" else "moe"
-        ops = self.ops
-        pre, post, comb = self._mix(x, site)
-        h = ops.rms_norm(ops.hc_collapse(x, pre), getattr(self, f"{site}_norm").weight, self.cfg.norm_eps)  # [T, dim]
+        ops, c = self.ops, self.cfg
+        fn, scale, base, norm = self._site_tensors[site]
+        h, post, comb = ops.hc_pre(x, getattr(self, fn), getattr(self, scale), getattr(self, base),
+                                   getattr(self, norm).weight, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
         split(f"{stage}.hc_pre")
         y = inner(h)
         if site == "attn":

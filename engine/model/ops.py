@@ -65,6 +65,13 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
     else:
         ops.attn_out_expand = lambda o, wo_b, residual, post, comb: ops.hc_expand(wo_b(o), residual, post, comb)
     ops.stack_linear = stack_linear
+    if not hasattr(ops, "hc_pre"):  # the front of an mHC site over the table's own ops, unless it has a fused one
+        def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
+                   hc_mult: int, iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, ...]:
+            pre, post, comb = ops.hc_mixes(x, fn, scale, base, hc_mult, iters, hc_eps, norm_eps)
+            return ops.rms_norm(ops.hc_collapse(x, pre), norm_w, norm_eps), post, comb
+
+        ops.hc_pre = hc_pre
     if not hasattr(ops, "rope_tail"):  # RoPE on the trailing dims: the reference's, unless the table has its own
         ops.rope_tail = reference.rope_tail
     return ops
