@@ -476,3 +476,11 @@ def route(scores: torch.Tensor, topk: int, route_scale: float, bias: torch.Tenso
     w = scores.gather(1, idx)
     w = w / w.sum(-1, keepdim=True)
     return w * route_scale, idx
+
+
+def gate(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None = None,
+         hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: `route(gate_scores(x, gate_weight), ...)` -> (weights [T, K] fp32, indices [T, K] int64). (A
+    composite, not a kernel family of its own: not in `__all__`; the model calls it through its op table,
+    `ops.gate`, where the host table has a native one.)"""
+    return route(gate_scores(x, gate_weight), topk, route_scale, bias=bias, hash_ids=hash_ids)

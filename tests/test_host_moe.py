@@ -106,3 +106,39 @@ def test_moe_ffn_leaves_other_cases_to_the_module_counted() -> None:
         assert dispatch.counts() == {("host.moe_ffn.fallback", "reference"): 1}, why
         assert [r for (k, r) in dispatch.fallbacks()] == [r for (k, r) in dispatch.fallbacks() if r.startswith(why)]
         assert len(dispatch.fallbacks()) == 1, why
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The router (engine/host_kernels/router.py `gate`, mhc.c `dk_route`)
+
+@pytest.mark.parametrize("t,e,k", [(1, 32, 4), (5, 64, 6), (8, 8, 8)])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_gate_matches_the_reference(t: int, e: int, k: int, wdtype: torch.dtype) -> None:
+    """The same experts as `reference.gate` (biased top-k and hash layers) and their weights within a few fp32 ulp
+    (the GEMV's summation order and libm's expf / log1pf); counted as native."""
+    g = torch.Generator().manual_seed(t * 100 + e)
+    x = torch.randn(t, D, generator=g)
+    w = (torch.randn(e, D, generator=g) / D**0.5).to(wdtype)
+    bias = torch.randn(e, generator=g) * 0.1
+    hash_ids = torch.randint(0, e, (t, k), generator=g)
+    for b, h in ((bias, None), (None, None), (None, hash_ids)):
+        dispatch.reset_counts()
+        got_w, got_i = H.router.gate(x, w, k, 1.5, b, h)
+        assert dispatch.counts() == {("host.gate", "host"): 1}
+        ref_w, ref_i = R.gate(x, w, k, 1.5, bias=b, hash_ids=h)
+        assert got_i.dtype == torch.int64 and torch.equal(got_i, ref_i)
+        assert got_w.dtype == torch.float32 and torch.allclose(got_w, ref_w, rtol=8 * 2.0**-23, atol=0)
+
+
+def test_gate_leaves_other_cases_to_the_reference() -> None:
+    """bf16 activations and more rows than max_m("mhc") run the reference itself, counted by reason."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, D, generator=g).bfloat16()
+    bias = torch.zeros(16)
+    dispatch.reset_counts()
+    for x, why in ((torch.randn(2, D, generator=g).bfloat16(), "dtype"),
+                   (torch.randn(H.max_m("mhc") + 1, D, generator=g), f"M > {H.max_m('mhc')}")):
+        got = H.router.gate(x, w, 4, 1.0, bias, None)
+        ref = R.gate(x, w, 4, 1.0, bias=bias)
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
+        assert dispatch.fallbacks()[("host.gate", why)] == 1

@@ -13,6 +13,7 @@
  *   dk_hc_collapse reference.hc_collapse  x [T, n, D], pre [T, n] -> y [T, D]
  *   dk_hc_expand   reference.hc_expand    y [T, D], x [T, n, D], post [T, n], comb [T, n, n] -> out [T, n, D]
  *   dk_rope_tail   reference.rope_tail    x [T, H, D], cos / sin [T, rd/2] -> y [T, H, D] (bitwise: no FMA)
+ *   dk_route       reference.route        router logits [T, E] (after the GEMV) -> weights [T, K], indices [T, K]
  *
  * Dot products and sums of squares use 16 independent partial sums (gcc vectorises the lanes; the lane order is
  * fixed, so results do not depend on the thread count). Rows t are split over `nthreads` OpenMP threads when the
@@ -284,3 +285,43 @@ int dk_rope_tail(const float *x, const float *cs, const float *sn, float *y, int
     return 0;
 }
 #pragma GCC pop_options
+
+/* reference.route after reference.gate_scores' GEMV: logits [T, E] fp32 (x @ gate^T) -> weights [T, K] fp32,
+ * indices [T, K] int64. s = sqrt(softplus(l)) (torch's softplus: l above 20 is kept, else log1p(exp(l))); the
+ * experts are hash_ids [T, K] when given (hash layers), else the K largest s + bias (bias NULL: s) in descending
+ * order, ties to the lower expert id; weights = their s / sum * route_scale. */
+int dk_route(const float *logits, const float *bias, const int64_t *hash_ids, float *weights, int64_t *indices,
+             int64_t T, int64_t E, int64_t K, float route_scale) {
+    if (E <= 0 || E > 1024 || K <= 0 || K > E) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        float s[1024], sel[1024];
+        const float *l = logits + t * E;
+        for (int64_t e = 0; e < E; e++) {
+            const float sp = l[e] > 20.0f ? l[e] : log1pf(expf(l[e]));
+            s[e] = sqrtf(sp);
+            sel[e] = bias ? s[e] + bias[e] : s[e];
+        }
+        int64_t *idx = indices + t * K;
+        if (hash_ids) {
+            for (int64_t k = 0; k < K; k++) {
+                idx[k] = hash_ids[t * K + k];
+                if (idx[k] < 0 || idx[k] >= E) return -3;
+            }
+        } else {
+            unsigned char taken[1024] = {0};
+            for (int64_t k = 0; k < K; k++) { /* the k-th largest not yet taken (NaN above every number) */
+                int64_t best = -1;
+                for (int64_t e = 0; e < E; e++) {
+                    if (taken[e]) continue;
+                    if (best < 0 || (isnan(sel[e]) && !isnan(sel[best])) || sel[e] > sel[best]) best = e;
+                }
+                idx[k] = best;
+                taken[best] = 1;
+            }
+        }
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) sum += s[idx[k]];
+        for (int64_t k = 0; k < K; k++) weights[t * K + k] = s[idx[k]] / sum * route_scale;
+    }
+    return 0;
+}

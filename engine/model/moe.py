@@ -15,7 +15,6 @@ from engine.model.layers import Linear, _empty
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import no_split
-from nki_kernels.reference import gate_scores, route
 
 # Grouped routed experts in host decode graphs pay a graph break (~0.3-1 ms: leaving and re-entering compiled code);
 # worth it when the dense path would do at least this many extra multiply-adds: (E_local - K) x T x 3 x dim x inter
@@ -23,7 +22,7 @@ from nki_kernels.reference import gate_scores, route
 GROUPED_MIN_EXTRA_MACS = 1 << 24
 
 
-class Gate(nn.Module):
+class Gate(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.topk, self.route_scale = cfg.n_activated_experts, cfg.route_scale
@@ -35,10 +34,11 @@ class Gate(nn.Module):
             self.bias = _empty(cfg.n_routed_experts)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = gate_scores(x, self.weight)  # [T, E]
-        if self.hash:
-            return route(scores, self.topk, self.route_scale, hash_ids=self.tid2eid[input_ids])
-        return route(scores, self.topk, self.route_scale, bias=self.bias)
+        """(weights [T, K] fp32, expert ids [T, K]) of x [T, dim]: `reference.gate` (gate_scores + route) through the
+        op table."""
+        if self.hash:  # positional (bias, hash_ids): a custom op in host graphs takes no keywords
+            return self.ops.gate(x, self.weight, self.topk, self.route_scale, None, self.tid2eid[input_ids])
+        return self.ops.gate(x, self.weight, self.topk, self.route_scale, self.bias, None)
 
 
 class Expert(OpsUser, nn.Module):

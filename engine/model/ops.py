@@ -74,6 +74,8 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
         ops.hc_pre = hc_pre
     if not hasattr(ops, "rope_tail"):  # RoPE on the trailing dims: the reference's, unless the table has its own
         ops.rope_tail = reference.rope_tail
+    if not hasattr(ops, "gate"):  # the MoE router: the reference's, unless the table has its own
+        ops.gate = reference.gate
     return ops
 
 

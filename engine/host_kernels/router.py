@@ -1,0 +1,72 @@
+"""Native host op of the MoE router (engine/host_kernels `NATIVE_OPS`; the library is the one `engine.host_kernels`
+loads):
+
+    op (reference.<op>)   native when                                                    dispatch key
+    gate                  x fp32 [T, D], T <= max_m("mhc"); router weight bf16 (held     "host.gate"
+                          as stored) or fp32 [E, D], E <= 1024; bias fp32 [E] / hash
+                          ids int64 [T, K]
+
+`reference.gate` is ~11 torch ops per layer and step (the router GEMV on a widened copy of the bf16 weight,
+softplus, sqrt, the bias, top-k, gather and the normalisation), ~60 us at decode sizes. Here the GEMV is the bf16
+(or, for an fp32 weight, torch's) GEMV and the rest one pass in mhc.c `dk_route`: softplus as torch computes it
+(threshold 20), sqrt, top-k descending with ties to the lower expert id, weights normalised in the reference's
+order. Results differ from the reference by the GEMV's fp32 summation order and libm's expf / log1pf (an ulp or
+two): an expert choice changes only where two scores tie within that. Every other case runs the reference, counted
+by reason (`dispatch.fallbacks()`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine import host_kernels as hk
+from nki_kernels import dispatch, reference
+
+
+def gate_impl(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale: float,
+              bias: torch.Tensor | None = None,
+              hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.gate` natively (the GEMV, then mhc.c `dk_route`)."""
+    def ref():
+        return reference.gate(x, gate_weight, topk, route_scale, bias=bias, hash_ids=hash_ids)
+
+    t = x.shape[0] if x.dim() == 2 else 0
+    why = hk._why_not_rows("mhc", t, x, gate_weight, bias, hash_ids)
+    if why is None and (x.dtype is not torch.float32 or gate_weight.dtype not in (torch.bfloat16, torch.float32)
+                        or bias is not None and bias.dtype is not torch.float32
+                        or hash_ids is not None and hash_ids.dtype is not torch.int64):
+        why = "dtype"
+    if why is None:
+        e = gate_weight.shape[0] if gate_weight.dim() == 2 else 0
+        if x.dim() != 2 or gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1] or not 0 < topk <= e <= 1024 \
+                or bias is not None and tuple(bias.shape) != (e,) \
+                or hash_ids is not None and tuple(hash_ids.shape) != (t, topk):
+            why = "shape"
+    if why is not None:
+        return dispatch.fallback("host.gate", why, ref)
+    hk._count("host.gate")
+    xf = x.contiguous()
+    if gate_weight.dtype is torch.bfloat16:
+        logits = torch.empty(t, e)
+        w = gate_weight.contiguous()
+        hk._native().lib.dk_bf16_linear(xf.data_ptr(), w.data_ptr(), logits.data_ptr(), t, e, x.shape[1],
+                                        torch.get_num_threads())
+    else:
+        logits = F.linear(xf, gate_weight).contiguous()
+    weights, indices = torch.empty(t, topk), torch.empty(t, topk, dtype=torch.int64)
+    b = bias.contiguous() if bias is not None else None
+    h = hash_ids.contiguous() if hash_ids is not None else None
+    rc = hk._native().lib.dk_route(logits.data_ptr(), b.data_ptr() if b is not None else None,
+                                   h.data_ptr() if h is not None else None, weights.data_ptr(), indices.data_ptr(), t,
+                                   e, topk, route_scale)
+    if rc == -3:
+        raise ValueError(f"gate: a hash-layer expert id is outside [0, {e})")
+    return weights, indices
+
+
+def _fake(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], topk, dtype=torch.float32), x.new_empty(x.shape[0], topk, dtype=torch.int64)
+
+
+gate = hk._native_op("gate", gate_impl, _fake)
