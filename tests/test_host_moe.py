@@ -109,7 +109,7 @@ def test_moe_ffn_leaves_other_cases_to_the_module_counted() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The router (engine/host_kernels/router.py `gate`, mhc.c `dk_route`)
+# The router (engine/host_kernels/step_ops.py `gate`, mhc.c `dk_route`)
 
 @pytest.mark.parametrize("t,e,k", [(1, 32, 4), (5, 64, 6), (8, 8, 8)])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -123,7 +123,7 @@ def test_gate_matches_the_reference(t: int, e: int, k: int, wdtype: torch.dtype)
     hash_ids = torch.randint(0, e, (t, k), generator=g)
     for b, h in ((bias, None), (None, None), (None, hash_ids)):
         dispatch.reset_counts()
-        got_w, got_i = H.router.gate(x, w, k, 1.5, b, h)
+        got_w, got_i = H.step_ops.gate(x, w, k, 1.5, b, h)
         assert dispatch.counts() == {("host.gate", "host"): 1}
         ref_w, ref_i = R.gate(x, w, k, 1.5, bias=b, hash_ids=h)
         assert got_i.dtype == torch.int64 and torch.equal(got_i, ref_i)
@@ -138,7 +138,32 @@ def test_gate_leaves_other_cases_to_the_reference() -> None:
     dispatch.reset_counts()
     for x, why in ((torch.randn(2, D, generator=g).bfloat16(), "dtype"),
                    (torch.randn(H.max_m("mhc") + 1, D, generator=g), f"M > {H.max_m('mhc')}")):
-        got = H.router.gate(x, w, 4, 1.0, bias, None)
+        got = H.step_ops.gate(x, w, 4, 1.0, bias, None)
         ref = R.gate(x, w, 4, 1.0, bias=bias)
         assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
         assert dispatch.fallbacks()[("host.gate", why)] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The head's stream collapse (step_ops.py `hc_head`, mhc.c `dk_hc_head`)
+
+@pytest.mark.parametrize("t,n,d", [(1, 4, 1024), (3, 4, 128), (8, 2, 100)])
+def test_hc_head_matches_the_reference(t: int, n: int, d: int) -> None:
+    """Against float64: the native result may be off by twice the fp32 reference's own error plus 1e-6 (outputs of
+    magnitude ~1-5; fp32 reordering of the n*D-term dots moves them by ~1e-7..2e-6). A wrong formula, eps or stream
+    order moves them by >= 1e-3."""
+    g = torch.Generator().manual_seed(t * 10 + d)
+    x = torch.randn(t, n, d, generator=g)
+    fn = torch.randn(n, n * d, generator=g) / (n * d) ** 0.5
+    scale, base = torch.rand(1, generator=g) + 0.5, torch.randn(n, generator=g)
+    dispatch.reset_counts()
+    got = H.step_ops.hc_head(x, fn, scale, base, 1e-6, 1e-6)
+    assert dispatch.counts() == {("host.hc_head", "host"): 1}
+    ref = R.hc_head(x, fn, scale, base, 1e-6, 1e-6)
+    v = x.double().flatten(-2)
+    mix = (v @ fn.double().T) * torch.rsqrt(v.square().mean(-1, keepdim=True) + 1e-6)
+    pre = torch.sigmoid(mix * scale.double() + base.double()) + 1e-6
+    exact = (pre.unsqueeze(-1) * x.double()).sum(-2)
+    ref_err = float((ref.double() - exact).abs().max())
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert float((got.double() - exact).abs().max()) <= 2 * ref_err + 1e-6

@@ -27,7 +27,8 @@ fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (count
 (the front of an mHC site: hc_mixes, hc_collapse, rms_norm) runs those three native calls from one wrapper.
 
 `attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
-held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>"; `router.py` the MoE router `gate` (key "host.gate").
+held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>"; `step_ops.py` the MoE router `gate` and the head's
+`hc_head` (keys "host.gate", "host.hc_head").
 
 `moe.c` holds the MoE FFN of a decode step after the gate (routed experts in expert order, each on its tokens with
 the routing weight before w2, plus the shared expert) as one native call over the same GEMMs (`moe_ffn`, key
@@ -515,7 +516,7 @@ hc_pre = _native_op("hc_pre", hc_pre_impl, lambda x, fn, scale, base, norm_w, hc
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
-from engine.host_kernels import attn_ops, router  # noqa: E402  (their ops are built on the helpers above)
+from engine.host_kernels import attn_ops, step_ops  # noqa: E402  (their ops are built on the helpers above)
 
 # What `--kernels host` replaces in the reference table (engine/model/ops.py `ops_for("host")` assembles the table:
 # these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
@@ -523,7 +524,7 @@ NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
     "hc_collapse": hc_collapse, "hc_expand": hc_expand, "hc_pre": hc_pre, "sparse_attn": sparse_attn,
     "moe_ffn": moe_ffn, "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj,
-    "gate": router.gate}
+    "gate": step_ops.gate, "hc_head": step_ops.hc_head}
 
 
 def ensure_loaded() -> HostLibrary:

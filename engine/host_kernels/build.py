@@ -236,9 +236,10 @@ class HostLibrary:
         lib.dk_bf16_grouped_linear.argtypes = [p, p, p, i64, i64, i64, i64, i32]
         lib.dk_rope_tail.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
         lib.dk_route.argtypes = [p, p, p, p, p, i64, i64, i64, f32]
+        lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
         for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_max_threads, lib.dk_last_threads,
                   lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn,
-                  lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route):
+                  lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route, lib.dk_hc_head):
             f.restype = i32
         self.lib = lib
 

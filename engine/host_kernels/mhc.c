@@ -13,6 +13,7 @@
  *   dk_hc_collapse reference.hc_collapse  x [T, n, D], pre [T, n] -> y [T, D]
  *   dk_hc_expand   reference.hc_expand    y [T, D], x [T, n, D], post [T, n], comb [T, n, n] -> out [T, n, D]
  *   dk_rope_tail   reference.rope_tail    x [T, H, D], cos / sin [T, rd/2] -> y [T, H, D] (bitwise: no FMA)
+ *   dk_hc_head     reference.hc_head      x [T, n, D], fn [n, n*D] -> y [T, D]
  *   dk_route       reference.route        router logits [T, E] (after the GEMV) -> weights [T, K], indices [T, K]
  *
  * Dot products and sums of squares use 16 independent partial sums (gcc vectorises the lanes; the lane order is
@@ -21,6 +22,7 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <omp.h>
 
@@ -324,4 +326,24 @@ int dk_route(const float *logits, const float *bias, const int64_t *hash_ids, fl
         for (int64_t k = 0; k < K; k++) weights[t * K + k] = s[idx[k]] / sum * route_scale;
     }
     return 0;
+}
+
+/* reference.hc_head: x [T, n, D] -> y [T, D] = hc_collapse(x, pre), pre = sigmoid(mix * scale + base) + hc_eps with
+ * mix_j = (v . fn_j) / sqrt(mean(v^2) + norm_eps) over the flattened streams v (fn [n, n*D], scale [1], base [n]):
+ * hc_mixes' `pre` over a fn of n rows, then dk_hc_collapse. */
+int dk_hc_head(const float *x, const float *fn, const float *scale, const float *base, float *y, int64_t T,
+               int64_t n, int64_t D, float hc_eps, float norm_eps, int nthreads) {
+    if (n <= 0 || n > 16) return -2;
+    const int64_t K = n * D;
+    float *pre = (float *)malloc((size_t)(T * n) * sizeof(float));
+    if (pre == NULL) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *v = x + t * K;
+        const float r = 1.0f / sqrtf(dot(v, NULL, K) / (float)K + norm_eps);
+        for (int64_t j = 0; j < n; j++)
+            pre[t * n + j] = sigmoidf(dot(v, fn + j * K, K) * r * scale[0] + base[j]) + hc_eps;
+    }
+    const int rc = dk_hc_collapse(x, pre, y, T, n, D, nthreads);
+    free(pre);
+    return rc;
 }

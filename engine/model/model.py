@@ -16,7 +16,6 @@ from engine.model.layers import Embedding, Linear, RMSNorm, _empty, keeps_fp32, 
 from engine.model.ops import OpsUser
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer
-from nki_kernels.reference import hc_head
 
 
 def use_ops(module: nn.Module, ops: object, caps: Capabilities | None = None) -> None:
@@ -125,7 +124,7 @@ class Transformer(OpsUser, nn.Module):
     def logits(self, x: torch.Tensor, hc: nn.Module | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
         """Streams [T, n, dim] -> fp32 logits [T, vocab] via hc_head, the final norm and the head."""
         hc = hc or self
-        h = hc_head(x, hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, self.cfg.hc_eps, self.cfg.norm_eps)
+        h = self.ops.hc_head(x, hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, self.cfg.hc_eps, self.cfg.norm_eps)
         h = self.ops.rms_norm(h, (norm or self.norm).weight, self.cfg.norm_eps)
         return self.head(h.float())
 

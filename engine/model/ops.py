@@ -76,6 +76,8 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
         ops.rope_tail = reference.rope_tail
     if not hasattr(ops, "gate"):  # the MoE router: the reference's, unless the table has its own
         ops.gate = reference.gate
+    if not hasattr(ops, "hc_head"):  # the head's stream collapse: the reference's, unless the table has its own
+        ops.hc_head = reference.hc_head
     return ops
 
 

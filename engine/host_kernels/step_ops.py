@@ -1,10 +1,15 @@
-"""Native host op of the MoE router (engine/host_kernels `NATIVE_OPS`; the library is the one `engine.host_kernels`
-loads):
+"""Native host ops of the MoE router and of the head's stream collapse (engine/host_kernels `NATIVE_OPS`; the
+library is the one `engine.host_kernels` loads):
 
     op (reference.<op>)   native when                                                    dispatch key
     gate                  x fp32 [T, D], T <= max_m("mhc"); router weight bf16 (held     "host.gate"
                           as stored) or fp32 [E, D], E <= 1024; bias fp32 [E] / hash
                           ids int64 [T, K]
+    hc_head               x fp32 [T, n, D], T <= max_m("mhc"), fn [n, n*D], scale [1],   "host.hc_head"
+                          base [n] fp32
+
+`hc_head` (once a step, before the final norm and the head: ~10 torch ops) is mhc.c `dk_hc_head`, hc_mixes' `pre`
+formula over the head's n-row fn followed by dk_hc_collapse: results differ by fp32 summation order and libm's expf.
 
 `reference.gate` is ~11 torch ops per layer and step (the router GEMV on a widened copy of the bf16 weight,
 softplus, sqrt, the bias, top-k, gather and the normalisation), ~60 us at decode sizes. Here the GEMV is the bf16
@@ -70,3 +75,33 @@ def _fake(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, *_: object) -> 
 
 
 gate = hk._native_op("gate", gate_impl, _fake)
+
+
+def hc_head_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+                 norm_eps: float) -> torch.Tensor:
+    """`reference.hc_head` natively (mhc.c `dk_hc_head`)."""
+    def ref():
+        return reference.hc_head(x, fn, scale, base, hc_eps, norm_eps)
+
+    why = hk._why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, fn, scale, base)
+    if why is None and (x.dtype is not torch.float32 or fn.dtype is not torch.float32
+                        or scale.dtype is not torch.float32 or base.dtype is not torch.float32):
+        why = "dtype"
+    n = x.shape[1] if x.dim() == 3 else 0
+    if why is None and (x.dim() != 3 or not 0 < n <= 16 or tuple(fn.shape) != (n, n * x.shape[2])
+                        or scale.numel() != 1 or tuple(base.shape) != (n,)):
+        why = "shape"
+    if why is not None:
+        return dispatch.fallback("host.hc_head", why, ref)
+    hk._count("host.hc_head")
+    t, n, d = x.shape
+    xf, ff, sf, bf = x.contiguous(), fn.contiguous(), scale.contiguous(), base.contiguous()
+    y = torch.empty(t, d)
+    if hk._native().lib.dk_hc_head(xf.data_ptr(), ff.data_ptr(), sf.data_ptr(), bf.data_ptr(), y.data_ptr(), t, n, d,
+                                   hc_eps, norm_eps, torch.get_num_threads()) == -1:
+        raise MemoryError(f"host kernel hc_head: out of memory for x [{t}, {n}, {d}]")
+    return y
+
+
+hc_head = hk._native_op("hc_head", hc_head_impl,
+                        lambda x, fn, scale, base, hc_eps, norm_eps: x.new_empty(x.shape[0], x.shape[2]))
