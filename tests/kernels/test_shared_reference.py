@@ -27,7 +27,7 @@ from nki_kernels import (
 
 def test_engine_reference_ops_are_the_reference_functions():
     """`--kernels reference` runs exactly the functions the kernels are tested against (one definition per op)."""
-    from engine.model import attention, model, moe
+    from engine.model import attention
     from engine.model.ops import REFERENCE
 
     for name in ("rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "hc_attn_out", "swiglu", "linear", "fp8_linear",
@@ -36,7 +36,11 @@ def test_engine_reference_ops_are_the_reference_functions():
         assert getattr(REFERENCE, name) is getattr(reference, name), name
     # the reference-only ops the model calls directly are the same functions too
     assert attention.index_topk is reference.index_topk and REFERENCE.rope_tail is reference.rope_tail
-    assert model.hc_head is reference.hc_head and moe.route is reference.route
+    assert REFERENCE.hc_head is reference.hc_head and REFERENCE.gate is reference.gate
+    xg, wg, bias = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)  # the router is route(gate_scores(..))
+    for got, want in zip(reference.gate(xg, wg, 2, 1.5, bias=bias), reference.route(
+            reference.gate_scores(xg, wg), 2, 1.5, bias=bias), strict=True):
+        assert torch.equal(got, want)
 
 
 T, N, D = 4, 2, 16
