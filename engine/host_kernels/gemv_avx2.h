@@ -131,9 +131,18 @@ static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_
 /* ---------------------------------------------------------------------------------------------------------------
  * FP4 scales and the one-row FP4 kernel */
 
-static inline int fp4_deferrable(const uint8_t *srow, int64_t K) {
+/* every one of the n scales b at s in 2..252 (b - 2 <= 250 as a byte), 32 at a time */
+static inline int fp4_deferrable(const uint8_t *s, int64_t n) {
+    int64_t i = 0;
     int ok = 1;
-    for (int64_t i = 0; i < K / 32; i++) ok &= srow[i] >= 2 && srow[i] <= 252;
+    if (n >= 32) {
+        const __m256i two = _mm256_set1_epi8(2), top = _mm256_set1_epi8((char)250);
+        __m256i m = _mm256_setzero_si256();
+        for (; i + 32 <= n; i += 32)
+            m = _mm256_max_epu8(m, _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(s + i)), two));
+        ok = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(m, top), top)) == -1;
+    }
+    for (; i < n; i++) ok &= s[i] >= 2 && s[i] <= 252;
     return ok;
 }
 
@@ -152,23 +161,40 @@ static inline __m256 fp4_scales(const uint8_t *srow, int64_t k0, int64_t K) {
     return _mm256_set_m128(_mm_set1_ps(sb), _mm_set1_ps(UE8M0[srow[k0 >> 5]]));
 }
 
-/* one x row, FP4 with deferrable scales: each block's sum scaled once (four partial sums per chunk) */
+/* chunk k0's two block scales as one vector (low lane: block k0/32, high lane: the next), from two broadcast loads
+ * and a blend (no shuffle-port op) */
+static inline __m256 fp4_scales2(const uint8_t *srow, int64_t k0) {
+    return _mm256_blend_ps(_mm256_broadcast_ss(&UE8M0[srow[k0 >> 5]]), _mm256_broadcast_ss(&UE8M0[srow[(k0 >> 5) + 1]]),
+                           0xF0);
+}
+
+/* the products of chunk k0 (decoded w) with x, summed per lane in two partial sums, scaled by sv into acc0/acc1 */
+#define FP4_CHUNK1(x, k0, w, sv, acc0, acc1)                                                                        \
+    do {                                                                                                           \
+        __m256 ba_ = _mm256_mul_ps(_mm256_loadu_ps((x) + (k0)), (w)[0]);                                           \
+        __m256 bb_ = _mm256_mul_ps(_mm256_loadu_ps((x) + (k0) + 8), (w)[1]);                                       \
+        for (int q_ = 1; q_ < 4; q_++) {                                                                           \
+            ba_ = _mm256_fmadd_ps(_mm256_loadu_ps((x) + (k0) + 16 * q_), (w)[2 * q_], ba_);                        \
+            bb_ = _mm256_fmadd_ps(_mm256_loadu_ps((x) + (k0) + 16 * q_ + 8), (w)[2 * q_ + 1], bb_);                \
+        }                                                                                                          \
+        acc0 = _mm256_fmadd_ps(ba_, (sv), acc0);                                                                   \
+        acc1 = _mm256_fmadd_ps(bb_, (sv), acc1);                                                                   \
+    } while (0)
+
+/* one x row, FP4 with deferrable scales: each block's sum scaled once (two partial sums per chunk); the whole
+ * chunks in a branch-free loop, a partial last chunk after it */
 static inline float gemv1_fp4(const float *x, const uint8_t *wrow, const uint8_t *srow, int64_t K) {
-    const int64_t kp = 0;
-    uint8_t tail[128] __attribute__((aligned(32)));
+    const int64_t kfull = K & ~(int64_t)63;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), w[8];
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        const int two = k0 + 32 < K;
+    int64_t k0 = 0;
+    for (; k0 < kfull; k0 += 64) {
+        dec_fp4(wrow + k0 / 2, w);
+        FP4_CHUNK1(x, k0, w, fp4_scales2(srow, k0), acc0, acc1);
+    }
+    if (k0 < K) {
+        uint8_t tail[128] __attribute__((aligned(32)));
         dec_fp4(chunk_src(FMT_FP4, wrow, k0, K, tail), w);
-        __m256 ba = _mm256_mul_ps(XV(x, 0, k0), w[0]), bb = _mm256_mul_ps(XV(x, 0, k0 + 8), w[1]);
-        __m256 bc = _mm256_mul_ps(XV(x, 0, k0 + 16), w[2]), bd = _mm256_mul_ps(XV(x, 0, k0 + 24), w[3]);
-        ba = _mm256_fmadd_ps(XV(x, 0, k0 + 32), w[4], ba);
-        bb = _mm256_fmadd_ps(XV(x, 0, k0 + 40), w[5], bb);
-        bc = _mm256_fmadd_ps(XV(x, 0, k0 + 48), w[6], bc);
-        bd = _mm256_fmadd_ps(XV(x, 0, k0 + 56), w[7], bd);
-        const __m256 sv = two ? fp4_scales_bits(srow, k0) : fp4_scales(srow, k0, K);
-        acc0 = _mm256_fmadd_ps(_mm256_add_ps(ba, bb), sv, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_add_ps(bc, bd), sv, acc1);
+        FP4_CHUNK1(x, k0, w, fp4_scales(srow, k0, K), acc0, acc1);
     }
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
@@ -274,8 +300,8 @@ static void rows2_bf16(const float *x, int64_t M, int64_t kp, const uint8_t *w0,
 /* every x row against one weight row (its scales srow) -> y[m * N] */
 static inline __attribute__((always_inline)) void
 row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, const uint8_t *wrow,
-    const uint8_t *srow, int64_t K, float *y, int64_t N) {
-    if (M == 1 && fmt == FMT_FP4 && fp4_deferrable(srow, K)) {
+    const uint8_t *srow, int64_t K, float *y, int64_t N, int defer) {
+    if (M == 1 && fmt == FMT_FP4 && (defer || fp4_deferrable(srow, K / 32))) {
         y[0] = gemv1_fp4(x, wrow, srow, K);
         return;
     }
@@ -306,6 +332,8 @@ static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const
     const int64_t half = pairs ? (N + 1) / 2 : N; /* pairs: work item n is rows n and n + half */
     int emin = 0, emax = 0, fail = 0;
     if (fmt == FMT_FP8) exp_range(xp, M * kp, &emin, &emax);
+    /* FP4, one x row: every row's scales deferrable (checked once over all of them), else row by row */
+    const int defer = fmt == FMT_FP4 && M == 1 && fp4_deferrable(s, N * (K / 32));
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : fail)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
@@ -326,13 +354,13 @@ static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const
                 if (fmt == FMT_BF16 && pairs && n + half < N)
                     rows2_bf16(xp, M, kp, wrow, wrow + half * wstride, K, y + n, N, half);
                 else if (fmt == FMT_BF16)
-                    row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N);
+                    row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N, 0);
                 else if (fmt == FMT_FP4)
-                    row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N);
+                    row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N, defer);
                 else if (exact)
-                    row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
+                    row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N, 0);
                 else
-                    row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
+                    row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N, 0);
             }
         }
         free(xs);
