@@ -131,8 +131,8 @@ static int perm_of(int kind, int s) {
     if (kind == PERM_EVENODD8) return 16 * (q >> 1) + 2 * j + (q & 1); /* bf16: evens, odds of each 16 */
     if (kind == PERM_FP4_AVX2) /* gemv_avx2.h dec_fp4: nibble q>>2, unpack half (q>>1)&1, word q&1, lane j>>2 */
         return 32 * (j >> 2) + 16 * ((q >> 1) & 1) + 4 * (j & 3) + 2 * (q & 1) + (q >> 2);
-    if (kind == PERM_FP8_AVX2) /* gemv_avx2.h dec_fp8: load q>>2, unpack half (q>>1)&1, word q&1, lane j>>2 */
-        return 32 * (q >> 2) + 16 * (j >> 2) + 8 * ((q >> 1) & 1) + 2 * (j & 3) + (q & 1);
+    if (kind == PERM_FP8_AVX2) /* gemv_avx2.h dec_fp8: load q>>2, byte q&3 of dword j */
+        return 32 * (q >> 2) + 4 * j + (q & 3);
     return s;
 }
 

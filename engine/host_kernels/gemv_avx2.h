@@ -76,30 +76,32 @@ static inline __attribute__((always_inline)) void dec_fp4(const uint8_t *src, __
     w[7] = _mm256_castsi256_ps(_mm256_and_si256(d, hi16));
 }
 
-/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2): each code to the high byte of a 16-bit
- * word, shifted right arithmetically by 4 (sign copies land in bits 14..11) and masked to the top half of the fp32
- * sign(b) << 31 | (b & 0x7F) << 20, then widened like bf16. *nan collects max(b | 0x80) (0xFF: a NaN code). */
+/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2). A byte multiply-add with the codes as the
+ * signed operand (_mm256_maddubs_epi16 against 16, 0 or 0, 16 per byte pair) gives each even (odd) code times 16 as
+ * a sign-extended 16-bit word: sign copies in bits 15..11, b & 0x7F in 10..4. Masked with 0x87F0 that is the top
+ * half of the fp32 sign(b) << 31 | (b & 0x7F) << 20; the word in a dword's high half is used in place (a mask),
+ * the low one shifted up by 16. So per 32 codes: 2 multiplies (integer-multiply pipes), 2 shifts, 4 masks.
+ * *nan collects max(b | 0x80) (0xFF: a NaN code). */
 static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __m256 w[8], __m256i *nan) {
-    const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0x87FF);
-    const __m256i x80 = _mm256_set1_epi8((char)0x80), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i ev = _mm256_set1_epi16(16), od = _mm256_set1_epi16(16 << 8);
+    const __m256i keep = _mm256_set1_epi32((int)0x87F00000u), x80 = _mm256_set1_epi8((char)0x80);
 #pragma GCC unroll 2
     for (int t = 0; t < 2; t++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * t));
         *nan = _mm256_max_epu8(*nan, _mm256_or_si256(v, x80));
-        const __m256i a = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 4), keep);
-        const __m256i b = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 4), keep);
-        w[4 * t] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
-        w[4 * t + 1] = _mm256_castsi256_ps(_mm256_and_si256(a, hi16));
-        w[4 * t + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-        w[4 * t + 3] = _mm256_castsi256_ps(_mm256_and_si256(b, hi16));
+        const __m256i pe = _mm256_maddubs_epi16(ev, v), po = _mm256_maddubs_epi16(od, v);
+        w[4 * t] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(pe, 16), keep));
+        w[4 * t + 1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(po, 16), keep));
+        w[4 * t + 2] = _mm256_castsi256_ps(_mm256_and_si256(pe, keep));
+        w[4 * t + 3] = _mm256_castsi256_ps(_mm256_and_si256(po, keep));
     }
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
  * FP8: x pre-scaled once per 128-row scale block where that is exact (see the top) */
 
-/* x's exponent range over its nonzero entries (inf / NaN: emax 128) */
-static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
+/* x's exponent range over its nonzero entries (ilogbf; inf / NaN: emax 128), scalar */
+static void exp_range_scalar(const float *x, int64_t n, int *emin, int *emax) {
     int lo = 1000, hi = -1000;
     for (int64_t i = 0; i < n; i++) {
         if (x[i] == 0.0f) continue;
@@ -108,6 +110,36 @@ static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
         hi = e > hi ? e : hi;
     }
     *emin = lo, *emax = hi;
+}
+
+/* the same from the smallest and largest nonzero |x| bit patterns, 8 at a time (the exponent field is monotonic in
+ * them; inf / NaN have field 255: 128); subnormal entries (rare: their ilogbf is below the field's -127) take the
+ * scalar pass */
+static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), zero = _mm256_setzero_si256();
+    __m256i lo = _mm256_set1_epi32(-1), hi = zero;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), abs);
+        lo = _mm256_min_epu32(lo, _mm256_or_si256(b, _mm256_cmpeq_epi32(b, zero))); /* zeros as 0xFFFFFFFF */
+        hi = _mm256_max_epu32(hi, b);
+    }
+    uint32_t l[8], h[8], mn = 0xFFFFFFFFu, mx = 0;
+    _mm256_storeu_si256((__m256i *)l, lo);
+    _mm256_storeu_si256((__m256i *)h, hi);
+    for (int j = 0; j < 8; j++) mn = l[j] < mn ? l[j] : mn, mx = h[j] > mx ? h[j] : mx;
+    for (; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, 4);
+        b &= 0x7FFFFFFFu;
+        mn = b != 0 && b < mn ? b : mn, mx = b > mx ? b : mx;
+    }
+    if (mn < 0x00800000u) { /* a subnormal entry */
+        exp_range_scalar(x, n, emin, emax);
+        return;
+    }
+    *emin = mn == 0xFFFFFFFFu ? 1000 : (int)(mn >> 23) - 127;
+    *emax = mx == 0 ? -1000 : (int)(mx >> 23) - 127;
 }
 
 /* xs[m, k] = x[m, k] * 2^(b_kb - 7) for row block `srow`'s scales; 0 (and xs untouched) where that is not exact */
