@@ -6,23 +6,36 @@
  *   FP4   32 bytes (two 32-element scale blocks, one per 128-bit lane): the nibbles index two 16-entry byte tables
  *         (_mm256_shuffle_epi8) that give each value's bf16 bytes (every e2m1 value is exact in bf16), interleaved
  *         into words and widened to fp32 like bf16. Each vector holds 4 elements of each block. PERM_FP4_AVX2.
- *   FP8   each code b to the high byte of a 16-bit word, an arithmetic shift by 4 and a mask give the top half of
- *         the fp32 pattern sign(b) << 31 | (b & 0x7F) << 20, widened like bf16; its value is the e4m3 value times
- *         2^-120 exactly, subnormal codes included (fp32 subnormals continue the e4m3 ones with the same factor:
- *         2^-129 m vs 2^-9 m). Subnormal inputs must not read as zero, so the FP8 kernel clears MXCSR.DAZ in its
- *         threads (and restores it). PERM_FP8_AVX2. The NaN code (|b| = 0x7F) decodes as a finite value: each row
- *         notes whether it holds one (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every x, as
- *         in the reference).
+ *   FP8   a byte multiply-add with the codes as its signed operand (_mm256_maddubs_epi16 against 16, 0 / 0, 16 per
+ *         byte pair) gives 16 * b of every even (odd) code as a sign-extended 16-bit word; masked, that word is the
+ *         top half of the fp32 pattern sign(b) << 31 | (b & 0x7F) << 20: used in place where it is a dword's high
+ *         half, shifted up by 16 where it is the low one. Its value is the e4m3 value times 2^-120 exactly,
+ *         subnormal codes included (fp32 subnormals continue the e4m3 ones with the same factor: 2^-129 m vs
+ *         2^-9 m). Subnormal inputs must not read as zero, so the kernels clear MXCSR.DAZ in their threads (and
+ *         restore it). Vector q of a chunk holds byte q % 4 of each 4-byte group of the chunk's 32-byte half q / 4
+ *         (PERM_FP8_AVX2). The NaN code (|b| = 0x7F) decodes as a finite value: each row notes whether it holds one
+ *         (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every x, as in the reference).
+ *
+ * Where the time goes (Zen 3, one thread, weights in cache): the decode, not memory. Per 64-element chunk the FP4
+ * decode is 19 vector ops (13 of them shuffles / shifts, which Zen 3 runs on two of its four FP pipes, one shared
+ * with the FMAs), FP8's 16 + 4 for the NaN note (4 shifts: the multiply-adds run on the integer-multiply pipes),
+ * plus 8 FMAs (10 and a blend for M = 1 FP4's block scales). Tried and measured no faster here (kept out): eight
+ * accumulators for one x row (spills: 16 vector registers), four for two x rows, a software-pipelined FP4 loop
+ * (next chunk decoded between this one's FMAs), two weight rows per pass sharing the x loads, one partial sum per
+ * FP4 chunk (longer FMA chain), the FP4 shifts done as integer multiplies (mulhi / mullo on the multiply pipes),
+ * FP4 block scales folded into the bf16 words by a saturating exponent subtraction (eight plain accumulators).
  *
  * Scales. FP8 (128 x 128 blocks): where it is exact, x is pre-scaled once per 128-row block by 2^(b-7) per
  * 128-column block (fp8_prescale), so each term is one exact FMA product x * 2^(b-7) * (value * 2^-120) = x * w of
  * the reference, and the inner loop has no multiply: "exact" means every block's w = value * 2^(b-127) is a normal
- * fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's exponent range per call); other row
- * blocks multiply each decoded vector by 2^120 and then by 2^(b-127), the reference's own product. FP4 (1 x 32
- * blocks): M = 1 sums x * value over each block and scales the block sum once (the same products in another
- * order, where every 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's
- * scales, NaN scales excepted, which take the next path); otherwise each decoded vector is multiplied by its block's
- * scale, the reference's product, before the FMAs.
+ * fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's exponent range per call, taken from
+ * the smallest and largest nonzero |x| bit patterns); other row blocks multiply each decoded vector by 2^120 and
+ * then by 2^(b-127), the reference's own product. FP4 (1 x 32 blocks): M = 1 sums x * value over each block (two
+ * partial sums per chunk) and scales the block sums once (the same products in another order, where every
+ * 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's scales, checked once per
+ * call over all rows' scales and row by row only when that fails; NaN scales excepted, which take the next path);
+ * otherwise each decoded vector is multiplied by its block's scale, the reference's product, before the FMAs. A
+ * chunk's two block scales are two broadcast loads and a blend (no shuffle-pipe op).
  */
 #include <immintrin.h>
 
@@ -257,7 +270,7 @@ tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, 
                 for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(_mm256_mul_ps(w[q], up), sv);
             }
         } else {
-            const __m256 sv = fp4_scales(srow, k0, K);
+            const __m256 sv = k0 + 64 <= K ? fp4_scales2(srow, k0) : fp4_scales(srow, k0, K);
             dec_fp4(src, w);
 #pragma GCC unroll 8
             for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(w[q], sv);
