@@ -20,10 +20,11 @@
  * decode is 19 vector ops (13 of them shuffles / shifts, which Zen 3 runs on two of its four FP pipes, one shared
  * with the FMAs), FP8's 16 + 4 for the NaN note (4 shifts: the multiply-adds run on the integer-multiply pipes),
  * plus 8 FMAs (10 and a blend for M = 1 FP4's block scales). Tried and measured no faster here (kept out): eight
- * accumulators for one x row (spills: 16 vector registers), four for two x rows, a software-pipelined FP4 loop
- * (next chunk decoded between this one's FMAs), two weight rows per pass sharing the x loads, one partial sum per
- * FP4 chunk (longer FMA chain), the FP4 shifts done as integer multiplies (mulhi / mullo on the multiply pipes),
- * FP4 block scales folded into the bf16 words by a saturating exponent subtraction (eight plain accumulators).
+ * accumulators for one x row (as an array, as eight variables, with the FP8 NaN note moved to a pass of its own to
+ * free registers: 30..40% slower), four for two x rows, pairwise product sums added into the accumulators, a
+ * software-pipelined FP4 loop (next chunk decoded between this one's FMAs), two weight rows per pass sharing the x
+ * loads, one partial sum per FP4 chunk (longer FMA chain), the FP4 shifts done as integer multiplies (mulhi /
+ * mullo) or as byte shuffles, FP4 block scales folded into the bf16 words by a saturating exponent subtraction.
  *
  * Scales. FP8 (128 x 128 blocks): where it is exact, x is pre-scaled once per 128-row block by 2^(b-7) per
  * 128-column block (fp8_prescale), so each term is one exact FMA product x * 2^(b-7) * (value * 2^-120) = x * w of
