@@ -6,23 +6,37 @@
  *   FP4   32 bytes (two 32-element scale blocks, one per 128-bit lane): the nibbles index two 16-entry byte tables
  *         (_mm256_shuffle_epi8) that give each value's bf16 bytes (every e2m1 value is exact in bf16), interleaved
  *         into words and widened to fp32 like bf16. Each vector holds 4 elements of each block. PERM_FP4_AVX2.
- *   FP8   each code b to the high byte of a 16-bit word, an arithmetic shift by 4 and a mask give the top half of
- *         the fp32 pattern sign(b) << 31 | (b & 0x7F) << 20, widened like bf16; its value is the e4m3 value times
- *         2^-120 exactly, subnormal codes included (fp32 subnormals continue the e4m3 ones with the same factor:
- *         2^-129 m vs 2^-9 m). Subnormal inputs must not read as zero, so the FP8 kernel clears MXCSR.DAZ in its
- *         threads (and restores it). PERM_FP8_AVX2. The NaN code (|b| = 0x7F) decodes as a finite value: each row
- *         notes whether it holds one (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every x, as
- *         in the reference).
+ *   FP8   a byte multiply-add with the codes as its signed operand (_mm256_maddubs_epi16 against 16, 0 / 0, 16 per
+ *         byte pair) gives 16 * b of every even (odd) code as a sign-extended 16-bit word; masked, that word is the
+ *         top half of the fp32 pattern sign(b) << 31 | (b & 0x7F) << 20: used in place where it is a dword's high
+ *         half, shifted up by 16 where it is the low one. Its value is the e4m3 value times 2^-120 exactly,
+ *         subnormal codes included (fp32 subnormals continue the e4m3 ones with the same factor: 2^-129 m vs
+ *         2^-9 m). Subnormal inputs must not read as zero, so the kernels clear MXCSR.DAZ in their threads (and
+ *         restore it). Vector q of a chunk holds byte q % 4 of each 4-byte group of the chunk's 32-byte half q / 4
+ *         (PERM_FP8_AVX2). The NaN code (|b| = 0x7F) decodes as a finite value: each row notes whether it holds one
+ *         (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every x, as in the reference).
+ *
+ * Where the time goes (Zen 3, one thread, weights in cache): the decode, not memory. Per 64-element chunk the FP4
+ * decode is 19 vector ops (13 of them shuffles / shifts, which Zen 3 runs on two of its four FP pipes, one shared
+ * with the FMAs), FP8's 16 + 4 for the NaN note (4 shifts: the multiply-adds run on the integer-multiply pipes),
+ * plus 8 FMAs (10 and a blend for M = 1 FP4's block scales). Tried and measured no faster here (kept out): eight
+ * accumulators for one x row (as an array, as eight variables, with the FP8 NaN note moved to a pass of its own to
+ * free registers: 30..40% slower), four for two x rows, pairwise product sums added into the accumulators, a
+ * software-pipelined FP4 loop (next chunk decoded between this one's FMAs), two weight rows per pass sharing the x
+ * loads, one partial sum per FP4 chunk (longer FMA chain), the FP4 shifts done as integer multiplies (mulhi /
+ * mullo) or as byte shuffles, FP4 block scales folded into the bf16 words by a saturating exponent subtraction.
  *
  * Scales. FP8 (128 x 128 blocks): where it is exact, x is pre-scaled once per 128-row block by 2^(b-7) per
  * 128-column block (fp8_prescale), so each term is one exact FMA product x * 2^(b-7) * (value * 2^-120) = x * w of
  * the reference, and the inner loop has no multiply: "exact" means every block's w = value * 2^(b-127) is a normal
- * fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's exponent range per call); other row
- * blocks multiply each decoded vector by 2^120 and then by 2^(b-127), the reference's own product. FP4 (1 x 32
- * blocks): M = 1 sums x * value over each block and scales the block sum once (the same products in another
- * order, where every 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's
- * scales, NaN scales excepted, which take the next path); otherwise each decoded vector is multiplied by its block's
- * scale, the reference's product, before the FMAs.
+ * fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's exponent range per call, taken from
+ * the smallest and largest nonzero |x| bit patterns); other row blocks multiply each decoded vector by 2^120 and
+ * then by 2^(b-127), the reference's own product. FP4 (1 x 32 blocks): M = 1 sums x * value over each block (two
+ * partial sums per chunk) and scales the block sums once (the same products in another order, where every
+ * 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's scales, checked once per
+ * call over all rows' scales and row by row only when that fails; NaN scales excepted, which take the next path);
+ * otherwise each decoded vector is multiplied by its block's scale, the reference's product, before the FMAs. A
+ * chunk's two block scales are two broadcast loads and a blend (no shuffle-pipe op).
  */
 #include <immintrin.h>
 
@@ -76,30 +90,32 @@ static inline __attribute__((always_inline)) void dec_fp4(const uint8_t *src, __
     w[7] = _mm256_castsi256_ps(_mm256_and_si256(d, hi16));
 }
 
-/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2): each code to the high byte of a 16-bit
- * word, shifted right arithmetically by 4 (sign copies land in bits 14..11) and masked to the top half of the fp32
- * sign(b) << 31 | (b & 0x7F) << 20, then widened like bf16. *nan collects max(b | 0x80) (0xFF: a NaN code). */
+/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2). A byte multiply-add with the codes as the
+ * signed operand (_mm256_maddubs_epi16 against 16, 0 or 0, 16 per byte pair) gives each even (odd) code times 16 as
+ * a sign-extended 16-bit word: sign copies in bits 15..11, b & 0x7F in 10..4. Masked with 0x87F0 that is the top
+ * half of the fp32 sign(b) << 31 | (b & 0x7F) << 20; the word in a dword's high half is used in place (a mask),
+ * the low one shifted up by 16. So per 32 codes: 2 multiplies (integer-multiply pipes), 2 shifts, 4 masks.
+ * *nan collects max(b | 0x80) (0xFF: a NaN code). */
 static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __m256 w[8], __m256i *nan) {
-    const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0x87FF);
-    const __m256i x80 = _mm256_set1_epi8((char)0x80), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i ev = _mm256_set1_epi16(16), od = _mm256_set1_epi16(16 << 8);
+    const __m256i keep = _mm256_set1_epi32((int)0x87F00000u), x80 = _mm256_set1_epi8((char)0x80);
 #pragma GCC unroll 2
     for (int t = 0; t < 2; t++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * t));
         *nan = _mm256_max_epu8(*nan, _mm256_or_si256(v, x80));
-        const __m256i a = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 4), keep);
-        const __m256i b = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 4), keep);
-        w[4 * t] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
-        w[4 * t + 1] = _mm256_castsi256_ps(_mm256_and_si256(a, hi16));
-        w[4 * t + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-        w[4 * t + 3] = _mm256_castsi256_ps(_mm256_and_si256(b, hi16));
+        const __m256i pe = _mm256_maddubs_epi16(ev, v), po = _mm256_maddubs_epi16(od, v);
+        w[4 * t] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(pe, 16), keep));
+        w[4 * t + 1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(po, 16), keep));
+        w[4 * t + 2] = _mm256_castsi256_ps(_mm256_and_si256(pe, keep));
+        w[4 * t + 3] = _mm256_castsi256_ps(_mm256_and_si256(po, keep));
     }
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
  * FP8: x pre-scaled once per 128-row scale block where that is exact (see the top) */
 
-/* x's exponent range over its nonzero entries (inf / NaN: emax 128) */
-static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
+/* x's exponent range over its nonzero entries (ilogbf; inf / NaN: emax 128), scalar */
+static void exp_range_scalar(const float *x, int64_t n, int *emin, int *emax) {
     int lo = 1000, hi = -1000;
     for (int64_t i = 0; i < n; i++) {
         if (x[i] == 0.0f) continue;
@@ -108,6 +124,36 @@ static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
         hi = e > hi ? e : hi;
     }
     *emin = lo, *emax = hi;
+}
+
+/* the same from the smallest and largest nonzero |x| bit patterns, 8 at a time (the exponent field is monotonic in
+ * them; inf / NaN have field 255: 128); subnormal entries (rare: their ilogbf is below the field's -127) take the
+ * scalar pass */
+static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), zero = _mm256_setzero_si256();
+    __m256i lo = _mm256_set1_epi32(-1), hi = zero;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), abs);
+        lo = _mm256_min_epu32(lo, _mm256_or_si256(b, _mm256_cmpeq_epi32(b, zero))); /* zeros as 0xFFFFFFFF */
+        hi = _mm256_max_epu32(hi, b);
+    }
+    uint32_t l[8], h[8], mn = 0xFFFFFFFFu, mx = 0;
+    _mm256_storeu_si256((__m256i *)l, lo);
+    _mm256_storeu_si256((__m256i *)h, hi);
+    for (int j = 0; j < 8; j++) mn = l[j] < mn ? l[j] : mn, mx = h[j] > mx ? h[j] : mx;
+    for (; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, 4);
+        b &= 0x7FFFFFFFu;
+        mn = b != 0 && b < mn ? b : mn, mx = b > mx ? b : mx;
+    }
+    if (mn < 0x00800000u) { /* a subnormal entry */
+        exp_range_scalar(x, n, emin, emax);
+        return;
+    }
+    *emin = mn == 0xFFFFFFFFu ? 1000 : (int)(mn >> 23) - 127;
+    *emax = mx == 0 ? -1000 : (int)(mx >> 23) - 127;
 }
 
 /* xs[m, k] = x[m, k] * 2^(b_kb - 7) for row block `srow`'s scales; 0 (and xs untouched) where that is not exact */
@@ -131,9 +177,18 @@ static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_
 /* ---------------------------------------------------------------------------------------------------------------
  * FP4 scales and the one-row FP4 kernel */
 
-static inline int fp4_deferrable(const uint8_t *srow, int64_t K) {
+/* every one of the n scales b at s in 2..252 (b - 2 <= 250 as a byte), 32 at a time */
+static inline int fp4_deferrable(const uint8_t *s, int64_t n) {
+    int64_t i = 0;
     int ok = 1;
-    for (int64_t i = 0; i < K / 32; i++) ok &= srow[i] >= 2 && srow[i] <= 252;
+    if (n >= 32) {
+        const __m256i two = _mm256_set1_epi8(2), top = _mm256_set1_epi8((char)250);
+        __m256i m = _mm256_setzero_si256();
+        for (; i + 32 <= n; i += 32)
+            m = _mm256_max_epu8(m, _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(s + i)), two));
+        ok = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(m, top), top)) == -1;
+    }
+    for (; i < n; i++) ok &= s[i] >= 2 && s[i] <= 252;
     return ok;
 }
 
@@ -152,23 +207,40 @@ static inline __m256 fp4_scales(const uint8_t *srow, int64_t k0, int64_t K) {
     return _mm256_set_m128(_mm_set1_ps(sb), _mm_set1_ps(UE8M0[srow[k0 >> 5]]));
 }
 
-/* one x row, FP4 with deferrable scales: each block's sum scaled once (four partial sums per chunk) */
+/* chunk k0's two block scales as one vector (low lane: block k0/32, high lane: the next), from two broadcast loads
+ * and a blend (no shuffle-port op) */
+static inline __m256 fp4_scales2(const uint8_t *srow, int64_t k0) {
+    return _mm256_blend_ps(_mm256_broadcast_ss(&UE8M0[srow[k0 >> 5]]), _mm256_broadcast_ss(&UE8M0[srow[(k0 >> 5) + 1]]),
+                           0xF0);
+}
+
+/* the products of chunk k0 (decoded w) with x, summed per lane in two partial sums, scaled by sv into acc0/acc1 */
+#define FP4_CHUNK1(x, k0, w, sv, acc0, acc1)                                                                        \
+    do {                                                                                                           \
+        __m256 ba_ = _mm256_mul_ps(_mm256_loadu_ps((x) + (k0)), (w)[0]);                                           \
+        __m256 bb_ = _mm256_mul_ps(_mm256_loadu_ps((x) + (k0) + 8), (w)[1]);                                       \
+        for (int q_ = 1; q_ < 4; q_++) {                                                                           \
+            ba_ = _mm256_fmadd_ps(_mm256_loadu_ps((x) + (k0) + 16 * q_), (w)[2 * q_], ba_);                        \
+            bb_ = _mm256_fmadd_ps(_mm256_loadu_ps((x) + (k0) + 16 * q_ + 8), (w)[2 * q_ + 1], bb_);                \
+        }                                                                                                          \
+        acc0 = _mm256_fmadd_ps(ba_, (sv), acc0);                                                                   \
+        acc1 = _mm256_fmadd_ps(bb_, (sv), acc1);                                                                   \
+    } while (0)
+
+/* one x row, FP4 with deferrable scales: each block's sum scaled once (two partial sums per chunk); the whole
+ * chunks in a branch-free loop, a partial last chunk after it */
 static inline float gemv1_fp4(const float *x, const uint8_t *wrow, const uint8_t *srow, int64_t K) {
-    const int64_t kp = 0;
-    uint8_t tail[128] __attribute__((aligned(32)));
+    const int64_t kfull = K & ~(int64_t)63;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), w[8];
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        const int two = k0 + 32 < K;
+    int64_t k0 = 0;
+    for (; k0 < kfull; k0 += 64) {
+        dec_fp4(wrow + k0 / 2, w);
+        FP4_CHUNK1(x, k0, w, fp4_scales2(srow, k0), acc0, acc1);
+    }
+    if (k0 < K) {
+        uint8_t tail[128] __attribute__((aligned(32)));
         dec_fp4(chunk_src(FMT_FP4, wrow, k0, K, tail), w);
-        __m256 ba = _mm256_mul_ps(XV(x, 0, k0), w[0]), bb = _mm256_mul_ps(XV(x, 0, k0 + 8), w[1]);
-        __m256 bc = _mm256_mul_ps(XV(x, 0, k0 + 16), w[2]), bd = _mm256_mul_ps(XV(x, 0, k0 + 24), w[3]);
-        ba = _mm256_fmadd_ps(XV(x, 0, k0 + 32), w[4], ba);
-        bb = _mm256_fmadd_ps(XV(x, 0, k0 + 40), w[5], bb);
-        bc = _mm256_fmadd_ps(XV(x, 0, k0 + 48), w[6], bc);
-        bd = _mm256_fmadd_ps(XV(x, 0, k0 + 56), w[7], bd);
-        const __m256 sv = two ? fp4_scales_bits(srow, k0) : fp4_scales(srow, k0, K);
-        acc0 = _mm256_fmadd_ps(_mm256_add_ps(ba, bb), sv, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_add_ps(bc, bd), sv, acc1);
+        FP4_CHUNK1(x, k0, w, fp4_scales(srow, k0, K), acc0, acc1);
     }
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
@@ -199,7 +271,7 @@ tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, 
                 for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(_mm256_mul_ps(w[q], up), sv);
             }
         } else {
-            const __m256 sv = fp4_scales(srow, k0, K);
+            const __m256 sv = k0 + 64 <= K ? fp4_scales2(srow, k0) : fp4_scales(srow, k0, K);
             dec_fp4(src, w);
 #pragma GCC unroll 8
             for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(w[q], sv);
@@ -274,8 +346,8 @@ static void rows2_bf16(const float *x, int64_t M, int64_t kp, const uint8_t *w0,
 /* every x row against one weight row (its scales srow) -> y[m * N] */
 static inline __attribute__((always_inline)) void
 row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, const uint8_t *wrow,
-    const uint8_t *srow, int64_t K, float *y, int64_t N) {
-    if (M == 1 && fmt == FMT_FP4 && fp4_deferrable(srow, K)) {
+    const uint8_t *srow, int64_t K, float *y, int64_t N, int defer) {
+    if (M == 1 && fmt == FMT_FP4 && (defer || fp4_deferrable(srow, K / 32))) {
         y[0] = gemv1_fp4(x, wrow, srow, K);
         return;
     }
@@ -291,52 +363,70 @@ row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, cons
     }
 }
 
-/* The AVX2 driver (gemv.c run() hands every call here): OpenMP over blocks of 16 weight rows, schedule(static),
+enum { RB = 16 }; /* weight rows per work item; divides 128, so an item lies in one FP8 scale block */
+
+/* work items [i0, i1) (rows r0 .. r0 + RB - 1 for r0 = RB * i) in one thread; -1: out of memory */
+static int avx2_rows(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s,
+                     int64_t K, float *y, int64_t N, int64_t half, int defer, int emin, int emax, int64_t i0,
+                     int64_t i1) {
+    const int64_t nkb = (K + 127) / 128, wstride = row_bytes(fmt, K);
+    const int pairs = fmt == FMT_BF16 && M > 1;
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x40u); /* DAZ off: FP8's subnormal decoded codes are values, not zeros */
+    float *xs = fmt == FMT_FP8 && i0 < i1 ? (float *)aligned_alloc(32, (size_t)(M * kp) * sizeof(float)) : NULL;
+    int64_t cur = -1;
+    int exact = 0;
+    const int fail = fmt == FMT_FP8 && i0 < i1 && xs == NULL;
+    for (int64_t i = fail ? i1 : i0; i < i1; i++) {
+        const int64_t r0 = i * RB, r1 = r0 + RB < half ? r0 + RB : half;
+        if (fmt == FMT_FP8 && r0 >> 7 != cur)
+            cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, emin, emax);
+        for (int64_t n = r0; n < r1; n++) {
+            const uint8_t *wrow = w + n * wstride;
+            if (fmt == FMT_BF16 && pairs && n + half < N)
+                rows2_bf16(xp, M, kp, wrow, wrow + half * wstride, K, y + n, N, half);
+            else if (fmt == FMT_BF16)
+                row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N, 0);
+            else if (fmt == FMT_FP4)
+                row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N, defer);
+            else if (exact)
+                row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N, 0);
+            else
+                row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N, 0);
+        }
+    }
+    free(xs);
+    _mm_setcsr(csr);
+    return fail ? -1 : 0;
+}
+
+/* The AVX2 driver (gemv.c run() hands every call here): work items of RB weight rows, split into contiguous
+ * ranges over `nthreads` OpenMP threads (one thread: called directly, no parallel region: ~0.6 us less per call),
  * each weight row read once, whole, against every x row in tiles of up to MT_TILE rows. FP8 and FP4: one weight row
  * at a time (with 16 vector registers a second row's decoded vectors do not fit); FP8: x pre-scaled once per
  * 128-row scale block where that is exact (see the top), in a per-thread copy. bf16 with M > 1: rows n and
  * n + ceil(N/2) in one tile (tile2_bf16; two far-apart sequential streams: two adjacent rows read side by side
  * streamed ~1.5x slower here). (Sweeping the rows k-block by k-block so that x stays in L1 for M > 4 measured
- * slower here: the per-block sums and the row jumps cost more than the L2 reads of x save.) */
+ * slower here: the per-block sums and the row jumps cost more than the L2 reads of x save.) Each output element is
+ * computed by one thread in the same order whatever the split. */
 static int avx2_run(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s,
                     int64_t K, float *y, int64_t N, int nthreads) {
-    enum { RB = 16 };
-    const int64_t nkb = (K + 127) / 128, wstride = row_bytes(fmt, K);
-    const int pairs = fmt == FMT_BF16 && M > 1;
-    const int64_t half = pairs ? (N + 1) / 2 : N; /* pairs: work item n is rows n and n + half */
+    const int64_t half = fmt == FMT_BF16 && M > 1 ? (N + 1) / 2 : N; /* bf16 pairs: item n is rows n, n + half */
+    const int64_t items = (half + RB - 1) / RB;
     int emin = 0, emax = 0, fail = 0;
     if (fmt == FMT_FP8) exp_range(xp, M * kp, &emin, &emax);
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : fail)
+    /* FP4, one x row: every row's scales deferrable (checked once over all of them), else row by row */
+    const int defer = fmt == FMT_FP4 && M == 1 && fp4_deferrable(s, N * (K / 32));
+    if (nthreads <= 1) {
+        last_threads = 1;
+        return avx2_rows(fmt, xp, M, kp, w, s, K, y, N, half, defer, emin, emax, 0, items);
+    }
+#pragma omp parallel num_threads(nthreads) reduction(| : fail)
     {
-        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-        const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr & ~0x40u); /* DAZ off: FP8's subnormal decoded codes are values, not zeros */
-        float *xs = fmt == FMT_FP8 ? (float *)aligned_alloc(32, (size_t)(M * kp) * sizeof(float)) : NULL;
-        int64_t cur = -1;
-        int exact = 0;
-        fail |= fmt == FMT_FP8 && xs == NULL;
-#pragma omp for schedule(static)
-        for (int64_t r0 = 0; r0 < half; r0 += RB) {
-            if (fmt == FMT_FP8 && xs == NULL) continue;
-            const int64_t r1 = r0 + RB < half ? r0 + RB : half;
-            if (fmt == FMT_FP8 && r0 >> 7 != cur) /* RB divides 128: a row block lies in one scale block */
-                cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, emin, emax);
-            for (int64_t n = r0; n < r1; n++) {
-                const uint8_t *wrow = w + n * wstride;
-                if (fmt == FMT_BF16 && pairs && n + half < N)
-                    rows2_bf16(xp, M, kp, wrow, wrow + half * wstride, K, y + n, N, half);
-                else if (fmt == FMT_BF16)
-                    row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N);
-                else if (fmt == FMT_FP4)
-                    row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N);
-                else if (exact)
-                    row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
-                else
-                    row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N);
-            }
-        }
-        free(xs);
-        _mm_setcsr(csr);
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (t == 0) last_threads = (int)nt;
+        fail |= avx2_rows(fmt, xp, M, kp, w, s, K, y, N, half, defer, emin, emax, items * t / nt,
+                          items * (t + 1) / nt);
     }
     return fail ? -1 : 0;
 }
