@@ -95,6 +95,36 @@ class KVStore:
         self.scale[idx] = scale
 
 
+# The KV state is written and read through these four helpers only (one place per kind of access); each store is a
+# `KVStore` (engine/model/cache.py: values in, values out, whatever bytes --kv-cache-dtype keeps).
+def write_ring(win_kv: KVStore, slots: torch.Tensor | int, rows: torch.Tensor, kv: torch.Tensor) -> None:
+    """Window-ring write: kv [..., D] into win_kv [S, wl, D] at (slots, rows) (broadcast index tensors)."""
+    win_kv[slots, rows] = kv
+
+
+def ring_keys(win_kv: KVStore, slots: torch.Tensor | int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Window-ring read: the whole ring of each slot (`rows` None: [B, wl, D]) or the rows (slots, rows)."""
+    return win_kv[slots] if rows is None else win_kv[slots, rows]
+
+
+def write_pool(pool: KVStore, blocks: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor) -> None:
+    """Pool write: entries [..., D] into pool [NB, epb, D] at (blocks, rows) (compressed entries, indexer keys)."""
+    pool[blocks, rows] = entries
+
+
+def gather_pool(pool: KVStore, tables: torch.Tensor) -> torch.Tensor:
+    """Pool read: every entry of the blocks of `tables` [B, nb] in order -> [B, nb * epb, D]."""
+    return pool[tables].flatten(1, 2)
+
+
+def gather_entries(pool: KVStore | torch.Tensor, tables: torch.Tensor, num: int) -> torch.Tensor:
+    """Local entries 0..num-1 of each sequence: pool [NB, epb, D] (a KVStore: values), tables [B, max_blocks] ->
+    [B, num, D]."""
+    epb = pool.shape[1]
+    nblk = -(-num // epb)
+    return gather_pool(pool, tables[:, :nblk])[:, :num]
+
+
 @dataclass
 class LayerCache:
     ratio: int

@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.attention import ATTN_Q_TILE, _Group, floor_mod, gather_pool, ring_keys, write_pool, write_ring
+from engine.model.attention import ATTN_Q_TILE, _Group, floor_mod
+from engine.model.cache import gather_pool, ring_keys, write_pool, write_ring
 from engine.profiling import no_split
 
 if TYPE_CHECKING:
-    from engine.model.attention import Attention, Compressor
+    from engine.model.attention import Attention
     from engine.model.cache import LayerCache
+    from engine.model.compressor import Compressor
     from engine.model.layers import Rope
 
 
