@@ -49,6 +49,16 @@ static inline float dot(const float *a, const float *b, int64_t k) {
 
 static inline float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
+/* 1 / sqrt(mean(v^2) + eps) over v[0..n) (the RMS factor of rms_norm and of the mHC mixes) */
+static inline float inv_rms(const float *v, int64_t n, float eps) {
+    return 1.0f / sqrtf(dot(v, NULL, n) / (float)n + eps);
+}
+
+/* an mHC `pre` weight from its mix: sigmoid(scale * mix + base) + hc_eps (hc_mixes' and hc_head's) */
+static inline float hc_pre_weight(float mix, float scale, float base, float hc_eps) {
+    return sigmoidf(scale * mix + base) + hc_eps;
+}
+
 int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float *base, float *pre, float *post,
                 float *comb, int64_t T, int64_t n, int64_t D, int64_t iters, float hc_eps, float norm_eps,
                 int nthreads) {
@@ -58,10 +68,10 @@ int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float
     for (int64_t t = 0; t < T; t++) {
         const float *v = x + t * K;
         float mix[(2 + 16) * 16];
-        const float r = 1.0f / sqrtf(dot(v, NULL, K) / (float)K + norm_eps);
+        const float r = inv_rms(v, K, norm_eps);
         for (int64_t j = 0; j < M; j++) mix[j] = dot(v, fn + j * K, K) * r;
         for (int64_t i = 0; i < n; i++) {
-            pre[t * n + i] = sigmoidf(scale[0] * mix[i] + base[i]) + hc_eps;
+            pre[t * n + i] = hc_pre_weight(mix[i], scale[0], base[i], hc_eps);
             post[t * n + i] = 2.0f * sigmoidf(scale[1] * mix[n + i] + base[n + i]);
         }
         float *a = comb + t * n * n; /* a[j * n + k]: from stream j to stream k */
@@ -98,7 +108,7 @@ int dk_rms_norm(const float *x, const float *w, float *y, int64_t T, int64_t D, 
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * D;
         float *yr = y + t * D;
-        const float r = 1.0f / sqrtf(dot(xr, NULL, D) / (float)D + eps);
+        const float r = inv_rms(xr, D, eps);
         if (w)
             for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * r * w[d];
         else
@@ -339,9 +349,9 @@ int dk_hc_head(const float *x, const float *fn, const float *scale, const float 
     if (pre == NULL) return -1;
     for (int64_t t = 0; t < T; t++) {
         const float *v = x + t * K;
-        const float r = 1.0f / sqrtf(dot(v, NULL, K) / (float)K + norm_eps);
+        const float r = inv_rms(v, K, norm_eps);
         for (int64_t j = 0; j < n; j++)
-            pre[t * n + j] = sigmoidf(dot(v, fn + j * K, K) * r * scale[0] + base[j]) + hc_eps;
+            pre[t * n + j] = hc_pre_weight(dot(v, fn + j * K, K) * r, scale[0], base[j], hc_eps);
     }
     const int rc = dk_hc_collapse(x, pre, y, T, n, D, nthreads);
     free(pre);

@@ -186,8 +186,7 @@ class Attention(OpsUser, nn.Module):
             if g.scores is None:
                 picks.append(None)
                 continue
-            nvis = (g.visible - self.rank).clamp(min=0).add(self.cp - 1).div(self.cp, rounding_mode="floor") \
-                if self.cp > 1 else g.visible
+            nvis = (g.visible - self.rank).clamp(min=0).add(self.cp - 1).div(self.cp, rounding_mode="floor")
             picks.append(index_topk(g.scores, nvis, k, self.caps.bitcast))  # local order among this rank's entries
         if self.par is None:
             for g, p in zip(groups, picks, strict=True):
@@ -267,10 +266,9 @@ class Attention(OpsUser, nn.Module):
         return nloc, ids, ids.view(1, 1, -1) < visible.unsqueeze(-1)
 
     def _entries(self, g: _Group, cache: LayerCache, tables: torch.Tensor, visible: torch.Tensor,
-                 aux_q: tuple | None, ids: tuple[int, torch.Tensor, torch.Tensor] | None | str = "make") -> None:
-        """Append this rank's compressed entries (and indexer scores) for queries with `visible` [B, T] entries.
-        `ids`: `_entry_ids(visible)` where the caller made it already (a decode step: once for all layers)."""
-        found = self._entry_ids(visible) if isinstance(ids, str) else ids
+                 aux_q: tuple | None, found: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
+        """Append this rank's compressed entries (and indexer scores) for queries with `visible` [B, T] entries;
+        `found` = `_entry_ids(visible)` (a decode step makes it once for all layers)."""
         if found is None:
             return
         nloc, ids, seen = found
@@ -354,7 +352,8 @@ class Attention(OpsUser, nn.Module):
                 self.indexer.compressor.chunk(*aux["i"], start, cache.idx_kv[s.slot], cache.idx_score[s.slot],
                                               cache.idx_store, s.block_table, self.rope, cache.dtype)
             aux_q = (aux["q"][0][None], aux["q"][1][None]) if "q" in aux else None
-            self._entries(g, cache, s.block_table[None], ((qpos + 1) // self.ratio)[None], aux_q)
+            visible = ((qpos + 1) // self.ratio)[None]
+            self._entries(g, cache, s.block_table[None], visible, aux_q, self._entry_ids(visible))
         return g
 
     # -- many sequences, one token each ----------------------------------------------------------------------------
