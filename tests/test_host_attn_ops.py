@@ -81,3 +81,89 @@ def test_fp8_wo_a_is_exact_in_bf16() -> None:
         s = torch.tensor([[b]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
         dense = dequant_fp8_block(w8, s, torch.float32)
         assert torch.equal(dense.bfloat16().float(), dense) == (b >= 3), b
+
+
+def _linear(fmt: str | None, n: int, k: int, ops, g: torch.Generator):
+    """A Linear of `fmt` with random non-NaN codes and scales near 1 (bf16 for fmt None), on op table `ops`."""
+    from engine.model.layers import Linear
+
+    lin = Linear(k, n, fmt)
+    if fmt is None:
+        lin.weight = torch.nn.Parameter((torch.randn(n, k, generator=g) / k ** 0.5).bfloat16(), requires_grad=False)
+    else:
+        cols = k if fmt == "fp8" else k // 2
+        codes = torch.randint(0, 256, (n, cols), generator=g, dtype=torch.uint8)
+        if fmt == "fp8":
+            codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+            sshape = (-(-n // 128), -(-k // 128))
+        else:
+            sshape = (n, k // 32)
+        lin.weight = torch.nn.Parameter(codes, requires_grad=False)
+        lin.scale = torch.nn.Parameter(torch.randint(120, 127, sshape, generator=g, dtype=torch.uint8),
+                                       requires_grad=False)
+    lin.ops = ops
+    return lin
+
+
+@pytest.mark.parametrize("fmts", [("fp8", "fp8", "fp8"), ("fp4", None, "fp8"), (None, "fp4", None)])
+@pytest.mark.parametrize("t", [1, 3])
+def test_attn_qkv_in_one_call_is_the_op_by_op_host_path_bit_for_bit(fmts: tuple, t: int) -> None:
+    """The host table's `attn_qkv` (one native call, attn.c) gives exactly what the composite gives op by op on the
+    host's own kernels (three GEMVs, two norms, the per-head RMS, two RoPEs), and matches the reference table."""
+    from engine.model.ops import REFERENCE, ops_for, with_composites
+
+    host = ops_for("host")
+    one_by_one = with_composites(type(host)(**{**vars(host), "attn_qkv_native": None}), fused_attn_tail=False)
+    g = torch.Generator().manual_seed(t * 7 + len(str(fmts)))
+    dim, ql, heads, hd, rd = 256, 128, 4, 64, 32
+    mods = {}
+    for name, (n, k), fmt in zip(("wq_a", "wq_b", "wkv"), ((ql, dim), (heads * hd, ql), (hd, dim)), fmts,
+                                 strict=True):
+        mods[name] = _linear(fmt, n, k, host, g)
+    x = torch.randn(t, dim, generator=g)
+    qn, kn = torch.rand(ql, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+    ang = torch.rand(t, rd // 2, generator=g) * 100
+    args = (x, mods["wq_a"], qn, mods["wq_b"], mods["wkv"], kn, ang.cos(), ang.sin(), heads, rd, 1e-6)
+    dispatch.reset_counts()
+    got = host.attn_qkv(*args)
+    assert dispatch.counts() == {("host.attn_qkv", "host"): 1}
+    dispatch.reset_counts()
+    want = one_by_one.attn_qkv(*args)
+    assert ("host.attn_qkv", "host") not in dispatch.counts() and dispatch.counts()[("host.rope_tail", "host")] == 2
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    for m in mods.values():
+        m.ops = REFERENCE
+    ref = REFERENCE.attn_qkv(*args)
+    for a, b in zip(got, ref, strict=True):  # normed values of size ~1: fp32 summation order only
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), float((a - b).abs().max())
+
+
+def test_attn_qkv_other_cases_run_op_by_op_counted() -> None:
+    """A weight the native GEMVs do not take (fp32), a bf16 x and more rows than the kernels take run the composite
+    op by op (the same results as the table without the native call), counted by reason."""
+    from engine.host_kernels import max_m
+    from engine.model.ops import ops_for, with_composites
+
+    host = ops_for("host")
+    one_by_one = with_composites(type(host)(**{**vars(host), "attn_qkv_native": None}), fused_attn_tail=False)
+    g = torch.Generator().manual_seed(11)
+    dim, ql, heads, hd, rd = 128, 128, 2, 64, 32
+    wa, wb, wk = _linear("fp8", ql, dim, host, g), _linear("fp8", heads * hd, ql, host, g), _linear("fp8", hd, dim,
+                                                                                                     host, g)
+    qn, kn = torch.ones(ql), torch.ones(hd)
+
+    def args(t: int, x_dtype=torch.float32, wkv=wk):
+        ang = torch.rand(t, rd // 2, generator=g)
+        return (torch.randn(t, dim, generator=g).to(x_dtype), wa, qn, wb, wkv, kn, ang.cos(), ang.sin(), heads, rd,
+                1e-6)
+
+    fp32 = _linear(None, hd, dim, host, g)
+    fp32.weight = torch.nn.Parameter(fp32.weight.float(), requires_grad=False)
+    limit = min(max_m("fp8"), max_m("mhc"))
+    dispatch.reset_counts()
+    for a in (args(2, wkv=fp32), args(2, torch.bfloat16), args(limit + 1)):
+        for u, v in zip(host.attn_qkv(*a), one_by_one.attn_qkv(*a), strict=True):
+            assert torch.equal(u, v)
+    got = {why: n for (name, why), n in dispatch.fallbacks().items() if name == "host.attn_qkv"}
+    assert got == {"weight": 1, "dtype": 1, f"M > {limit}": 1}

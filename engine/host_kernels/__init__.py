@@ -526,7 +526,7 @@ NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
     "hc_collapse": hc_collapse, "hc_expand": hc_expand, "hc_pre": hc_pre, "sparse_attn": sparse_attn,
     "moe_ffn": moe_ffn, "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj,
-    "gate": step_ops.gate, "hc_head": step_ops.hc_head}
+    "gate": step_ops.gate, "hc_head": step_ops.hc_head, "attn_qkv_native": attn_ops.attn_qkv_native}
 
 
 def ensure_loaded() -> HostLibrary:

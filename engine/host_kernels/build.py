@@ -1,4 +1,4 @@
-"""Building, choosing and loading the native host-kernel library (gemv.c + mhc.c + moe.c): one build per
+"""Building, choosing and loading the native host-kernel library (gemv.c + mhc.c + moe.c + attn.c): one build per
 instruction-set variant, and the best one the CPU runs.
 
     variant       compiler flags (beside BASE_FLAGS)               the CPU must report
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c", "gemv_avx512.h",
-                                                          "gemv_avx2.h"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c", "attn.c", "dk.h",
+                                                          "gemv_avx512.h", "gemv_avx2.h"))
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
-NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name}"  # "gemv.c, mhc.c and moe.c"
+NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name}"  # "gemv.c, ... and attn.c"
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -237,9 +237,12 @@ class HostLibrary:
         lib.dk_rope_tail.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
         lib.dk_route.argtypes = [p, p, p, p, p, i64, i64, i64, f32]
         lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
+        lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
+                                    p, p, p, i32]
         for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_max_threads, lib.dk_last_threads,
                   lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn,
-                  lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route, lib.dk_hc_head):
+                  lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route, lib.dk_hc_head,
+                  lib.dk_attn_qkv):
             f.restype = i32
         self.lib = lib
 

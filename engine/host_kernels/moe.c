@@ -22,18 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int dk_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int nthreads);
-int dk_fp8_linear(const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N, int64_t K,
-                  int nthreads);
-int dk_fp4_linear(const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N, int64_t K,
-                  int nthreads);
-
-static int gemm(int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
-                int64_t K, int nt) {
-    if (fmt == 0) return dk_bf16_linear(x, (const uint16_t *)w, y, M, N, K, nt);
-    if (fmt == 1) return dk_fp8_linear(x, w, s, y, M, N, K, nt);
-    return dk_fp4_linear(x, w, s, y, M, N, K, nt);
-}
+#include "dk.h"
 
 /* bytes of one [N, K] weight and of its scales in format fmt */
 static int64_t w_bytes(int fmt, int64_t N, int64_t K) { return fmt == 0 ? 2 * N * K : fmt == 2 ? N * K / 2 : N * K; }

@@ -118,14 +118,9 @@ class Attention(OpsUser, nn.Module):
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, dim] -> q [T, H, D], kv [T, D], qr [T, q_lora]."""
-        t = x.shape[0]
-        qr = self.ops.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)  # [T, q_lora]
-        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        q = self.ops.head_rms(q, self.eps)  # per-head unweighted RMS
-        q = self._rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [T, H, D]
-        kv = self.ops.rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = self.ops.kv_quant(self._rope_tail(kv, cos, sin), self.rd)  # [T, D] (numerics: FP8 non-RoPE dims)
-        return q, kv, qr
+        q, kv, qr = self.ops.attn_qkv(x, self.wq_a, self.q_norm.weight, self.wq_b, self.wkv, self.kv_norm.weight,
+                                      cos, sin, self.n_heads, self.rd, self.eps)
+        return q, self.ops.kv_quant(kv, self.rd), qr  # kv [T, D] (numerics: FP8 non-RoPE dims)
 
     def _aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              index: bool = True) -> dict:

@@ -72,6 +72,26 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
             return ops.rms_norm(ops.hc_collapse(x, pre), norm_w, norm_eps), post, comb
 
         ops.hc_pre = hc_pre
+    def attn_qkv(x: torch.Tensor, wq_a: Any, q_norm_w: torch.Tensor, wq_b: Any, wkv: Any, kv_norm_w: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, n_heads: int, rd: int,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's front (Attention._qkv before the KV numerics): x [T, dim] -> q [T, H, D] (low-rank q,
+        per-head RMS, RoPE), kv [T, D] (normed, RoPE), qr [T, q_lora]; wq_a / wq_b / wkv are the Linear modules.
+        A table's `attn_qkv_native` (the host's: one native call) takes it first where it can (None: it does
+        not), outside traced graphs."""
+        native = getattr(ops, "attn_qkv_native", None)
+        if native is not None and not torch.compiler.is_compiling():
+            out = native(x, wq_a, q_norm_w, wq_b, wkv, kv_norm_w, cos, sin, n_heads, rd, eps)
+            if out is not None:
+                return out
+        t = x.shape[0]
+        qr = ops.rms_norm(wq_a(x), q_norm_w, eps)  # [T, q_lora]
+        q = ops.head_rms(wq_b(qr).view(t, n_heads, -1), eps)  # per-head unweighted RMS
+        q = ops.rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), rd)  # [T, H, D]
+        kv = ops.rope_tail(ops.rms_norm(wkv(x), kv_norm_w, eps), cos, sin, rd)
+        return q, kv, qr
+
+    ops.attn_qkv = attn_qkv
     if not hasattr(ops, "rope_tail"):  # RoPE on the trailing dims: the reference's, unless the table has its own
         ops.rope_tail = reference.rope_tail
     if not hasattr(ops, "gate"):  # the MoE router: the reference's, unless the table has its own
