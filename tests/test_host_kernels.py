@@ -510,7 +510,7 @@ def test_small_op_custom_ops_trace_without_graph_breaks() -> None:
 
 
 @pytest.mark.parametrize("cc,expect", [("no-such-cc-deepinfer", "C compiler 'no-such-cc-deepinfer' not found"),
-                                       ("false", "compiling gemv.c, mhc.c and moe.c with false failed")])
+                                       ("false", "compiling gemv.c, mhc.c, moe.c and attn.c with false failed")])
 def test_a_missing_or_failing_compiler_is_one_clear_error(cc: str, expect: str, tmp_path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture) -> None:

@@ -27,7 +27,9 @@ fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (count
 (the front of an mHC site: hc_mixes, hc_collapse, rms_norm) runs those three native calls from one wrapper.
 
 `attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
-held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>"; `step_ops.py` the MoE router `gate` and the head's
+held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>", and `attn_qkv_native`, the attention's front (the op
+table's `attn_qkv`: three GEMVs, two norms, the per-head RMS, two RoPEs) as one call (attn.c `dk_attn_qkv`) over
+the same kernels in the same order, key "host.attn_qkv"; `step_ops.py` the MoE router `gate` and the head's
 `hc_head` (keys "host.gate", "host.hc_head").
 
 `moe.c` holds the MoE FFN of a decode step after the gate (routed experts in expert order, each on its tokens with
