@@ -287,12 +287,12 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
     free(xp);
     return rc;
 #else
-    /* weight rows per work item: M = 1: one (a single sequential stream per thread runs at the memory roof), but
-     * two for FP4 on AVX-512, whose decode is the bound there (Zen 4, one thread, interleaved A/B: 0.85-0.92x the
-     * time of one row at 512 x 1024 and 1024 x 512, warm or cold; FP8 1.09-1.11x, so not FP8); M > 1: rows n and
-     * n + half (two far-apart sequential streams; adjacent row pairs stream ~2x slower here) */
+    /* weight rows per work item: M > 1: rows n and n + half (two far-apart sequential streams; adjacent row pairs
+     * stream ~2x slower here); M = 1: one row, but on AVX-512 two for bf16 and FP4 (Zen 4, one thread, interleaved
+     * A/B against one row: bf16 0.79x the time at 129280 x 1024, the V4 head, 0.83x at 8192 and 512 x 1024, cold;
+     * FP4 0.85-0.92x at 512 x 1024 and 1024 x 512, warm or cold; FP8 1.09-1.11x, so FP8 keeps one) */
 #if defined(DK_AVX512)
-    const int nt = M == 1 && fmt != FMT_FP4 ? 1 : NT_TILE;
+    const int nt = M == 1 && fmt == FMT_FP8 ? 1 : NT_TILE;
 #else
     const int nt = M == 1 ? 1 : NT_TILE;
 #endif
