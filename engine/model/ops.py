@@ -15,7 +15,9 @@ Modules read `self.ops` (an `OpsUser` class attribute: the reference table unles
 another). Besides the kernel ops, the table has two composites the model needs (`with_composites`): `attn_out_expand`,
 the attention tail `hc_expand(wo_b(o), residual, post, comb)`, which the kernel table runs as the fused
 `hc_attn_out` kernel, and `stack_linear`, a GEMM with one expert's weight picked from a stack by a device index;
-and `rope_tail` (RoPE on the trailing dims: `reference.rope_tail`, native in the host table).
+and `rope_tail` (RoPE on the trailing dims: `reference.rope_tail`, native in the host table); and `attn_qkv`, the
+attention's front (engine/model/attention.py `_qkv` before the KV numerics), which a table's `attn_qkv_native` (the
+host's: one native call, engine/host_kernels/attn_ops.py) takes first where it can.
 Every table also carries the numerics hooks of `--numerics` / `--kv-cache-dtype` (engine/model/numerics.py
 `with_numerics`; identities for hf numerics and an auto cache), applied before the composites so these run over
 them.
@@ -72,6 +74,7 @@ def with_composites(ops: types.SimpleNamespace, fused_attn_tail: bool) -> types.
             return ops.rms_norm(ops.hc_collapse(x, pre), norm_w, norm_eps), post, comb
 
         ops.hc_pre = hc_pre
+
     def attn_qkv(x: torch.Tensor, wq_a: Any, q_norm_w: torch.Tensor, wq_b: Any, wkv: Any, kv_norm_w: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, n_heads: int, rd: int,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
