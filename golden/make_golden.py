@@ -122,7 +122,9 @@ def make_golden(tiny_dir: Path = TINY_DIR, out_dir: Path = GOLDEN_DIR) -> dict:
         "magic": MAGIC,
         "format_version": FORMAT_VERSION,
         "seed": SEED,
-        "model_seed": MODEL_SEED,
+        # make_tiny_model's seed labels only the tiny model; other models (tiny-spec: make_spec_model.py, trained)
+        # are identified by model_dir and model_sha256
+        "model_seed": MODEL_SEED if tiny_dir.resolve() == TINY_DIR.resolve() else None,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "config_hash": cfg.config_hash(),
