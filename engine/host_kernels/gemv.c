@@ -52,7 +52,11 @@
 #endif
 
 #define DK_ABI 2
+#if defined(DK_AVX512)
+#define MT_TILE 8 /* most x rows per tile (rows(): up to 8 rows in one tile, more in tiles of 4) */
+#else
 #define MT_TILE 4 /* x rows per tile */
+#endif
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2 };
 
@@ -239,13 +243,23 @@ rows(const int fmt, const int NT, const float *xp, int64_t M, int64_t kp, const 
         tile(fmt, 1, NT, NT == 1 ? 4 : 2, xp, kp, wr, sr, K, y, N, yo);
         return;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += MT_TILE) {
+    /* up to MT_TILE rows in one tile, so each weight chunk is decoded once (AVX-512, Zen 4, one thread, cold,
+     * interleaved A/B against tiles of 4: 0.79-0.93x the time at M = 5 and 8 for FP8, FP4 and bf16); more rows in
+     * tiles of 4 (tiles of 8 measured 1.17-1.37x slower for bf16 from M = 16) */
+    const int64_t mt = M <= MT_TILE ? M : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += mt) {
         const float *xt = xp + m0 * kp;
         float *yt = y + m0 * N;
-        switch (M - m0 < MT_TILE ? (int)(M - m0) : MT_TILE) {
+        switch (M - m0 < mt ? (int)(M - m0) : (int)mt) {
         case 1: tile(fmt, 1, NT, 2, xt, kp, wr, sr, K, yt, N, yo); break;
         case 2: tile(fmt, 2, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
         case 3: tile(fmt, 3, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
+#if MT_TILE > 4
+        case 5: tile(fmt, 5, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
+        case 6: tile(fmt, 6, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
+        case 7: tile(fmt, 7, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
+        case 8: tile(fmt, 8, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
+#endif
         default: tile(fmt, 4, NT, 1, xt, kp, wr, sr, K, yt, N, yo); break;
         }
     }
