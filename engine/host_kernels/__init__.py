@@ -405,7 +405,7 @@ def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor
     return (fp8_linear if fmt == "fp8" else fp4_linear)(x, stack[e], scales[e])
 
 
-_FMT_CODE = {None: 0, "fp8": 1, "fp4": 2}  # moe.c's weight formats
+_FMT_CODE = {None: 0, "fp8": 1, "fp4": 2}  # the native weight formats (dk.h gemm: moe.c, attn.c)
 _FMT_DTYPE = {None: torch.bfloat16, "fp8": torch.uint8, "fp4": torch.uint8}
 _FMT_KEY = {None: "linear", "fp8": "fp8", "fp4": "fp4"}
 

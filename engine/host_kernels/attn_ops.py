@@ -85,22 +85,18 @@ grouped_out_proj = hk._native_op("grouped_out_proj", grouped_out_proj_impl,
                                  lambda o, wo_a, groups: o.new_empty(o.shape[0], wo_a.shape[0]))
 
 
-_GEMM_KEY = {"fp8": "fp8", "fp4": "fp4", None: "linear"}
-_FMT_CODE = {None: 0, "fp8": 1, "fp4": 2}
-
-
 def _gemm_args(lin: torch.nn.Module) -> tuple[int, int, int, str] | None:
     """(format code, weight pointer, scale pointer, max_m key) of a Linear the native GEMVs take, else None."""
     fmt, w = lin.fmt, lin.weight
     if fmt is None:
         if w.dtype is not torch.bfloat16 or not w.is_contiguous() or not w.is_cpu:
             return None
-        return 0, w.data_ptr(), 0, "linear"
+        return hk._FMT_CODE[None], w.data_ptr(), 0, hk._FMT_KEY[None]
     s = lin.scale
     if w.dtype is not torch.uint8 or s.dtype is not torch.uint8 or not (w.is_contiguous() and s.is_contiguous()) \
             or not (w.is_cpu and s.is_cpu):
         return None
-    return _FMT_CODE[fmt], w.data_ptr(), s.data_ptr(), _GEMM_KEY[fmt]
+    return hk._FMT_CODE[fmt], w.data_ptr(), s.data_ptr(), hk._FMT_KEY[fmt]
 
 
 def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tensor, wq_b: torch.nn.Module,
@@ -124,8 +120,8 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
                 or tuple(q_norm_w.shape) != (ql,) or tuple(kv_norm_w.shape) != (hd,) or not 0 < rd <= hd or rd % 2 \
                 or tuple(cos.shape) != (t, rd // 2) or tuple(sin.shape) != (t, rd // 2):
             why = "shape"
-        elif t > min(hk.max_m(a[3]) for a in args):
-            why = f"M > {min(hk.max_m(a[3]) for a in args)}"
+        elif t > (limit := min(hk.max_m(a[3]) for a in args)):
+            why = f"M > {limit}"
     if why is not None:
         return dispatch.fallback("host.attn_qkv", why, lambda: None)
     hk._count("host.attn_qkv")
