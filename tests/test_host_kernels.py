@@ -106,6 +106,17 @@ def lib(request: pytest.FixtureRequest, cache_dir: str, monkeypatch: pytest.Monk
     return built
 
 
+@pytest.fixture
+def widest(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The process's own build (whichever the CPU and DEEPINFER_HOST_SIMD give) taking every row count up to WIDEST,
+    for the tests that check the native kernels run *inside the model*: their batches (2-4 rows) are above some
+    builds' thresholds (portable takes FP8 and bf16 at one row only), and what they check is the native path, not
+    the policy (each build's thresholds: test_above_the_threshold_the_reference_runs_counted)."""
+    variant = H.ensure_loaded().variant
+    monkeypatch.setitem(H.MAX_M, variant, dict(WIDEST))
+    return variant
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Which build runs
 
@@ -457,7 +468,7 @@ def test_thread_count_follows_torch_and_does_not_change_results(lib: H.HostLibra
         torch.set_num_threads(before)
 
 
-def test_custom_ops_trace_without_graph_breaks() -> None:
+def test_custom_ops_trace_without_graph_breaks(lib: H.HostLibrary) -> None:
     g = torch.Generator().manual_seed(9)
     w8, s8 = _fp8(64, 128, g)
     p, s4 = _fp4(64, 128, g)
@@ -480,7 +491,7 @@ def test_custom_ops_trace_without_graph_breaks() -> None:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
-def test_small_op_custom_ops_trace_without_graph_breaks() -> None:
+def test_small_op_custom_ops_trace_without_graph_breaks(lib: H.HostLibrary) -> None:
     g = torch.Generator().manual_seed(13)
     x, fn, scale, base = _mhc_inputs(2, 4, 64, g)
     w = torch.randn(64, generator=g)
@@ -547,7 +558,7 @@ def test_kernels_host_needs_the_host_backend() -> None:
         get_backend(config)
 
 
-def test_golden_with_host_kernels_matches() -> None:
+def test_golden_with_host_kernels_matches(widest: str) -> None:
     """`deepinfer golden --kernels host`: every prompt matches with the decode GEMMs and the small per-token ops on
     the native kernels (~10 s)."""
     from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden

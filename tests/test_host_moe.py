@@ -11,6 +11,9 @@ import torch
 from engine import host_kernels as H
 from nki_kernels import dispatch, formats
 from nki_kernels import reference as R
+from tests.test_host_kernels import cache_dir, lib  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("lib")  # every test on every build this CPU runs
 
 E, K, D, INTER = 6, 2, 256, 128
 

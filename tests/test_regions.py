@@ -22,6 +22,7 @@ from engine.profiling import REST, RegionTimer, no_split, quantiles
 from engine.regions import batch_bucket, block_bucket
 from engine.runner import ModelRunner
 from tests.engines import build, greedy
+from tests.test_host_kernels import widest  # noqa: F401  (fixture)
 
 TINY = dict(vocab_size=1024, dim=128, n_layers=4, n_mtp_layers=0, compress_ratios=(0, 4, 16, 4), n_hash_layers=2,
             n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, window_size=16,
@@ -260,6 +261,7 @@ def test_quantiles_match_numpy() -> None:
 
 
 @pytest.mark.parametrize("compiler", ["none", "eager", "aot_eager"])
+@pytest.mark.usefixtures("widest")  # the native kernels at these batches on every build, portable's too
 def test_host_kernels_in_layer_graphs_match_eager(compiler: str) -> None:
     """`--kernels host` in decode regions: the native MoE FFN (`moe_ffn`, the custom op `deepinfer::host_moe_ffn`
     inside a graph) and the other native ops give the eager host path's tokens and logits."""
