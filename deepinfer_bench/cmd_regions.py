@@ -33,7 +33,8 @@ def regions_cmd(
     = DEFAULT_OUT_DIR,
 ) -> None:
     """Run decode steps through the region graphs; per region and stage: calls, p50/p90 ms, share of the step, per
-    layer and summed over layers; graph launches per step; the measured step time. CSV + meta.json + PNG."""
+    layer and summed over layers; graph launches per step; the measured step time; with --timing on the host
+    kernels, every native call (calls and ms per step) and the rest of the step. CSV + meta.json + PNG."""
     from deepinfer_bench.regions import RegionsSpec, run_regions, save_plot, timing_overhead, workload
     from engine.backends import measured_on
     from engine.envs import get_envs
@@ -56,6 +57,8 @@ def regions_cmd(
               columns=["backend", "graph_mode", "batch_size", "context_len", "cp", "steps", "graph_launches_per_step",
                        "distinct_graphs", "step_ms_p50", "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step",
                        "stage_sum_over_step"])
+    if len(result.native):
+        render_df(result.native, "host kernels: each native entry point, and the step outside them")
     where = measured_on(config.backend)
     if str(config.backend) != "host":
         render_df(result.summary, f"device counters per timed decode step ({where})",
@@ -64,6 +67,8 @@ def regions_cmd(
     path = save_results(result.per_layer, out, "regions", {**result.meta, "measured_on": where})
     result.summed.to_csv(path.parent / "regions_summed.csv", index=False)
     result.summary.to_csv(path.parent / "regions_summary.csv", index=False)
+    if len(result.native):
+        result.native.to_csv(path.parent / "regions_host_kernels.csv", index=False)
     if len(result.per_layer):
         save_plot(result, path.parent / "regions.png")
     if overhead:

@@ -5,8 +5,10 @@ One run: build an engine (graph mode, timing, host compiler), queue `batch` gree
 tokens and drive them with the engine's own step (deepinfer_bench/batch_run.py: prefill, then decode steps), run
 `warmup` decode steps (compiles every region for the shapes that follow), reset the timer, then time `steps` decode
 steps: the wall time of each engine step (the measured step time: scheduler, runner, sampler) and, with timing on,
-every (region, stage, layer) between split() boundaries. Under `cp > 1` every rank runs the same steps (SPMD); rank
-0's numbers are returned.
+every (region, stage, layer) between split() boundaries; with timing on and the host kernel table, also every native
+call (engine/host_kernels/clock.py: calls and ms per step of each `dk_*` entry point, and the rest of the step
+outside them: Python, torch ops, the scheduler and sampler). Under `cp > 1` every rank runs the same steps (SPMD);
+rank 0's numbers are returned.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SUMMARY_COLUMNS = ["backend", "graph_mode", "host_compiler", "timing", "batch_si
                    "step_ms_p90", "step_ms_mean", "stage_sum_ms_per_step", "stage_sum_over_step", "timed_regions",
                    "xla_compiles_per_step", "xla_executions_per_step", "d2h_per_step", "h2d_per_step",
                    "fallbacks_per_step"]
+NATIVE_COLUMNS = ["kernel", "calls_per_step", "ms_per_step", "share_of_step"]
 OVERHEAD_COLUMNS = ["variant", "rounds", "steps_per_round", "step_ms_median", "step_ms_p10", "step_ms_p90",
                     "vs_no_timer", "p10_vs_no_timer"]
 
@@ -68,6 +71,7 @@ class RegionsResult:
     summed: pd.DataFrame
     summary: pd.DataFrame
     meta: dict[str, Any] = field(default_factory=dict)
+    native: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=NATIVE_COLUMNS))  # host kernels
 
 
 def _prompts(engine: Any, spec: RegionsSpec, round_: int = 0) -> list[list[int]]:
@@ -80,7 +84,13 @@ def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
 
     torch.manual_seed(spec.seed)
     runner = engine.runner
-    state: dict[str, Any] = {"decode": 0, "step_ms": []}
+    state: dict[str, Any] = {"decode": 0, "step_ms": [], "native": []}
+    clock = None
+    if engine.config.graph.region_timing and str(engine.config.kernels) == "host":
+        from engine import host_kernels
+        from engine.host_kernels.clock import NativeClock
+
+        clock = NativeClock(host_kernels.ensure_loaded())
 
     def on_step(index: int, seconds: float, decoding: bool) -> None:
         if not decoding:
@@ -92,11 +102,20 @@ def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
             runner.timer.reset()
             state["shapes"] = len(runner.regions.compiled) if runner.regions is not None else 0
             state["before"] = runner.backend.counters()
+            if clock is not None:
+                clock.install()
         if state["decode"] == spec.warmup + spec.steps:  # measured; the step after it (sequences finish) is not
             state["after"], state["timing"] = runner.backend.counters(), [asdict(r) for r in runner.timer.rows()]
+            if clock is not None:
+                clock.remove()
+                state["native"] = clock.rows()
 
     # one decode step more than measured: the last one frees the slots (a copy of each finished slot's index)
-    run_batch(engine, _prompts(engine, spec), spec.warmup + spec.steps + 2, on_step=on_step)
+    try:
+        run_batch(engine, _prompts(engine, spec), spec.warmup + spec.steps + 2, on_step=on_step)
+    finally:
+        if clock is not None:
+            clock.remove()
     after = state["after"]
     graph = region_summary(runner)
     graph["compiles_during_timing"] = graph.get("compiled_shapes", 0) - state["shapes"]  # a new block bucket
@@ -105,7 +124,7 @@ def _regions_job(engine: Any, spec: RegionsSpec) -> dict[str, Any]:
     graph["per_step"] = {k: v / n for k, v in after.minus(state["before"]).items()}
     graph["fallback_ops"] = after.fallback_ops
     return {"step_ms": state["step_ms"], "timing": state["timing"], "graph": graph,
-            "collectives": runner.par.report()}
+            "collectives": runner.par.report(), "native": state["native"]}
 
 
 def run_regions(config: Any, spec: RegionsSpec, threads: int | None = None) -> RegionsResult:
@@ -114,11 +133,27 @@ def run_regions(config: Any, spec: RegionsSpec, threads: int | None = None) -> R
     from engine import run_job
 
     out = run_job(config, _regions_job, (spec,), threads=threads)
-    return tabulate(config, spec, out["step_ms"], out["timing"], out["graph"], out["collectives"])
+    return tabulate(config, spec, out["step_ms"], out["timing"], out["graph"], out["collectives"], out["native"])
+
+
+def native_table(native: list[dict[str, Any]], steps: int, step_mean: float) -> pd.DataFrame:
+    """Per native entry point (`NativeClock.rows()`): calls and ms per step, share of the mean step; then the rest
+    of the step outside them ("(outside the native calls)": Python, torch ops, scheduler, sampler). Empty without
+    rows."""
+    if not native:
+        return pd.DataFrame(columns=NATIVE_COLUMNS)
+    rows = [{"kernel": r["kernel"], "calls_per_step": r["calls"] / steps, "ms_per_step": r["total_ms"] / steps}
+            for r in native]
+    rows.append({"kernel": "(outside the native calls)", "calls_per_step": float("nan"),
+                 "ms_per_step": step_mean - sum(r["ms_per_step"] for r in rows)})
+    df = pd.DataFrame(rows)
+    df["share_of_step"] = df["ms_per_step"] / step_mean
+    return df[NATIVE_COLUMNS]
 
 
 def tabulate(config: Any, spec: RegionsSpec, step_ms: list[float], timing: list[dict[str, Any]],
-             graph: dict[str, Any], collectives: dict[str, int] | None = None) -> RegionsResult:
+             graph: dict[str, Any], collectives: dict[str, int] | None = None,
+             native: list[dict[str, Any]] | None = None) -> RegionsResult:
     mode = str(config.graph.mode)
     n = len(step_ms)
     step_mean = statistics.fmean(step_ms)
@@ -153,7 +188,8 @@ def tabulate(config: Any, spec: RegionsSpec, step_ms: list[float], timing: list[
         "fallbacks_per_step": per_step.get("fallbacks", nan)}], columns=SUMMARY_COLUMNS)
     meta = {"spec": asdict(spec), "engine_config": config.to_dict(), "graph": graph, "step_ms": step_ms,
             "collectives": collectives or {}}
-    return RegionsResult(per_layer=per_layer, summed=summed, summary=summary, meta=meta)
+    return RegionsResult(per_layer=per_layer, summed=summed, summary=summary, meta=meta,
+                         native=native_table(native or [], n, step_mean))
 
 
 # ---------------------------------------------------------------------------------------------------------------

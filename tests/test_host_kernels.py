@@ -761,3 +761,30 @@ def test_stack_linear_reads_the_chosen_expert_in_place(lib: H.HostLibrary) -> No
         compiled = torch.compile(lambda x, i, s=stack, c=scales, f=fmt: ops.stack_linear(x, s, c, i, f),
                                  backend="aot_eager", fullgraph=True)
         assert torch.equal(compiled(x, i), ops.stack_linear(x, stack, scales, i, fmt))
+
+
+def test_native_clock_counts_and_times_every_call_while_installed(lib: H.HostLibrary) -> None:
+    """engine/host_kernels/clock.py: each `dk_*` call through the library counted once under its own name (a GEMM
+    inside another native call is not), only between install() and remove(), which puts the library back."""
+    from engine.host_kernels.clock import NativeClock
+
+    g = torch.Generator().manual_seed(21)
+    w8, s8 = _fp8(64, 128, g)
+    x = torch.randn(1, 128, generator=g)
+    real = lib.lib
+    clock = NativeClock(lib)
+    plain = H.fp8_linear(x, w8, s8)  # not installed: not counted
+    clock.install()
+    try:
+        y = H.fp8_linear(x, w8, s8)
+        H.fp8_linear(x, w8, s8)
+        H.rms_norm(x, None, 1e-6)
+    finally:
+        clock.remove()
+    assert lib.lib is real
+    H.fp8_linear(x, w8, s8)
+    assert torch.equal(y, plain)  # the same native call
+    assert dict(clock.calls) == {"dk_fp8_linear": 2, "dk_rms_norm": 1}
+    rows = clock.rows()
+    assert {r["kernel"] for r in rows} == {"dk_fp8_linear", "dk_rms_norm"} and all(r["total_ms"] > 0 for r in rows)
+    assert rows == sorted(rows, key=lambda r: -r["total_ms"])

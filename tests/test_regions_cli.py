@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from deepinfer_bench.cli import app
-from deepinfer_bench.regions import RegionsSpec, tabulate
+from deepinfer_bench.regions import RegionsSpec, native_table, tabulate
 from engine.config import EngineConfig
 
 TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"
@@ -41,3 +41,32 @@ def test_tabulate_shares() -> None:
     r = tabulate(config, spec, [5.0, 5.0], timing, {"graph_launches_per_step": 8})
     assert r.summed.iloc[0]["ms_per_step"] == 3.0 and r.summed.iloc[0]["layers"] == 2
     assert r.summary.iloc[0]["stage_sum_over_step"] == pytest.approx(0.6)
+
+
+def test_regions_timing_on_the_host_kernels_times_every_native_call(tmp_path: Path) -> None:
+    """Eager decode on the host kernel table (what `auto` picks): every `dk_*` call counted and timed, and the rest
+    of the step outside them, which the rows sum to."""
+    res = CliRunner().invoke(app, ["regions", "--timing", "--graph-mode", "eager", "--kernels", "host", "--batch", "2",
+                                   "--context", "9", "--steps", "3", "--warmup", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    run = next(tmp_path.iterdir())
+    native = pd.read_csv(run / "regions_host_kernels.csv")
+    step_mean = pd.read_csv(run / "regions_summary.csv").iloc[0]["step_ms_mean"]
+    assert list(native["kernel"])[-1] == "(outside the native calls)"
+    kernels = native.iloc[:-1]
+    assert len(kernels) and all(k.startswith("dk_") for k in kernels["kernel"])
+    assert (kernels["calls_per_step"] > 0).all()
+    assert "dk_rms_norm" in set(kernels["kernel"])  # the final norm and the mHC sites' norms run natively on any build
+    assert native["ms_per_step"].sum() == pytest.approx(step_mean)
+    assert native["share_of_step"].sum() == pytest.approx(1.0)
+    assert (kernels["ms_per_step"] > 0).all() and native.iloc[-1]["ms_per_step"] > 0
+
+
+def test_native_table_rows_per_step() -> None:
+    rows = [{"kernel": "dk_moe_ffn", "calls": 8, "total_ms": 6.0},
+            {"kernel": "dk_rms_norm", "calls": 4, "total_ms": 1.0}]
+    df = native_table(rows, 2, 5.0)
+    assert list(df["kernel"]) == ["dk_moe_ffn", "dk_rms_norm", "(outside the native calls)"]
+    assert list(df["calls_per_step"][:2]) == [4.0, 2.0] and list(df["ms_per_step"]) == [3.0, 0.5, 1.5]
+    assert df["share_of_step"].sum() == pytest.approx(1.0)
+    assert native_table([], 2, 5.0).empty
