@@ -574,6 +574,22 @@ def test_golden_with_host_kernels_matches(widest: str) -> None:
     assert {"host.fp8", "host.fp4", "host.linear"} <= keys
 
 
+def test_the_native_outputs_ignore_torch_default_dtype() -> None:
+    """DeepSeek's own inference code runs under torch.set_default_dtype(torch.bfloat16). The native kernels write
+    fp32, so every buffer they write is allocated as fp32 explicitly: allocated in the default dtype, the buffers
+    were half the size and the heap got corrupted ("corrupted double-linked list", the process killed). The golden
+    on the host kernels under a bf16 default, in a child process (a corrupted heap fails this test, not the run)."""
+    code = ("import torch\n"
+            "from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden\n"
+            "torch.set_default_dtype(torch.bfloat16)\n"
+            "run = run_golden(golden_config(kernels='host'), GOLDEN_DIR)\n"
+            "print('golden', int(run.table['verdict'].eq('match').sum()), len(run.table), run.ok)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "golden 12 12 True" in r.stdout, r.stdout[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The small per-token ops (mhc.c). Error bounds as above: fp32 sums of L terms in different orders differ by at most
 # 2 * L * u * (sum of |terms|) per output, plus a few roundings of the result (libm's expf / sqrtf vs torch's

@@ -88,6 +88,9 @@ MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
          "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 16},
          "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
+F32 = torch.float32  # every output buffer the native code writes is allocated with this dtype, never the default
+# one (torch.set_default_dtype(torch.bfloat16), as DeepSeek's own inference code sets it, would hand the kernels
+# half-sized buffers); as ints, not a torch.Size: torch.empty(*shape, dtype=F32) costs ~1.5 us, (shape, dtype=F32) ~3
 
 
 def max_m(key: str) -> int:
@@ -159,7 +162,7 @@ def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: 
         w = w.contiguous()
     if s is not None and not s.is_contiguous():
         s = s.contiguous()
-    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     _native().gemv(fmt, xf, w, s, y, xf.numel() // k, n, k)
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
@@ -278,7 +281,7 @@ def hc_mixes_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     _count("host.hc_mixes")
     t, _, d = x.shape
     xf, fnf, sf, bf = _f32(x), _f32(fn), _f32(scale), _f32(base)
-    pre, post, comb = torch.empty(t, n), torch.empty(t, n), torch.empty(t, n, n)
+    pre, post, comb = torch.empty(t, n, dtype=F32), torch.empty(t, n, dtype=F32), torch.empty(t, n, n, dtype=F32)
     _native().lib.dk_hc_mixes(xf.data_ptr(), fnf.data_ptr(), sf.data_ptr(), bf.data_ptr(), pre.data_ptr(),
                               post.data_ptr(), comb.data_ptr(), t, n, d, iters, hc_eps, norm_eps,
                               torch.get_num_threads())
@@ -305,8 +308,8 @@ def hc_pre_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
         _count(key)
     t, _, d = x.shape
     xf, fnf, sf, bf, wf = _f32(x), _f32(fn), _f32(scale), _f32(base), _f32(norm_w)
-    pre, post, comb = torch.empty(t, n), torch.empty(t, n), torch.empty(t, n, n)
-    h, y = torch.empty(t, d), torch.empty(t, d)
+    pre, post, comb = torch.empty(t, n, dtype=F32), torch.empty(t, n, dtype=F32), torch.empty(t, n, n, dtype=F32)
+    h, y = torch.empty(t, d, dtype=F32), torch.empty(t, d, dtype=F32)
     lib, nt = _native().lib, torch.get_num_threads()
     lib.dk_hc_mixes(xf.data_ptr(), fnf.data_ptr(), sf.data_ptr(), bf.data_ptr(), pre.data_ptr(), post.data_ptr(),
                     comb.data_ptr(), t, n, d, iters, hc_eps, norm_eps, nt)
@@ -326,7 +329,7 @@ def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     d = x.shape[-1]
     xf = _f32(x)
     w = _f32(weight) if weight is not None else None
-    y = torch.empty(x.shape, dtype=torch.float32)
+    y = torch.empty(*x.shape, dtype=F32)
     _native().lib.dk_rms_norm(xf.data_ptr(), w.data_ptr() if w is not None else None, y.data_ptr(),
                               xf.numel() // d, d, eps, torch.get_num_threads())
     return y if x.dtype is torch.float32 else y.to(x.dtype)
@@ -342,7 +345,7 @@ def hc_collapse_impl(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     _count("host.hc_collapse")
     t, n, d = x.shape
     xf, pf = _f32(x), _f32(pre)
-    y = torch.empty(t, d)
+    y = torch.empty(t, d, dtype=F32)
     _native().lib.dk_hc_collapse(xf.data_ptr(), pf.data_ptr(), y.data_ptr(), t, n, d, torch.get_num_threads())
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
@@ -361,7 +364,7 @@ def hc_expand_impl(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
         return dispatch.fallback("host.hc_expand", why, lambda: reference.hc_expand(y, residual, post, comb))
     _count("host.hc_expand")
     yf, xf, pf, cf = _f32(y), _f32(residual), _f32(post), _f32(comb)
-    out = torch.empty(t, n, d)
+    out = torch.empty(t, n, d, dtype=F32)
     _native().lib.dk_hc_expand(yf.data_ptr(), xf.data_ptr(), pf.data_ptr(), cf.data_ptr(), out.data_ptr(), t, n, d,
                                torch.get_num_threads())
     return out if y.dtype is torch.float32 else out.to(y.dtype)
@@ -388,8 +391,8 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     qf, kf, sf = _f32(q), _f32(kv), _f32(sink)
     vb = valid.contiguous()
     nt = torch.get_num_threads()
-    o = torch.empty(b, t, h, d)
-    scratch = torch.empty(max(1, 2 * nt * n))
+    o = torch.empty(b, t, h, d, dtype=F32)
+    scratch = torch.empty(max(1, 2 * nt * n), dtype=F32)
     _native().lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
                                  scratch.data_ptr(), b, t, h, n, d, scale, nt)
     return o if q.dtype is torch.float32 else o.to(q.dtype)
@@ -468,7 +471,7 @@ def _moe_ffn_native(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     e_n, inter = rw[0].shape[0], rw[0].shape[1]
     d, k = x.shape[1], indices.shape[1]
     xf, wf, idx = x.contiguous(), weights.contiguous(), indices.contiguous()
-    y = torch.empty(t, d)
+    y = torch.empty(t, d, dtype=F32)
     ptrs = [(ctypes.c_void_p * 6)(*[u.data_ptr() if u is not None else None for u in ts]) for _, ts in parts]
     rc = _native().lib.dk_moe_ffn(
         xf.data_ptr(), t, d, inter, limit, idx.data_ptr(), wf.data_ptr(), k, e_lo, e_n, _FMT_CODE[fmt_r], ptrs[0],

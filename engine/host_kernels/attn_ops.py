@@ -48,7 +48,7 @@ def rope_tail_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: in
         return dispatch.fallback("host.rope_tail", why, ref)
     hk._count("host.rope_tail")
     xf, cf, sf = x.contiguous(), cos.contiguous(), sin.contiguous()
-    y = torch.empty(x.shape, dtype=torch.float32)
+    y = torch.empty(*x.shape, dtype=hk.F32)
     heads = x.shape[1] if x.dim() == 3 else 1
     hk._native().lib.dk_rope_tail(xf.data_ptr(), cf.data_ptr(), sf.data_ptr(), y.data_ptr(), t, heads, x.shape[-1],
                                   rd, int(bool(inverse)))
@@ -71,7 +71,7 @@ def grouped_out_proj_impl(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> t
     hk._count("host.grouped_out_proj")
     t, g = o.shape[0], groups
     of, w = o.contiguous(), wo_a.contiguous()
-    y = torch.empty(t, wo_a.shape[0])
+    y = torch.empty(t, wo_a.shape[0], dtype=hk.F32)
     rc = hk._native().lib.dk_bf16_grouped_linear(of.data_ptr(), w.data_ptr(), y.data_ptr(), t, g, wo_a.shape[0] // g,
                                                  wo_a.shape[1], torch.get_num_threads())
     if rc != 0:
@@ -127,7 +127,8 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
     hk._count("host.attn_qkv")
     xf, qn, kn, cf, sf = x.contiguous(), q_norm_w.contiguous(), kv_norm_w.contiguous(), cos.contiguous(), \
         sin.contiguous()
-    qr, q, kv = torch.empty(t, ql), torch.empty(t, n_heads, hd), torch.empty(t, hd)
+    qr, q = torch.empty(t, ql, dtype=hk.F32), torch.empty(t, n_heads, hd, dtype=hk.F32)
+    kv = torch.empty(t, hd, dtype=hk.F32)
     (fa, wa, sa, _), (fb, wb, sb, _), (fk, wk, sk, _) = args
     rc = hk._native().lib.dk_attn_qkv(xf.data_ptr(), t, dim, fa, wa, sa, qn.data_ptr(), ql, fb, wb, sb, n_heads, hd,
                                       fk, wk, sk, kn.data_ptr(), cf.data_ptr(), sf.data_ptr(), rd, eps, qr.data_ptr(),

@@ -53,13 +53,13 @@ def gate_impl(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale
     hk._count("host.gate")
     xf = x.contiguous()
     if gate_weight.dtype is torch.bfloat16:
-        logits = torch.empty(t, e)
+        logits = torch.empty(t, e, dtype=hk.F32)
         w = gate_weight.contiguous()
         hk._native().lib.dk_bf16_linear(xf.data_ptr(), w.data_ptr(), logits.data_ptr(), t, e, x.shape[1],
                                         torch.get_num_threads())
     else:
         logits = F.linear(xf, gate_weight).contiguous()
-    weights, indices = torch.empty(t, topk), torch.empty(t, topk, dtype=torch.int64)
+    weights, indices = torch.empty(t, topk, dtype=hk.F32), torch.empty(t, topk, dtype=torch.int64)
     b = bias.contiguous() if bias is not None else None
     h = hash_ids.contiguous() if hash_ids is not None else None
     rc = hk._native().lib.dk_route(logits.data_ptr(), b.data_ptr() if b is not None else None,
@@ -96,7 +96,7 @@ def hc_head_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     hk._count("host.hc_head")
     t, n, d = x.shape
     xf, ff, sf, bf = x.contiguous(), fn.contiguous(), scale.contiguous(), base.contiguous()
-    y = torch.empty(t, d)
+    y = torch.empty(t, d, dtype=hk.F32)
     if hk._native().lib.dk_hc_head(xf.data_ptr(), ff.data_ptr(), sf.data_ptr(), bf.data_ptr(), y.data_ptr(), t, n, d,
                                    hc_eps, norm_eps, torch.get_num_threads()) == -1:
         raise MemoryError(f"host kernel hc_head: out of memory for x [{t}, {n}, {d}]")
