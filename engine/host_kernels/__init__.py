@@ -162,7 +162,7 @@ def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: 
         w = w.contiguous()
     if s is not None and not s.is_contiguous():
         s = s.contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    y = torch.empty(*x.shape[:-1], n, dtype=F32)
     _native().gemv(fmt, xf, w, s, y, xf.numel() // k, n, k)
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
