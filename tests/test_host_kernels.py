@@ -287,6 +287,25 @@ def test_scales_whose_products_overflow_give_what_the_reference_gives(lib: H.Hos
         torch.testing.assert_close(H.fp4_linear(x, p, s4), R.fp4_linear(x, p, s4), rtol=0, atol=0, equal_nan=True)
 
 
+def test_fp8_one_row_gives_the_same_numbers_with_x_prescaled_or_not(lib: H.HostLibrary) -> None:
+    """At one x row the AVX-512 and AVX2 FP8 kernels fold each block's scale into a copy of x where that is exact
+    (x * 2^(b-127) times the code's value: the reference's products x * w) and otherwise multiply each decoded
+    weight vector by it. Both paths must give the same numbers, bit for bit: here one x meets all blocks on the
+    pre-scaled path, and the same x with one huge entry (2^126, against an all-zero weight column, so it adds
+    exact zeros) sends every block to the other path (x * 2^(b-127) would overflow)."""
+    g = torch.Generator().manual_seed(21)
+    n, k = 300, 640  # three 128-row scale blocks (the last partial), five 128-column ones
+    w, s = _fp8(n, k, g, scales=(120, 135))
+    w[:, 77] = 0
+    x = torch.randn(1, k, generator=g)
+    x[0, 77] = 0.0
+    big = x.clone()
+    big[0, 77] = 2.0**126
+    y, y_big = H.fp8_linear(x, w, s), H.fp8_linear(big, w, s)
+    assert torch.equal(y, y_big)
+    _assert_close(y, R.fp8_linear(x, w, s), x, _dense("fp8", w, s))
+
+
 def test_fp8_subnormal_codes_decode_with_denormals_flushed(lib: H.HostLibrary) -> None:
     """torch.set_flush_denormal(True) sets MXCSR's DAZ / FTZ; subnormal e4m3 codes (m * 2^-9, normal in fp32) must
     still decode to their values (the AVX2 FP8 decoder passes them through fp32 subnormals, so it clears DAZ)."""

@@ -58,7 +58,8 @@
 #define MT_TILE 4 /* x rows per tile */
 #endif
 
-enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2 };
+enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2,
+       FMT_FP8X = 3 }; /* internal: FP8 against x pre-scaled by fp8_prescale (the decoded values are not scaled) */
 
 static float UE8M0[256];      /* 2^(b - 127); b = 255: NaN */
 static float E4M3[256];       /* value of each float8_e4m3fn byte; 0x7F / 0xFF: NaN */
@@ -187,6 +188,75 @@ static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t k
 static inline int64_t row_bytes(int fmt, int64_t K) { return fmt == FMT_BF16 ? 2 * K : fmt == FMT_FP4 ? K / 2 : K; }
 static inline int64_t chunk_off(int fmt, int64_t k0) { return fmt == FMT_BF16 ? 2 * k0 : fmt == FMT_FP4 ? k0 / 2 : k0; }
 
+#if defined(DK_AVX512) || defined(DK_AVX2)
+/* ---------------------------------------------------------------------------------------------------------------
+ * FP8: x pre-scaled once per 128-row scale block where that is exact (gemv_avx2.h, gemv_avx512.h), in 8-lane
+ * vectors (the AVX-512 builds target AVX2 too) */
+
+/* x's exponent range over its nonzero entries (ilogbf; inf / NaN: emax 128), scalar */
+static void exp_range_scalar(const float *x, int64_t n, int *emin, int *emax) {
+    int lo = 1000, hi = -1000;
+    for (int64_t i = 0; i < n; i++) {
+        if (x[i] == 0.0f) continue;
+        int e = isfinite(x[i]) ? ilogbf(x[i]) : 128;
+        lo = e < lo ? e : lo;
+        hi = e > hi ? e : hi;
+    }
+    *emin = lo, *emax = hi;
+}
+
+/* the same from the smallest and largest nonzero |x| bit patterns, 8 at a time (the exponent field is monotonic in
+ * them; inf / NaN have field 255: 128); subnormal entries (rare: their ilogbf is below the field's -127) take the
+ * scalar pass */
+static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), zero = _mm256_setzero_si256();
+    __m256i lo = _mm256_set1_epi32(-1), hi = zero;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), abs);
+        lo = _mm256_min_epu32(lo, _mm256_or_si256(b, _mm256_cmpeq_epi32(b, zero))); /* zeros as 0xFFFFFFFF */
+        hi = _mm256_max_epu32(hi, b);
+    }
+    uint32_t l[8], h[8], mn = 0xFFFFFFFFu, mx = 0;
+    _mm256_storeu_si256((__m256i *)l, lo);
+    _mm256_storeu_si256((__m256i *)h, hi);
+    for (int j = 0; j < 8; j++) mn = l[j] < mn ? l[j] : mn, mx = h[j] > mx ? h[j] : mx;
+    for (; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, 4);
+        b &= 0x7FFFFFFFu;
+        mn = b != 0 && b < mn ? b : mn, mx = b > mx ? b : mx;
+    }
+    if (mn < 0x00800000u) { /* a subnormal entry */
+        exp_range_scalar(x, n, emin, emax);
+        return;
+    }
+    *emin = mn == 0xFFFFFFFFu ? 1000 : (int)(mn >> 23) - 127;
+    *emax = mx == 0 ? -1000 : (int)(mx >> 23) - 127;
+}
+
+/* xs[m, k] = x[m, k] * 2^(b_kb - bias) for row block `srow`'s scales (bias: 7 where the decoder gives each value
+ * times 2^-120, gemv_avx2.h; 127 where it gives the value itself, gemv_avx512.h); 0 (and xs untouched) where that
+ * is not exact: every block's w = value * 2^(b-127) a normal fp32 (10 <= b <= 246) and every x * 2^(b-bias) one
+ * too (against x's exponent range emin..emax from exp_range) */
+static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_t K, const uint8_t *srow, int bias,
+                        int emin, int emax) {
+    const int64_t nkb = (K + 127) / 128;
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const int b = srow[kb], e = b - bias;
+        if (b < 10 || b > 246 || (emax >= -1000 && (emax + e > 127 || emin + e < -126))) return 0;
+    }
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const __m256 s = _mm256_set1_ps(ldexpf(1.0f, srow[kb] - bias));
+        const int64_t k1 = kb * 128 + 128 < kp ? kb * 128 + 128 : kp;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = kb * 128; k < k1; k += 8)
+                _mm256_storeu_ps(xs + m * kp + k, _mm256_mul_ps(_mm256_loadu_ps(x + m * kp + k), s));
+    }
+    return 1;
+}
+
+#endif
 #if defined(DK_AVX512)
 #include "gemv_avx512.h"
 #elif defined(DK_AVX2)
@@ -275,7 +345,7 @@ rows_fmt(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w
         int64_t nr = n + r * step;
         yo[r] = nr;
         wr[r] = w + nr * wstride;
-        sr[r] = fmt == FMT_FP8 ? s + (nr >> 7) * kb : fmt == FMT_FP4 ? s + nr * sk : NULL;
+        sr[r] = fmt == FMT_FP8 || fmt == FMT_FP8X ? s + (nr >> 7) * kb : fmt == FMT_FP4 ? s + nr * sk : NULL;
     }
     if (nt == NT_TILE)
         rows(fmt, NT_TILE, xp, M, kp, wr, sr, K, y, N, yo);
@@ -301,12 +371,20 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
     free(xp);
     return rc;
 #else
-    /* weight rows per work item: M > 1: rows n and n + half (two far-apart sequential streams; adjacent row pairs
-     * stream ~2x slower here); M = 1: one row, but on AVX-512 two for bf16 and FP4 (Zen 4, one thread, interleaved
-     * A/B against one row: bf16 0.79x the time at 129280 x 1024, the V4 head, 0.83x at 8192 and 512 x 1024, cold;
-     * FP4 0.85-0.92x at 512 x 1024 and 1024 x 512, warm or cold; FP8 1.09-1.11x, so FP8 keeps one) */
+    /* weight rows per work item: rows n and n + half (two far-apart sequential streams; adjacent row pairs stream
+     * ~2x slower here), but one row at one x row on the portable build (Zen 4, one thread, interleaved A/B against
+     * one row at one x row: bf16 0.79x the time at 129280 x 1024, the V4 head, 0.83x at 8192 and 512 x 1024, cold;
+     * FP4 0.85-0.92x at 512 x 1024 and 1024 x 512, warm or cold). */
 #if defined(DK_AVX512)
-    const int nt = M == 1 && fmt == FMT_FP8 ? 1 : NT_TILE;
+    const int nt = NT_TILE;
+    /* FP8 with one x row on AVX-512: x pre-scaled per 128-row scale block where that is exact (fp8_prescale), one
+     * per-thread copy for each of the item's two rows (they lie in different blocks), and the decoded values used
+     * unscaled: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a multiply per decoded
+     * vector; else (or without memory for the copies) each row on its own with the scaled decode. */
+    const int pre = fmt == FMT_FP8 && M == 1;
+    const int64_t kb = (K + 127) / 128;
+    int emin = 0, emax = 0;
+    if (pre) exp_range(xp, kp, &emin, &emax);
 #else
     const int nt = M == 1 ? 1 : NT_TILE;
 #endif
@@ -314,9 +392,33 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+#if defined(DK_AVX512)
+        float *xs = pre ? (float *)aligned_alloc(64, (size_t)(2 * kp) * sizeof(float)) : NULL;
+        int64_t cur[2] = {-1, -1};
+        int exact[2] = {0, 0};
+#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < items; i++) {
             const int cnt = (nt == NT_TILE && i + half >= N) ? 1 : nt;
+#if defined(DK_AVX512)
+            if (pre) {
+                const int64_t nr[2] = {i, i + half};
+                for (int r = 0; r < cnt && xs != NULL; r++)
+                    if (nr[r] >> 7 != cur[r])
+                        cur[r] = nr[r] >> 7,
+                        exact[r] = fp8_prescale(xp, xs + r * kp, 1, kp, K, s + cur[r] * kb, 127, emin, emax);
+                if (cnt == 2 && exact[0] && exact[1]) {
+                    tile_fp8x2(xs, xs + kp, w + nr[0] * K, w + nr[1] * K, K, y + nr[0], y + nr[1]);
+                    continue;
+                }
+                for (int r = 0; r < cnt; r++)
+                    if (exact[r])
+                        rows_fmt(FMT_FP8X, xs + r * kp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
+                    else
+                        rows_fmt(FMT_FP8, xp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
+                continue;
+            }
+#endif
             if (fmt == FMT_BF16)
                 rows_fmt(FMT_BF16, xp, M, kp, w, s, K, y, N, i, half, cnt);
             else if (fmt == FMT_FP8)
@@ -324,6 +426,9 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
             else
                 rows_fmt(FMT_FP4, xp, M, kp, w, s, K, y, N, i, half, cnt);
         }
+#if defined(DK_AVX512)
+        free(xs);
+#endif
     }
     free(xp);
     return 0;

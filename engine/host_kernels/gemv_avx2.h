@@ -112,69 +112,6 @@ static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
- * FP8: x pre-scaled once per 128-row scale block where that is exact (see the top) */
-
-/* x's exponent range over its nonzero entries (ilogbf; inf / NaN: emax 128), scalar */
-static void exp_range_scalar(const float *x, int64_t n, int *emin, int *emax) {
-    int lo = 1000, hi = -1000;
-    for (int64_t i = 0; i < n; i++) {
-        if (x[i] == 0.0f) continue;
-        int e = isfinite(x[i]) ? ilogbf(x[i]) : 128;
-        lo = e < lo ? e : lo;
-        hi = e > hi ? e : hi;
-    }
-    *emin = lo, *emax = hi;
-}
-
-/* the same from the smallest and largest nonzero |x| bit patterns, 8 at a time (the exponent field is monotonic in
- * them; inf / NaN have field 255: 128); subnormal entries (rare: their ilogbf is below the field's -127) take the
- * scalar pass */
-static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
-    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), zero = _mm256_setzero_si256();
-    __m256i lo = _mm256_set1_epi32(-1), hi = zero;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), abs);
-        lo = _mm256_min_epu32(lo, _mm256_or_si256(b, _mm256_cmpeq_epi32(b, zero))); /* zeros as 0xFFFFFFFF */
-        hi = _mm256_max_epu32(hi, b);
-    }
-    uint32_t l[8], h[8], mn = 0xFFFFFFFFu, mx = 0;
-    _mm256_storeu_si256((__m256i *)l, lo);
-    _mm256_storeu_si256((__m256i *)h, hi);
-    for (int j = 0; j < 8; j++) mn = l[j] < mn ? l[j] : mn, mx = h[j] > mx ? h[j] : mx;
-    for (; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, x + i, 4);
-        b &= 0x7FFFFFFFu;
-        mn = b != 0 && b < mn ? b : mn, mx = b > mx ? b : mx;
-    }
-    if (mn < 0x00800000u) { /* a subnormal entry */
-        exp_range_scalar(x, n, emin, emax);
-        return;
-    }
-    *emin = mn == 0xFFFFFFFFu ? 1000 : (int)(mn >> 23) - 127;
-    *emax = mx == 0 ? -1000 : (int)(mx >> 23) - 127;
-}
-
-/* xs[m, k] = x[m, k] * 2^(b_kb - 7) for row block `srow`'s scales; 0 (and xs untouched) where that is not exact */
-static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_t K, const uint8_t *srow, int emin,
-                        int emax) {
-    const int64_t nkb = (K + 127) / 128;
-    for (int64_t kb = 0; kb < nkb; kb++) {
-        const int b = srow[kb], e = b - 7;
-        if (b < 10 || b > 246 || (emax >= -1000 && (emax + e > 127 || emin + e < -126))) return 0;
-    }
-    for (int64_t kb = 0; kb < nkb; kb++) {
-        const __m256 s = _mm256_set1_ps(ldexpf(1.0f, srow[kb] - 7));
-        const int64_t k1 = kb * 128 + 128 < kp ? kb * 128 + 128 : kp;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = kb * 128; k < k1; k += 8)
-                _mm256_storeu_ps(xs + m * kp + k, _mm256_mul_ps(_mm256_loadu_ps(x + m * kp + k), s));
-    }
-    return 1;
-}
-
-/* ---------------------------------------------------------------------------------------------------------------
  * FP4 scales and the one-row FP4 kernel */
 
 /* every one of the n scales b at s in 2..252 (b - 2 <= 250 as a byte), 32 at a time */
@@ -380,7 +317,7 @@ static int avx2_rows(const int fmt, const float *xp, int64_t M, int64_t kp, cons
     for (int64_t i = fail ? i1 : i0; i < i1; i++) {
         const int64_t r0 = i * RB, r1 = r0 + RB < half ? r0 + RB : half;
         if (fmt == FMT_FP8 && r0 >> 7 != cur)
-            cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, emin, emax);
+            cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, 7, emin, emax);
         for (int64_t n = r0; n < r1; n++) {
             const uint8_t *wrow = w + n * wstride;
             if (fmt == FMT_BF16 && pairs && n + half < N)
