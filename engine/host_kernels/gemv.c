@@ -355,6 +355,47 @@ rows_fmt(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w
 
 #endif
 
+#if defined(DK_AVX512)
+/* FP8, one x row (AVX-512): x pre-scaled per 128-row scale block where that is exact (fp8_prescale), one per-thread
+ * copy for each of an item's two rows (rows n and n + half: they lie in different blocks), and the decoded values
+ * used unscaled on tile_fp8x2: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a
+ * multiply per decoded vector; a row whose block is not exact (or without memory for the copies) on the one-row tile
+ * with the scaled decode, which sums in the same order. Returns 0 (needs no memory it cannot do without). */
+static __attribute__((noinline)) int run1_fp8(const float *xp, int64_t kp, const uint8_t *w, const uint8_t *s,
+                                              int64_t K, float *y, int64_t N, int nthreads, int par) {
+    const int64_t kb = (K + 127) / 128, half = (N + 1) / 2;
+    int emin = 0, emax = 0;
+    exp_range(xp, kp, &emin, &emax);
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
+    {
+        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+        float *xs = (float *)aligned_alloc(64, (size_t)(2 * kp) * sizeof(float));
+        int64_t cur[2] = {-1, -1};
+        int exact[2] = {0, 0};
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < half; i++) {
+            const int cnt = i + half < N ? 2 : 1;
+            const int64_t nr[2] = {i, i + half};
+            for (int r = 0; r < cnt && xs != NULL; r++)
+                if (nr[r] >> 7 != cur[r])
+                    cur[r] = nr[r] >> 7,
+                    exact[r] = fp8_prescale(xp, xs + r * kp, 1, kp, K, s + cur[r] * kb, 127, emin, emax);
+            if (cnt == 2 && exact[0] && exact[1]) {
+                tile_fp8x2(xs, xs + kp, w + nr[0] * K, w + nr[1] * K, K, y + nr[0], y + nr[1]);
+                continue;
+            }
+            for (int r = 0; r < cnt; r++)
+                if (exact[r])
+                    rows_fmt(FMT_FP8X, xs + r * kp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
+                else
+                    rows_fmt(FMT_FP8, xp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
+        }
+        free(xs);
+    }
+    return 0;
+}
+#endif
+
 static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
                int64_t K, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
@@ -371,20 +412,19 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
     free(xp);
     return rc;
 #else
-    /* weight rows per work item: rows n and n + half (two far-apart sequential streams; adjacent row pairs stream
-     * ~2x slower here), but one row at one x row on the portable build (Zen 4, one thread, interleaved A/B against
-     * one row at one x row: bf16 0.79x the time at 129280 x 1024, the V4 head, 0.83x at 8192 and 512 x 1024, cold;
-     * FP4 0.85-0.92x at 512 x 1024 and 1024 x 512, warm or cold). */
 #if defined(DK_AVX512)
-    const int nt = NT_TILE;
-    /* FP8 with one x row on AVX-512: x pre-scaled per 128-row scale block where that is exact (fp8_prescale), one
-     * per-thread copy for each of the item's two rows (they lie in different blocks), and the decoded values used
-     * unscaled: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a multiply per decoded
-     * vector; else (or without memory for the copies) each row on its own with the scaled decode. */
-    const int pre = fmt == FMT_FP8 && M == 1;
-    const int64_t kb = (K + 127) / 128;
-    int emin = 0, emax = 0;
-    if (pre) exp_range(xp, kp, &emin, &emax);
+    if (M == 1 && fmt == FMT_FP8) { /* run1_fp8: a function of its own, so the tiles below compile as before */
+        const int rc = run1_fp8(xp, kp, w, s, K, y, N, nthreads, par);
+        free(xp);
+        return rc;
+    }
+#endif
+    /* weight rows per work item: M > 1: rows n and n + half (two far-apart sequential streams; adjacent row pairs
+     * stream ~2x slower here); M = 1: one row, but on AVX-512 two for bf16 and FP4 (Zen 4, one thread, interleaved
+     * A/B against one row: bf16 0.79x the time at 129280 x 1024, the V4 head, 0.83x at 8192 and 512 x 1024, cold;
+     * FP4 0.85-0.92x at 512 x 1024 and 1024 x 512, warm or cold; FP8 at one x row: run1_fp8) */
+#if defined(DK_AVX512)
+    const int nt = M == 1 && fmt == FMT_FP8 ? 1 : NT_TILE;
 #else
     const int nt = M == 1 ? 1 : NT_TILE;
 #endif
@@ -392,33 +432,9 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-#if defined(DK_AVX512)
-        float *xs = pre ? (float *)aligned_alloc(64, (size_t)(2 * kp) * sizeof(float)) : NULL;
-        int64_t cur[2] = {-1, -1};
-        int exact[2] = {0, 0};
-#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < items; i++) {
             const int cnt = (nt == NT_TILE && i + half >= N) ? 1 : nt;
-#if defined(DK_AVX512)
-            if (pre) {
-                const int64_t nr[2] = {i, i + half};
-                for (int r = 0; r < cnt && xs != NULL; r++)
-                    if (nr[r] >> 7 != cur[r])
-                        cur[r] = nr[r] >> 7,
-                        exact[r] = fp8_prescale(xp, xs + r * kp, 1, kp, K, s + cur[r] * kb, 127, emin, emax);
-                if (cnt == 2 && exact[0] && exact[1]) {
-                    tile_fp8x2(xs, xs + kp, w + nr[0] * K, w + nr[1] * K, K, y + nr[0], y + nr[1]);
-                    continue;
-                }
-                for (int r = 0; r < cnt; r++)
-                    if (exact[r])
-                        rows_fmt(FMT_FP8X, xs + r * kp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
-                    else
-                        rows_fmt(FMT_FP8, xp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
-                continue;
-            }
-#endif
             if (fmt == FMT_BF16)
                 rows_fmt(FMT_BF16, xp, M, kp, w, s, K, y, N, i, half, cnt);
             else if (fmt == FMT_FP8)
@@ -426,9 +442,6 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
             else
                 rows_fmt(FMT_FP4, xp, M, kp, w, s, K, y, N, i, half, cnt);
         }
-#if defined(DK_AVX512)
-        free(xs);
-#endif
     }
     free(xp);
     return 0;
