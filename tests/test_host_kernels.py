@@ -292,10 +292,10 @@ def test_fp8_one_row_gives_the_same_numbers_with_x_prescaled_or_not(lib: H.HostL
     (x * 2^(b-127) times the code's value: the reference's products x * w) and otherwise multiply each decoded
     weight vector by it. Both paths must give the same numbers, bit for bit: here one x meets all blocks on the
     pre-scaled path, and the same x with one huge entry (2^126, against an all-zero weight column, so it adds
-    exact zeros) sends every block to the other path (x * 2^(b-127) would overflow)."""
+    exact zeros) sends every block to the other path (with every scale 2^2..2^7, x * 2^(b-127) would overflow)."""
     g = torch.Generator().manual_seed(21)
     n, k = 300, 640  # three 128-row scale blocks (the last partial), five 128-column ones
-    w, s = _fp8(n, k, g, scales=(120, 135))
+    w, s = _fp8(n, k, g, scales=(129, 135))
     w[:, 77] = 0
     x = torch.randn(1, k, generator=g)
     x[0, 77] = 0.0

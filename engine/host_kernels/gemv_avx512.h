@@ -3,7 +3,7 @@
  * a fixed permuted element order (gemv.c perm_of: PERM_EVENODD, PERM_FP8_VBMI, PERM_IDENT); x is permuted the same
  * way once per call, so products pair up exactly. FP8 at one x row decodes the values unscaled (FMT_FP8X) against
  * x pre-scaled per 128 x 128 block (gemv.c fp8_prescale, as gemv_avx2.h does), two weight rows at a time
- * (tile_fp8x2): on Zen 4 the four multiplies per 64 decoded elements were a third of the FMA pipe's work. */
+ * (tile_fp8x2): on Zen 4 the four multiplies per 64 decoded elements were half of the FMA pipe's work. */
 #include <immintrin.h>
 
 #if !defined(DK_VBMI)
@@ -113,14 +113,14 @@ tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, i
         }
 }
 
-
 /* FP8, one x row, x pre-scaled (fp8_prescale): weight rows n and n + half, which lie in different 128-row scale
  * blocks, each against its own scaled copy of x (x0, x1): two sequential weight streams, as bf16 and FP4 read at
  * one x row, each prefetched FP8_PREFETCH bytes ahead (a prefetch past a row's end reads the next rows, which come
  * next). Four accumulators per row summed in the one-row tile's order (tile(fmt, 1, 1, 4, ...)), so each output
- * is the same number whichever path computed it. Zen 4, one thread, cold weights, interleaved against the one-row
- * scaled decode: 0.78-0.82x the time at 1024 x 1024, 2048 x 512 and 512 x 1024 (without the prefetch 0.90-0.97x;
- * distances 256 / 1024 / 4096 / 8192 bytes measured no better than 2048); warm, 0.79x. */
+ * is the same number whichever path computed it. Zen 4, one thread, interleaved against the one-row scaled decode:
+ * warm 0.74-0.79x the time (3072 x 1024: 14.3 -> 10.7 cycles per 64 weights); cold 0.79-1.0x by shape and run at
+ * 1024 x 1024, 2048 x 512 and 512 x 1024 (the prefetch: 0.84-0.95x of the same without it; distances 256 / 1024 /
+ * 4096 / 8192 bytes no better than 2048). */
 #define FP8_PREFETCH 2048
 static inline void tile_fp8x2(const float *x0, const float *x1, const uint8_t *w0, const uint8_t *w1, int64_t K,
                               float *y0, float *y1) {
