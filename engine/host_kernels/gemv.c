@@ -424,7 +424,7 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
      * A/B against one row: bf16 0.79x the time at 129280 x 1024, the V4 head, 0.83x at 8192 and 512 x 1024, cold;
      * FP4 0.85-0.92x at 512 x 1024 and 1024 x 512, warm or cold; FP8 at one x row: run1_fp8) */
 #if defined(DK_AVX512)
-    const int nt = M == 1 && fmt == FMT_FP8 ? 1 : NT_TILE;
+    const int nt = NT_TILE;
 #else
     const int nt = M == 1 ? 1 : NT_TILE;
 #endif

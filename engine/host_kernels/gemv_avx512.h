@@ -56,9 +56,10 @@ decode(const int fmt, const uint8_t *wrow, const uint8_t *srow, int64_t k0, int6
             for (int q = 0; q < 4; q++) w[q] = _mm512_mul_ps(w[q], sv);
 #else
 #pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-            w[q] = fmt == FMT_FP8 ? _mm512_mul_ps(fp8_dec16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * q)))), sv)
-                                  : fp8_dec16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * q))));
+        for (int q = 0; q < 4; q++) {
+            w[q] = fp8_dec16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * q))));
+            if (fmt == FMT_FP8) w[q] = _mm512_mul_ps(w[q], sv);
+        }
 #endif
     } else { /* FP4: the 16-entry value table times the block scale, indexed by each nibble */
         const __m512 e2m1 = _mm512_loadu_ps(E2M1);
