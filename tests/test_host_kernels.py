@@ -22,7 +22,10 @@ errors are ~1e-3 of it.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import platform
+import re
 import subprocess
 import sys
 import warnings
@@ -183,6 +186,59 @@ def test_a_variant_this_cpu_cannot_run_is_built_but_refused(variant: str, cache_
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert f"build {variant} uses {', '.join(lack)}, which this CPU lacks" in r.stdout
+
+
+class _HidesFeatures:
+    """A loaded library whose cpuid check reports AVX missing, as under an emulator whose cpuid hides what the host's
+    /proc/cpuinfo shows (qemu-x86_64 -cpu EPYC-Milan on an AVX-512 machine)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str):
+        if name == "dk_cpu_missing":
+            def missing() -> int:
+                return 1  # bit 0: avx
+            return missing
+        return getattr(self._lib, name)
+
+
+@pytest.mark.parametrize("how", ["compile", "cpuid"])
+def test_auto_steps_down_past_a_build_that_fails_to_compile_or_that_its_cpuid_check_refuses(
+        how: str, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As where the compiler rejects the best build (Ubuntu's gcc, whose default _FORTIFY_SOURCE once broke every SIMD
+    build) or where cpuid hides a feature /proc/cpuinfo shows: `load("auto")` takes the next build, build_info
+    reports the skipped one as not run with the compiler's / the cpuid check's words, and a build asked for by name
+    is refused, not replaced."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    first = RUNNABLE[0]
+    monkeypatch.setattr(B, "_passed_over", {})
+    monkeypatch.setattr(H, "_lib", None)
+    B._load.cache_clear()  # the cpuid case needs a fresh load of `first`
+    if how == "compile":
+        v = B.VARIANTS[first]
+        monkeypatch.setitem(B.VARIANTS, first, dataclasses.replace(v, flags=(*v.flags, "-mno-such-option-deepinfer")))
+        reason = f"{cc} failed to compile it: "
+    else:
+        hidden, real = str(B.build_variant(first, cc, cache_dir)), ctypes.CDLL
+        monkeypatch.setattr(B.ctypes, "CDLL", lambda path, *a, **k: (
+            _HidesFeatures(real(path, *a, **k)) if str(path) == hidden else real(path, *a, **k)))
+        reason = "the library's cpuid check: CPU lacks avx"
+    try:
+        if len(RUNNABLE) == 1:  # portable only: nothing to step down to, the failure is the error
+            with pytest.raises(H.HostKernelError):
+                B.load("auto", cc, cache_dir)
+            return
+        lib = B.load("auto", cc, cache_dir)
+        assert lib.variant == lib.simd == RUNNABLE[1]
+        info = B.build_info(lib)
+        assert info["chosen"] == RUNNABLE[1] and info["loaded"]["variant"] == RUNNABLE[1]
+        assert info["variants"][first].startswith(f"not run: {reason}")
+        assert f"{first} not run: {reason}" in info["why"]  # and so in kernels_why (engine/config.py)
+        with pytest.raises(H.HostKernelError, match=f"build {first} cannot run here: {re.escape(reason)}"):
+            B.load(first, cc, cache_dir)
+    finally:
+        B._load.cache_clear()
 
 
 def _fp8(n: int, k: int, g: torch.Generator, scales=(118, 125)) -> tuple[torch.Tensor, torch.Tensor]:

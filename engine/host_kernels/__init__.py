@@ -43,8 +43,9 @@ Build (engine/host_kernels/build.py): on first use the best variant this CPU run
 portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
 `engine.envs.host_kernel_cache_dir()` and loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to
 the libgomp torch already loaded (same SONAME), so it shares torch's OpenMP runtime; every call also passes
-`torch.get_num_threads()` explicitly. A missing compiler or a failed build is a `HostKernelError` (a ValueError:
-one line, exit 2 at the CLI), never a silent fallback.
+`torch.get_num_threads()` explicitly. A variant that fails to compile, or that its own cpuid check refuses, is
+stepped past to the next (reported as not run, with the compiler's words); a missing compiler, or no variant that
+builds, is a `HostKernelError` (a ValueError: one line, exit 2 at the CLI), never a silent fallback.
 
 The GEMMs are torch.library custom ops (`deepinfer::host_*`, with fake implementations), so compiled region
 graphs (`--graph-mode layer`) call them without a graph break; in eager mode the wrappers call the same

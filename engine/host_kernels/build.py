@@ -17,11 +17,15 @@ any build compiles on any x86 machine; which one may *run* is decided three time
 `choose()` takes the first variant, best first, that passes 1 and 2 and is not above the cap DEEPINFER_HOST_SIMD
 (auto: no cap). A lower cap emulates an older CPU: on an AVX-512 machine DEEPINFER_HOST_SIMD=avx2 loads the avx2
 build, which holds no AVX-512 instruction at all, and reports the AVX-512 builds as not run for that reason.
+`load("auto")` steps down past a variant that passed 1 and 2 but fails to compile (an older compiler, a distro's
+default flags) or that check 3 refuses (an emulator or VM whose cpuid hides what /proc/cpuinfo shows): that variant
+is reported as not run, with the compiler's or the cpuid check's words, and the next one is tried. A variant asked
+for by name is never replaced.
 
 Builds are cached in `engine.envs.host_kernel_cache_dir()`, one file per (sources' sha256, compiler, flags, CPU
-flags), written atomically (concurrent ranks may build at once). A missing compiler or a failed build is a
-`HostKernelError` (a ValueError: one line, exit 2 at the CLI), never a silent fallback; so is asking for a build this
-CPU cannot run (the message names the missing flags).
+flags), written atomically (concurrent ranks may build at once). A missing compiler, a failed build of the variant
+asked for (or of every variant, for auto) is a `HostKernelError` (a ValueError: one line, exit 2 at the CLI), never a
+silent fallback; so is asking for a build this CPU cannot run (the message names the missing flags).
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c"
                                                           "gemv_avx512.h", "gemv_avx2.h"))
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
 NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name}"  # "gemv.c, ... and attn.c"
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+# -D_FORTIFY_SOURCE=3: what Ubuntu's gcc sets by default, set everywhere, so a build here is the build there (on a
+# Debian machine, without it, a memcpy in a baseline-target function compiled fine and failed on Ubuntu: gcc will
+# not inline the fortified always_inline memcpy across target options)
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-D_FORTIFY_SOURCE=3")
 LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _ABI = 2
@@ -56,6 +63,18 @@ FEATURES = {"avx": "__AVX__", "avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "
 
 class HostKernelError(ValueError):
     """The native host kernels cannot be built or loaded (a user-facing error: one line, exit 2)."""
+
+
+class VariantError(HostKernelError):
+    """This variant does not compile, or its library's cpuid check refuses this CPU, where a lesser variant may
+    still run: `load("auto")` steps down past it. `reason` is the short form for the variant's status."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_passed_over: dict[tuple[str, str], str] = {}  # (variant, compiler) -> why load("auto") stepped past it here
 
 
 @dataclass(frozen=True)
@@ -144,7 +163,7 @@ def why_not(name: str, cc: str, cap: str = "auto") -> str | None:
     order = list(VARIANTS)
     if cap != "auto" and order.index(name) < order.index(cap):
         return f"above DEEPINFER_HOST_SIMD={cap}"
-    return None
+    return _passed_over.get((name, cc))
 
 
 def choose(cc: str, cap: str = "auto") -> str:
@@ -182,7 +201,8 @@ def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
         if r.returncode != 0:
             lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
             err = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"exit {r.returncode}")
-            raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {err.strip()}")
+            raise VariantError(f"--kernels host: compiling {NAMES} with {cc} failed: {err.strip()}",
+                               f"{cc} failed to compile it: {err.strip()}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
     except (OSError, subprocess.SubprocessError) as e:
         raise HostKernelError(f"--kernels host: compiling {NAMES} with {cc} failed: {e}") from None
@@ -216,9 +236,9 @@ class HostLibrary:
             raise HostKernelError(f"--kernels host: {path} has ABI {lib.dk_abi()}, expected {_ABI}")
         missing = lib.dk_cpu_missing()
         if missing:
-            lack = [f for i, f in enumerate(FEATURES) if missing >> i & 1]
-            raise HostKernelError(f"--kernels host: build {variant} uses {', '.join(lack)}, which this CPU lacks "
-                                  f"(the library's own cpuid check)")
+            lack = ", ".join(f for i, f in enumerate(FEATURES) if missing >> i & 1)
+            raise VariantError(f"--kernels host: build {variant} uses {lack}, which this CPU lacks (the library's "
+                               f"own cpuid check)", f"the library's cpuid check: CPU lacks {lack}")
         self.simd = SIMD_NAMES.get(lib.dk_simd(), str(lib.dk_simd()))
         if self.simd != variant:
             raise HostKernelError(f"--kernels host: {path.name} was compiled as {self.simd}, not {variant} (the "
@@ -270,16 +290,25 @@ class HostLibrary:
 
 
 def load(variant: str = "auto", cc: str = "gcc", cache_dir: str | None = None) -> HostLibrary:
-    """Variant `variant`'s library (auto: `choose(cc, DEEPINFER_HOST_SIMD)`), built or found, checked and loaded once
-    per process; a variant that may not run here is refused before it is loaded, with the reason."""
+    """Variant `variant`'s library (auto: `choose(cc, DEEPINFER_HOST_SIMD)`, stepping down past a variant that does
+    not compile or that its cpuid check refuses, which then reports as not run), built or found, checked and loaded
+    once per process; a variant that may not run here is refused before it is loaded, with the reason."""
     cap = simd_cap()
-    name = choose(cc, cap) if variant == "auto" else variant
-    if name not in VARIANTS:
-        raise HostKernelError(f"--kernels host: no build {name!r} (builds: {', '.join(VARIANTS)})")
-    why = why_not(name, cc, cap)
-    if why is not None:
-        raise HostKernelError(f"--kernels host: build {name} cannot run here: {why}")
-    return _load(name, cc, cache_dir)
+    if variant != "auto":
+        if variant not in VARIANTS:
+            raise HostKernelError(f"--kernels host: no build {variant!r} (builds: {', '.join(VARIANTS)})")
+        why = why_not(variant, cc, cap)
+        if why is not None:
+            raise HostKernelError(f"--kernels host: build {variant} cannot run here: {why}")
+        return _load(variant, cc, cache_dir)
+    while True:
+        name = choose(cc, cap)
+        try:
+            return _load(name, cc, cache_dir)
+        except VariantError as e:
+            if name == list(VARIANTS)[-1]:  # the last: nothing left to step down to
+                raise
+            _passed_over[(name, cc)] = e.reason
 
 
 @functools.cache

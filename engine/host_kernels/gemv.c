@@ -76,10 +76,11 @@ __attribute__((constructor)) DK_BASELINE static void dk_init(void) {
         E4M3[b] = (b & 0x80) ? -v : v;
     }
     for (int b = 0; b < 128; b++) {
-        uint32_t u;
-        memcpy(&u, &E4M3[b], 4);
-        E4M3_BF16_LO[b] = (uint8_t)(u >> 16);
-        E4M3_BF16_HI[b] = (uint8_t)(u >> 24);
+        /* a union, not memcpy: with _FORTIFY_SOURCE (Ubuntu's gcc sets it by default) memcpy is an always_inline
+           wrapper that gcc refuses to inline into this baseline-target function of a -mavx2 / -mavx512f build */
+        union { float f; uint32_t u; } v = {.f = E4M3[b]};
+        E4M3_BF16_LO[b] = (uint8_t)(v.u >> 16);
+        E4M3_BF16_HI[b] = (uint8_t)(v.u >> 24);
     }
 }
 
