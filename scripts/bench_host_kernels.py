@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -108,18 +109,23 @@ def _libs(builds: str) -> dict[str, H.HostLibrary]:
 
 def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrary], repeats: int,
            budget_s: float) -> dict[str, list[float]]:
-    """Round-robin: every impl once per round (call i reads weight copy i), the order rotated each round (no impl
-    always runs right after another's cache traffic); seconds per call, per impl."""
+    """Every impl once per round, in a new (seeded) random order each round: no impl always runs right after the
+    same other one (the reference's dequantised temporaries leave the cache full of dirty lines; with a rotated
+    fixed order one build always followed it and measured up to 1.4x slow). Each call reads the next weight copy
+    (`fn(j)`, j counting calls, not rounds: with the copies twice the last-level cache, no call finds its weights
+    left in cache by another impl's call in the same round); seconds per call, per impl."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     t_end = time.perf_counter() + budget_s
+    j = 0
     for i in range(repeats + 1):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in random.Random(i).sample(names, len(names)):
             fn = fns[name]
             if name in libs:
                 H._lib = libs[name]
             t0 = time.perf_counter()
-            fn(i)
+            fn(j)
+            j += 1
             if i:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
         if i >= 3 and time.perf_counter() > t_end:
