@@ -78,14 +78,25 @@ class EngineArgs:
         """The EngineConfig of this command: `suggested` settings, overridden by what the user gave; the engine
         sized for `workload` (engine.config.Workload) where neither set a size (EngineConfig.from_model_config:
         after cp is known, torchrun's WORLD_SIZE under torchrun). Its backend's stack is checked here, so a missing
-        one is a single line before the command prints anything (`compile_only`: no device needed)."""
+        one is a single line before the command prints anything (`compile_only`: no device needed). Where `--kernels
+        auto` on the host could not use the native kernels (no compiler, no build that compiles), a warning line says
+        so and why: the reference it runs instead decodes several times slower."""
         from engine.backends import check_available
-        from engine.config import EngineConfig
+        from engine.config import Backend, EngineConfig, Kernels
 
         cfg = model_config if model_config is not None else self.model_config()
         config = EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), workload=workload,
                                                 **{**suggested, **self.overrides()})
         check_available(config.backend, compile_only=compile_only)
+        if (config.kernels_requested is Kernels.AUTO and config.backend is Backend.HOST
+                and config.kernels is Kernels.REFERENCE):
+            from rich.markup import escape
+
+            from deepinfer_bench.report import err_console
+
+            why = config.kernels_why.removeprefix("auto: ")
+            err_console.print(f"[yellow]warning:[/yellow] --kernels auto runs the torch reference (several times "
+                              f"slower at decode): {escape(why)}", highlight=False)
         return config
 
 

@@ -46,6 +46,24 @@ def test_auto_falls_back_to_the_reference_with_the_reason(fails) -> None:
     assert "unavailable here" in config.kernels_why and "nocc failed" in config.kernels_why
 
 
+def test_every_command_warns_when_auto_falls_back_to_the_reference(fails, capsys: pytest.CaptureFixture) -> None:
+    """EngineArgs.config, which every engine command builds its config with, says so on stderr, with the reason."""
+    from deepinfer_bench.options import EngineArgs
+
+    assert EngineArgs().config().kernels is Kernels.REFERENCE
+    err = capsys.readouterr().err
+    assert "warning: --kernels auto runs the torch reference" in err and "nocc failed: not found" in err
+    assert EngineArgs(kernels=Kernels.REFERENCE).config().kernels is Kernels.REFERENCE  # asked for: no warning
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_no_warning_where_the_host_kernels_load(builds, capsys: pytest.CaptureFixture) -> None:
+    from deepinfer_bench.options import EngineArgs
+
+    assert EngineArgs().config().kernels is Kernels.HOST
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_auto_on_a_device_backend_is_the_reference_without_building(fails) -> None:
     kernels, why = resolve_kernels("auto", Backend.XLA)
     assert kernels is Kernels.REFERENCE and "xla backend" in why  # `fails` would have raised if it tried to build
