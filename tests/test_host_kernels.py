@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import platform
 import re
 import subprocess
@@ -186,6 +187,35 @@ def test_a_variant_this_cpu_cannot_run_is_built_but_refused(variant: str, cache_
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert f"build {variant} uses {', '.join(lack)}, which this CPU lacks" in r.stdout
+
+
+def test_an_unwritable_cache_falls_back_to_a_private_temp_dir(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only home (a container run as another user): the library builds in this user's own directory under
+    the temp directory (mode 700); a directory there that others may write is refused, never loaded from; a cache the
+    user named (DEEPINFER_HOST_KERNEL_CACHE) is not replaced: its error stands."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # no directory can be made under a file, not even by root
+    monkeypatch.delenv("DEEPINFER_HOST_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(B.tempfile, "tempdir", str(tmp_path / "tmp"))
+    get_envs.cache_clear()
+    try:
+        path = B.build_variant("portable", cc)
+        assert path.parent == tmp_path / "tmp" / f"deepinfer-host-kernels-{os.getuid()}" and path.exists()
+        assert path.parent.stat().st_mode & 0o777 == 0o700
+        path.parent.chmod(0o777)
+        with pytest.raises(H.HostKernelError, match="not a directory of this user's alone"):
+            B.build_variant("portable", cc)
+        monkeypatch.setenv("DEEPINFER_HOST_KERNEL_CACHE", str(blocker / "kernels"))
+        get_envs.cache_clear()
+        with pytest.raises(H.HostKernelError, match="cannot write the kernel cache"):
+            B.build_variant("portable", cc)
+    finally:
+        monkeypatch.undo()
+        get_envs.cache_clear()
 
 
 class _HidesFeatures:

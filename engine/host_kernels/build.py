@@ -36,6 +36,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ FEATURES = {"avx": "__AVX__", "avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "
 
 class HostKernelError(ValueError):
     """The native host kernels cannot be built or loaded (a user-facing error: one line, exit 2)."""
+
+
+class CacheNotWritable(HostKernelError):
+    """The kernel cache directory cannot be created or written (build_variant then tries the temp directory)."""
 
 
 class VariantError(HostKernelError):
@@ -194,7 +199,7 @@ def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
         os.close(fd)
     except OSError as e:
-        raise HostKernelError(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
+        raise CacheNotWritable(f"--kernels host: cannot write the kernel cache {out.parent}: {e}") from None
     try:
         r = subprocess.run([exe, *flags, *map(str, COMPILED), *LIBS, "-o", tmp], capture_output=True, text=True,
                            timeout=300)
@@ -213,11 +218,35 @@ def build(cc: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
 
 
 def build_variant(name: str, cc: str = "gcc", cache_dir: str | Path | None = None) -> Path:
-    """Compile (or find) variant `name`'s library without loading it."""
-    from engine.envs import host_kernel_cache_dir
+    """Compile (or find) variant `name`'s library without loading it: in `cache_dir`, else in the engine's cache
+    (`host_kernel_cache_dir()`) or, where that cannot be written and DEEPINFER_HOST_KERNEL_CACHE did not name it (a
+    container's read-only home), in a directory of this user's under the temp directory."""
+    from engine.envs import get_envs, host_kernel_cache_dir
 
-    cache = Path(cache_dir) if cache_dir is not None else host_kernel_cache_dir()
-    return build(cc, (*BASE_FLAGS, *VARIANTS[name].flags), cache)
+    flags = (*BASE_FLAGS, *VARIANTS[name].flags)
+    if cache_dir is not None:
+        return build(cc, flags, Path(cache_dir))
+    try:
+        return build(cc, flags, host_kernel_cache_dir())
+    except CacheNotWritable as e:
+        if get_envs().DEEPINFER_HOST_KERNEL_CACHE:
+            raise
+        first = e
+    return build(cc, flags, _private_temp_cache(first))
+
+
+def _private_temp_cache(first: CacheNotWritable) -> Path:
+    """This user's own directory under the temp directory (mode 700, checked: a library is loaded from it, so a
+    directory someone else made there is refused, never used)."""
+    d = Path(tempfile.gettempdir()) / f"deepinfer-host-kernels-{os.getuid()}"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = d.lstat()
+    except OSError as e:
+        raise CacheNotWritable(f"{first}; nor {d}: {e}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise CacheNotWritable(f"{first}; and {d} is not a directory of this user's alone (not used)")
+    return d
 
 
 class HostLibrary:
