@@ -14,8 +14,10 @@ median over rounds of reference time / build time in the same round; marked * wh
 threshold MAX_M, i.e. where `--kernels host` itself runs the reference: the kernels are timed at every M regardless).
 Weights are cold by default, as in a decode step: each call reads the next of enough copies to exceed twice the
 last-level cache (`--warm`: one copy, cache-resident where it fits). Random weights with the checkpoint's formats
-(FP8 codes without the NaN code, UE8M0 scales near 2^-7). `--small-ops` adds the per-token ops of mhc.c at decode
-sizes (no GB/s: they are not weight-bound). The load average is printed: rerun when it is high.
+(FP8 codes without the NaN code, UE8M0 scales near 2^-7; `--fp8-codes checkpoint`: a Gaussian quantised as the
+checkpoints are, far fewer subnormal codes, which an avx2 build on Intel pays for: README). `--small-ops` adds the
+per-token ops of mhc.c at decode sizes (no GB/s: they are not weight-bound). The load average is printed: rerun when
+it is high.
 """
 
 from __future__ import annotations
@@ -52,10 +54,26 @@ REF = {"linear": R.linear, "fp8": R.fp8_linear, "fp4": R.fp4_linear}
 NAT = {"linear": H.linear_impl, "fp8": H.fp8_linear_impl, "fp4": H.fp4_linear_impl}
 
 
-def _weights(op: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _fp8_checkpoint(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gaussian weight quantised as DeepSeek's checkpoints are: per 128 x 128 block a power-of-two (UE8M0) scale
+    with amax / scale <= 448, codes rounded to e4m3 (few subnormal codes: ~1e-4, where random bytes give 5.5 %)."""
+    w = torch.randn(n, k, generator=g)
+    nb, kb = -(-n // 128), -(-k // 128)
+    pad = torch.zeros(nb * 128, kb * 128)
+    pad[:n, :k] = w
+    amax = pad.view(nb, 128, kb, 128).abs().amax(dim=(1, 3)).clamp_min(1e-30)
+    e = torch.ceil(torch.log2(amax / 448.0))
+    scale = torch.exp2(e).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    codes = (w / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, (e + 127).to(torch.uint8)
+
+
+def _weights(op: str, n: int, k: int, seed: int, fp8_codes: str = "random") -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     if op == "linear":
         return (torch.randn(n, k, generator=g).bfloat16(),)
+    if op == "fp8" and fp8_codes == "checkpoint":
+        return _fp8_checkpoint(n, k, g)
     if op == "fp8":
         w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
         w[(w & 0x7F) == 0x7F] = 0
@@ -191,12 +209,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--small-ops", action="store_true", help="also time the per-token ops of mhc.c")
     ap.add_argument("--warm", action="store_true", help="one weight copy (cache-resident where it fits)")
+    ap.add_argument("--fp8-codes", default="random", choices=["random", "checkpoint"],
+                    help="FP8 weights: random bytes (5.5 %% subnormal e4m3 codes: the worst case for a CPU that "
+                    "takes an assist on subnormal floats, as Intel cores do) or a Gaussian quantised per 128 x 128 "
+                    "block as checkpoints are (~1e-4 subnormal)")
     a = ap.parse_args()
     threads = get_envs().DEEPINFER_NUM_THREADS
     if threads:
         torch.set_num_threads(threads)
     print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, "
-          f"{'warm' if a.warm else 'cold'} weights (last-level cache {last_level_cache() >> 20} MiB)")
+          f"{'warm' if a.warm else 'cold'} weights (last-level cache {last_level_cache() >> 20} MiB), "
+          f"FP8 codes {a.fp8_codes}")
     print(H.summary())
     libs = _libs(a.builds)
     builds = list(libs)
@@ -208,9 +231,9 @@ def main() -> None:
         print(_header(builds, f"{'shape':<10} {'op':<6} {'N':>6} {'K':>5} {'M':>3}"))
         for name in a.shapes.split(","):
             op, n, k = SHAPES[name]
-            one = _weights(op, n, k, 0)
+            one = _weights(op, n, k, 0, a.fp8_codes)
             copies = 1 if a.warm else max(1, min(64, -(-2 * last_level_cache() // _bytes(one))))
-            ws = [one] + [_weights(op, n, k, c) for c in range(1, copies)]
+            ws = [one] + [_weights(op, n, k, c, a.fp8_codes) for c in range(1, copies)]
             for m in (int(v) for v in a.m.split(",")):
                 x = torch.randn(m, k).to(getattr(torch, a.dtype))
                 fns: dict[str, Callable[[int], object]] = {

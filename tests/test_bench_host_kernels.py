@@ -1,0 +1,47 @@
+"""scripts/bench_host_kernels.py: its checkpoint-like FP8 weights are what a checkpoint holds (the bench's numbers on
+them stand for real weights), and each timed call reads a weight copy no other call of its round read."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from nki_kernels import reference as R
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_kernels.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_host_kernels", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_checkpoint_like_fp8_weights_are_the_quantised_gaussian() -> None:
+    bench = _script()
+    n, k = 300, 640  # partial 128-blocks on both sides
+    codes, scales = bench._fp8_checkpoint(n, k, torch.Generator().manual_seed(3))
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
+    assert codes.dtype == scales.dtype == torch.uint8 and scales.shape == (3, 5)
+    dense = R.fp8_dequant_rows(codes, scales, 0, n)
+    step = torch.exp2(scales.float() - 127).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    # e4m3 keeps 3 mantissa bits: each element within half a spacing (2^-4 relative, or 2^-10 absolute below 2^-6)
+    assert bool(((dense - w).abs() <= torch.maximum(w.abs() / 16, step * 2.0**-10)).all())
+    assert int(((codes & 0x7F) == 0x7F).sum()) == 0  # no NaN code
+    for b in range(3):  # amax / scale fits e4m3 (<= 448) and uses its top binade (> 224)
+        for c in range(5):
+            blk = w[128 * b:128 * (b + 1), 128 * c:128 * (c + 1)].abs().max() / 2.0 ** (int(scales[b, c]) - 127)
+            assert 224 < float(blk) <= 448
+    sub = ((codes & 0x7F) >= 1) & ((codes & 0x7F) <= 7)
+    assert float(sub.float().mean()) < 1e-3  # random bytes: 14 / 256
+
+
+def test_each_call_reads_its_own_weight_copy() -> None:
+    bench = _script()
+    seen: list[int] = []
+    fns = {name: (lambda j: seen.append(j)) for name in ("reference", "a", "b")}
+    bench._timed(fns, {}, repeats=5, budget_s=60.0)
+    assert seen == list(range(len(seen))) and len(seen) == 3 * 6
