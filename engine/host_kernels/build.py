@@ -24,9 +24,10 @@ for by name is never replaced.
 
 Builds are cached in `engine.envs.host_kernel_cache_dir()`, one file per (sources' sha256, compiler, flags, CPU
 flags), written atomically (concurrent ranks may build at once); where that directory cannot be written and
-DEEPINFER_HOST_KERNEL_CACHE did not name it, in this user's own directory under the temp directory. A missing compiler, a failed build of the variant
-asked for (or of every variant, for auto) is a `HostKernelError` (a ValueError: one line, exit 2 at the CLI), never a
-silent fallback; so is asking for a build this CPU cannot run (the message names the missing flags).
+DEEPINFER_HOST_KERNEL_CACHE did not name it, in this user's own directory under the temp directory. A missing
+compiler, a failed build of the variant asked for (or of every variant, for auto) is a `HostKernelError` (a
+ValueError: one line, exit 2 at the CLI), never a silent fallback; so is asking for a build this CPU cannot run (the
+message names the missing flags).
 """
 
 from __future__ import annotations
