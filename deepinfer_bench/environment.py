@@ -20,11 +20,12 @@ def env_tables() -> tuple[list[tuple[str, pd.DataFrame]], dict[str, str | None]]
     if envs.recorded:
         tables.append(("Recorded runtime variables",
                        pd.DataFrame([{"variable": k, "value": v} for k, v in envs.recorded])))
+    auto = _kernels_auto(envs.DEEPINFER_BACKEND)  # first: loading may step down a build, which the probe reports
     st = probe()
     rows = [{"item": k, "value": str(v)} for k, v in st["versions"].items()]
     rows += [{"item": k, "value": str(st[k])} for k in ("pjrt_device", "logical_nc_config", "nki_supported", "nki_ok")]
     rows += [{"item": f"host_math.{k}", "value": str(v)} for k, v in st["host_math"].items()]
-    rows.append({"item": "kernels auto", "value": _kernels_auto(envs.DEEPINFER_BACKEND)})
+    rows.append({"item": "kernels auto", "value": auto})
     tables.append(("Stack (torch / XLA / Neuron)", pd.DataFrame(rows)))
     kernels = st.get("host_kernels") or {}
     if kernels.get("variants"):

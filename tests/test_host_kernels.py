@@ -265,6 +265,12 @@ def test_auto_steps_down_past_a_build_that_fails_to_compile_or_that_its_cpuid_ch
         assert info["chosen"] == RUNNABLE[1] and info["loaded"]["variant"] == RUNNABLE[1]
         assert info["variants"][first].startswith(f"not run: {reason}")
         assert f"{first} not run: {reason}" in info["why"]  # and so in kernels_why (engine/config.py)
+        from deepinfer_bench.environment import env_tables
+
+        monkeypatch.setattr(H, "_lib", None)
+        monkeypatch.setattr(B, "_passed_over", {})  # `deepinfer env` in a fresh process: its build table agrees
+        titles = [title for title, _ in env_tables()[0]]  # with the library it loads
+        assert f"--kernels host builds on this CPU (chosen: {RUNNABLE[1]})" in titles
         with pytest.raises(H.HostKernelError, match=f"build {first} cannot run here: {re.escape(reason)}"):
             B.load(first, cc, cache_dir)
     finally:
