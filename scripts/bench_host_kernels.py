@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from engine import host_kernels as H  # noqa: E402
 from engine.envs import get_envs  # noqa: E402
 from nki_kernels import reference as R  # noqa: E402
+from nki_kernels.formats import quant_fp8_block  # noqa: E402
 
 # name: (op, N, K) at the mid model's sizes (D 1024, q_lora 512, 16 x 128 heads, moe_inter 512, vocab 129280)
 SHAPES = {
@@ -55,17 +56,10 @@ NAT = {"linear": H.linear_impl, "fp8": H.fp8_linear_impl, "fp4": H.fp4_linear_im
 
 
 def _fp8_checkpoint(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Gaussian weight quantised as DeepSeek's checkpoints are: per 128 x 128 block a power-of-two (UE8M0) scale
-    with amax / scale <= 448, codes rounded to e4m3 (few subnormal codes: ~1e-4, where random bytes give 5.5 %)."""
-    w = torch.randn(n, k, generator=g)
-    nb, kb = -(-n // 128), -(-k // 128)
-    pad = torch.zeros(nb * 128, kb * 128)
-    pad[:n, :k] = w
-    amax = pad.view(nb, 128, kb, 128).abs().amax(dim=(1, 3)).clamp_min(1e-30)
-    e = torch.ceil(torch.log2(amax / 448.0))
-    scale = torch.exp2(e).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-    codes = (w / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-    return codes, (e + 127).to(torch.uint8)
+    """A Gaussian weight quantised as DeepSeek's checkpoints are (the loader's `quant_fp8_block`: per 128 x 128 block
+    a power-of-two scale, codes rounded to e4m3; few subnormal codes: ~1e-4, where random bytes give 5.5 %)."""
+    w8, scale = quant_fp8_block(torch.randn(n, k, generator=g))
+    return w8.view(torch.uint8), scale.view(torch.uint8)
 
 
 def _weights(op: str, n: int, k: int, seed: int, fp8_codes: str = "random") -> tuple[torch.Tensor, ...]:

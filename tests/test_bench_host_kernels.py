@@ -3,21 +3,14 @@ them stand for real weights), and each timed call reads a weight copy no other c
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from nki_kernels import reference as R
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_kernels.py"
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_host_kernels", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bench_host_kernels.py")
 
 
 def test_checkpoint_like_fp8_weights_are_the_quantised_gaussian() -> None:

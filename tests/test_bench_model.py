@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import INDEX_FILE, SINGLE_FILE, expected_tensors, expert_of, load_checkpoint, official_format
 from engine.model.moe import MoE
 from engine.sampler import SamplingParams
+from tests.scripts import load_script
 from tests.test_config import FLASH_OFFICIAL
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("make_bench_model", ROOT / "golden" / "make_bench_model.py")
-mbm = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("make_bench_model", mbm)
-_spec.loader.exec_module(mbm)
+mbm = load_script("golden/make_bench_model.py")
 
 ST_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "F8_E8M0": torch.float8_e8m0fnu,
             "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}

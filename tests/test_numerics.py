@@ -239,11 +239,9 @@ def test_golden_of_tiny_runs_under_the_dspark_head() -> None:
 
 
 def test_kv_fit_table_matches_the_spec_arithmetic() -> None:
-    import importlib.util
+    from tests.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("kv_fit", GOLDEN_DIR.parent / "scripts" / "kv_fit.py")
-    kv_fit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kv_fit)
+    kv_fit = load_script("scripts/kv_fit.py")
     table = {(r["model"], r["kv"]): r for r in kv_fit.rows(64, 24)}
     # spec §3: bf16 CSA (512 + 128) / 4 x 2 B = 320 B, HCA 512 / 128 x 2 B = 8 B; Flash 21 CSA + 20 HCA layers
     assert table["V4-Flash", "bf16"]["bytes_per_token"] == 21 * 320 + 20 * 8

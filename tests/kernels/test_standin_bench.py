@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from nki_kernels import dispatch, kernel_ops
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "standin_golden_bench.py"
+from tests.scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("standin_golden_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/standin_golden_bench.py")
 
 
 def test_replay_reaches_every_family_without_fallbacks():
