@@ -29,8 +29,11 @@ def env_tables() -> tuple[list[tuple[str, pd.DataFrame]], dict[str, str | None]]
     tables.append(("Stack (torch / XLA / Neuron)", pd.DataFrame(rows)))
     kernels = st.get("host_kernels") or {}
     if kernels.get("variants"):
+        loaded = kernels.get("loaded") or {}
+        fp8 = {loaded.get("variant"): f"; FP8 decoder {loaded['fp8_decoder']}"} if "fp8_decoder" in loaded else {}
         tables.append((f"--kernels host builds on this CPU (chosen: {kernels.get('chosen')})", pd.DataFrame(
-            [{"build": name, "status": str(status)} for name, status in kernels["variants"].items()])))
+            [{"build": name, "status": f"{status}{fp8.get(name, '')}"}
+             for name, status in kernels["variants"].items()])))
     return tables, {"neuron_ls": st["neuron_ls"], "graph_hash": envs.graph_hash()}
 
 

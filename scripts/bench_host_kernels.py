@@ -104,16 +104,27 @@ def bandwidth_probe(rounds: int = 5) -> list[float]:
     return out
 
 
+# column -> the FP8 decoder its calls use (the avx2 build's two, gemv_avx2.h; the column named after the build uses
+# the one this CPU chooses, the engine's)
+DECODER: dict[str, str] = {}
+
+
 def _libs(builds: str) -> dict[str, H.HostLibrary]:
-    """The builds to time (all: every one that may run here), after printing every variant's status."""
+    """The builds to time (all: every one that may run here), after printing every variant's status; the avx2 build
+    also as a second column with the FP8 decoder this CPU does not choose ("avx2/f16c" or "avx2/shift")."""
     cc = get_envs().DEEPINFER_HOST_CC
     want = list(H.VARIANTS) if builds == "all" else builds.split(",")
     libs = {}
     for name in H.VARIANTS:
         why = H.why_not(name, cc, H.build.simd_cap())
         if name in want and why is None:
-            libs[name] = H.load(name, cc)
-            print(f"  build {name:<12} ran ({libs[name].path.name})")
+            lib = libs[name] = H.load(name, cc)
+            print(f"  build {name:<12} ran ({lib.path.name})")
+            if lib.fp8_decoder != "only":
+                other = "shift" if lib.fp8_decoder == "f16c" else "f16c"
+                DECODER[name], DECODER[f"{name}/{other}"] = lib.fp8_decoder, other
+                libs[f"{name}/{other}"] = lib
+                print(f"    FP8 decoder {lib.fp8_decoder_info()}; column {name}/{other}: the other one")
         else:
             print(f"  build {name:<12} not run: {why or 'not asked for (--builds)'}")
     return libs
@@ -135,6 +146,8 @@ def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrar
             fn = fns[name]
             if name in libs:
                 H._lib = libs[name]
+                if name in DECODER:
+                    libs[name].set_fp8_decoder(DECODER[name])
             t0 = time.perf_counter()
             fn(j)
             j += 1
@@ -191,7 +204,7 @@ def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
                 fns[b] = lambda i, c=call, a=args: c(H, *a)
             key = "sparse_attn" if op == "sparse_attn" else "mhc"
             print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0), None, list(libs),
-                       {b: m <= limits[b][key] for b in libs}), flush=True)
+                       {b: m <= limits[libs[b].variant][key] for b in libs}), flush=True)
 
 
 def main() -> None:
@@ -236,7 +249,7 @@ def main() -> None:
                     fns[b] = lambda i, op=op, x=x, ws=ws: NAT[op](x, *ws[i % len(ws)])
                 times = _timed(fns, libs, a.repeats, 6.0)
                 print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds,
-                           {b: m <= saved[b][op] for b in builds}), flush=True)
+                           {b: m <= saved[libs[b].variant][op] for b in builds}), flush=True)
             del ws
         if a.small_ops:
             _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved)

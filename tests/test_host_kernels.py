@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,16 +99,27 @@ REAL_MAX_M = {b: dict(lim) for b, lim in H.MAX_M.items()}
 WIDEST = {k: max(lim[k] for lim in REAL_MAX_M.values()) for k in REAL_MAX_M["portable"]}
 
 
-@pytest.fixture(params=RUNNABLE)
-def lib(request: pytest.FixtureRequest, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> H.HostLibrary:
+# each build this CPU can run; the avx2 build once per FP8 decoder (a process uses the one its CPU measures
+# cheaper: both must be exact on every CPU)
+BUILDS = [b for v in RUNNABLE for b in ((f"{v}:shift", f"{v}:f16c") if v == "avx2" else (v,))]
+
+
+@pytest.fixture(params=BUILDS)
+def lib(request: pytest.FixtureRequest, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[H.HostLibrary]:
     """Each build this CPU can run, installed as the process's library for one test, taking every row count up to
     the widest threshold any build uses (WIDEST), so each build's kernels are checked over the same range; the
     build's own thresholds: test_above_the_threshold_the_reference_runs_counted."""
-    built = H.load(request.param, get_envs().DEEPINFER_HOST_CC, cache_dir)
-    assert built.variant == built.simd == request.param  # dk_simd(): the code paths compiled in are that variant's
+    variant, _, decoder = request.param.partition(":")
+    built = H.load(variant, get_envs().DEEPINFER_HOST_CC, cache_dir)
+    assert built.variant == built.simd == variant  # dk_simd(): the code paths compiled in are that variant's
     monkeypatch.setattr(H, "_lib", built)
-    monkeypatch.setitem(H.MAX_M, request.param, dict(WIDEST))
-    return built
+    monkeypatch.setitem(H.MAX_M, variant, dict(WIDEST))
+    chosen = built.fp8_decoder
+    if decoder:
+        built.set_fp8_decoder(decoder)
+    yield built
+    if decoder:
+        built.set_fp8_decoder(chosen)
 
 
 @pytest.fixture
@@ -400,7 +412,7 @@ def test_fp8_one_row_gives_the_same_numbers_with_x_prescaled_or_not(lib: H.HostL
 
 def test_fp8_subnormal_codes_decode_with_denormals_flushed(lib: H.HostLibrary) -> None:
     """torch.set_flush_denormal(True) sets MXCSR's DAZ / FTZ; subnormal e4m3 codes (m * 2^-9, normal in fp32) must
-    still decode to their values (the AVX2 FP8 decoder passes them through fp32 subnormals, so it clears DAZ)."""
+    still decode to their values (a decoder that passed them through fp32 subnormals would read them as zero)."""
     w = torch.arange(256, dtype=torch.uint8).view(2, 128)
     w[(w & 0x7F) == 0x7F] = 0
     s = torch.tensor([[127]], dtype=torch.uint8)
@@ -411,6 +423,31 @@ def test_fp8_subnormal_codes_decode_with_denormals_flushed(lib: H.HostLibrary) -
             assert torch.equal(_one_hot_columns("fp8", (w, s), 128, rows), R.fp8_dequant_rows(w, s, 0, 2))
     finally:
         torch.set_flush_denormal(False)
+
+
+def test_the_avx2_build_chooses_its_fp8_decoder_by_what_a_subnormal_fma_costs(
+        cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The avx2 build measures, when it loads, what an FMA with a subnormal input costs (Intel cores: a microcode
+    assist) and takes the F16C decoder above 4x, the shift decoder otherwise; results metadata and `deepinfer env`
+    say which and why. The other builds have one FP8 decoder and nothing to choose."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    for variant in RUNNABLE:
+        built = H.load(variant, cc, cache_dir)
+        if variant != "avx2":
+            assert (built.fp8_decoder, built.subnormal_cost, built.fp8_decoder_info()) == ("only", 0.0, None)
+            with pytest.raises(ValueError, match=f"build {variant} has no FP8 decoder 'f16c'"):
+                built.set_fp8_decoder("f16c")
+            continue
+        assert built.subnormal_cost > 0
+        assert built.fp8_decoder == ("f16c" if built.subnormal_cost > 4 else "shift")
+        info = B.build_info(built)["loaded"]["fp8_decoder"]
+        assert info.startswith(f"{built.fp8_decoder} (an FMA with a subnormal input takes ")
+        from deepinfer_bench.environment import env_tables
+
+        monkeypatch.setattr(B, "simd_cap", lambda: "avx2")
+        monkeypatch.setattr(H, "_lib", None)
+        builds = next(t for title, t in env_tables()[0] if title.startswith("--kernels host builds"))
+        assert builds.set_index("build")["status"]["avx2"] == f"chosen; FP8 decoder {info}"
 
 
 def test_bf16_weight_decodes_exactly(lib: H.HostLibrary) -> None:

@@ -4,7 +4,7 @@ instruction-set variant, and the best one the CPU runs.
     variant       compiler flags (beside BASE_FLAGS)               the CPU must report
     avx512-vbmi   -mavx2 -mfma -mavx512f -mavx512bw -mavx512vbmi   avx avx2 fma avx512f avx512bw avx512vbmi
     avx512        -mavx2 -mfma -mavx512f -mavx512bw                avx avx2 fma avx512f avx512bw
-    avx2          -mavx2 -mfma                                     avx avx2 fma
+    avx2          -mavx2 -mfma -mf16c                              avx avx2 fma f16c
     portable      none (x86-64 baseline; -march=native elsewhere)  nothing
 
 x86 builds add -mtune=native (scheduling only). The flags name exactly the instruction sets the build may use, so
@@ -57,11 +57,11 @@ NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-D_FORTIFY_SOURCE=3")
 LIBS = ("-lm",)  # after the sources (libm's expf / ldexpf / ilogbf: the library loads on its own, not only into Python)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-_ABI = 2
+_ABI = 3
 # CPU feature (its /proc/cpuinfo name) -> the compiler macro that says a build may use it; the bit order is
 # gemv.c dk_cpu_missing()'s
 FEATURES = {"avx": "__AVX__", "avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "__AVX512F__",
-            "avx512bw": "__AVX512BW__", "avx512vbmi": "__AVX512VBMI__"}
+            "avx512bw": "__AVX512BW__", "avx512vbmi": "__AVX512VBMI__", "f16c": "__F16C__"}
 
 
 class HostKernelError(ValueError):
@@ -81,6 +81,8 @@ class VariantError(HostKernelError):
         self.reason = reason
 
 
+# gemv.c dk_fp8_decode(): the avx2 build's FP8 decoders (gemv_avx2.h), "only" for the builds with one
+FP8_DECODERS = ("only", "shift", "f16c")
 _passed_over: dict[tuple[str, str], str] = {}  # (variant, compiler) -> why load("auto") stepped past it here
 
 
@@ -98,7 +100,7 @@ VARIANTS = {v.name: v for v in (  # best first
             (*_AVX2, "avx512f", "avx512bw", "avx512vbmi"), 2),
     Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mtune=native"), (*_AVX2, "avx512f", "avx512bw"),
             1),
-    Variant("avx2", ("-mavx2", "-mfma", "-mtune=native"), _AVX2, 3),
+    Variant("avx2", ("-mavx2", "-mfma", "-mf16c", "-mtune=native"), (*_AVX2, "f16c"), 3),
     Variant("portable", ("-mtune=native",) if IS_X86 else ("-march=native",), (), 0),
 )}
 SIMD_NAMES = {v.simd: v.name for v in VARIANTS.values()}
@@ -290,12 +292,31 @@ class HostLibrary:
         lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
         lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
                                     p, p, p, i32]
+        lib.dk_fp8_decode.argtypes = [i32]
+        lib.dk_fp8_decode.restype = i32
+        lib.dk_subnormal_cost.restype = ctypes.c_double
         for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_max_threads, lib.dk_last_threads,
                   lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn,
                   lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route, lib.dk_hc_head,
                   lib.dk_attn_qkv):
             f.restype = i32
         self.lib = lib
+        self.fp8_decoder = FP8_DECODERS[lib.dk_fp8_decode(-1)]  # the avx2 build chooses here, before any FP8 call
+        self.subnormal_cost = float(lib.dk_subnormal_cost())
+
+    def set_fp8_decoder(self, name: str) -> None:
+        """Make the avx2 build use FP8 decoder `name` (FP8_DECODERS; for tests: each must be exact here, whichever
+        this CPU gets). Not while a kernel runs."""
+        if self.variant != "avx2" or name not in ("shift", "f16c"):
+            raise ValueError(f"build {self.variant} has no FP8 decoder {name!r}")
+        self.fp8_decoder = FP8_DECODERS[self.lib.dk_fp8_decode(FP8_DECODERS.index(name))]
+
+    def fp8_decoder_info(self) -> str | None:
+        """The avx2 build's FP8 decoder and why (None: the build has one): results metadata."""
+        if self.fp8_decoder == "only":
+            return None
+        cost = f"an FMA with a subnormal input takes {self.subnormal_cost:.1f}x the time here"
+        return f"{self.fp8_decoder} ({cost}; f16c above 4x)" if self.subnormal_cost else self.fp8_decoder
 
     def max_threads(self) -> int:
         """omp_get_max_threads() as the library sees it (equals torch's count when the runtime is shared)."""
@@ -376,8 +397,9 @@ def build_info(loaded: HostLibrary | None = None) -> dict[str, Any]:
             "cap": cap, "compiler": cc, "machine": platform.machine(),
             "cpu_features": None if cpu is None else {f: f in cpu for f in FEATURES},
             "native_features": None if native is None else {f: f in native for f in FEATURES},
-            "variants": status, "loaded": None if loaded is None else {"variant": loaded.variant,
-                                                                        "library": loaded.path.name}}
+            "variants": status,
+            "loaded": None if loaded is None else {"variant": loaded.variant, "library": loaded.path.name,
+                                                   **({"fp8_decoder": d} if (d := loaded.fp8_decoder_info()) else {})}}
 
 
 def summary(info: dict[str, Any] | None = None) -> str:

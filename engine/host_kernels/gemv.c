@@ -16,7 +16,7 @@
  *
  * Instruction sets, chosen by what the compiler targets (the variant's flags):
  *   AVX-512 F + BW (VBMI for the FP8 byte tables)  gemv_avx512.h   dk_simd() 1 (2 with VBMI)
- *   AVX2 + FMA                                     gemv_avx2.h     dk_simd() 3
+ *   AVX2 + FMA + F16C                              gemv_avx2.h     dk_simd() 3
  *   none of these                                  the portable tile below, which gcc auto-vectorises; dk_simd() 0
  * The vector decoders produce weight vectors in a fixed permuted element order; x is permuted the same way once
  * per call (perm_of), so products pair up exactly. dk_cpu_missing() (compiled for the baseline ISA, like the table
@@ -51,7 +51,7 @@
 #define DK_BASELINE
 #endif
 
-#define DK_ABI 2
+#define DK_ABI 3
 #if defined(DK_AVX512)
 #define MT_TILE 8 /* most x rows per tile (rows(): up to 8 rows in one tile, more in tiles of 4) */
 #else
@@ -59,7 +59,8 @@
 #endif
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_FP4 = 2,
-       FMT_FP8X = 3 }; /* internal: FP8 against x pre-scaled by fp8_prescale (the decoded values are not scaled) */
+       FMT_FP8X = 3,   /* internal: FP8 against x pre-scaled by fp8_prescale (the decoded values are not scaled) */
+       FMT_FP8H = 4 }; /* internal: FP8 through its fp16 pattern (gemv_avx2.h dec_fp8_f16c) */
 
 static float UE8M0[256];      /* 2^(b - 127); b = 255: NaN */
 static float E4M3[256];       /* value of each float8_e4m3fn byte; 0x7F / 0xFF: NaN */
@@ -67,6 +68,11 @@ static const float E2M1[16] __attribute__((unused)) = {0.0f, 0.5f, 1.0f, 1.5f, 2
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 static uint8_t E4M3_BF16_LO[128], E4M3_BF16_HI[128]; /* bf16 bytes of each magnitude (all exact in bf16) */
 static int last_threads = 0;
+/* The AVX2 build's FP8 decoder (dk_fp8_decode): FP8_SHIFT or FP8_F16C; chosen once per process, before the first
+ * FP8 call (the x permutation and the kernels must agree). Other builds have one decoder: FP8_ONLY. */
+enum { FP8_ONLY = 0, FP8_SHIFT = 1, FP8_F16C = 2 };
+static int fp8_decoder = FP8_ONLY;
+static double subnormal_cost = 0.0; /* what the choice measured (dk_subnormal_cost) */
 
 __attribute__((constructor)) DK_BASELINE static void dk_init(void) {
     for (int b = 0; b < 256; b++) {
@@ -86,7 +92,7 @@ __attribute__((constructor)) DK_BASELINE static void dk_init(void) {
 
 DK_BASELINE int dk_abi(void) { return DK_ABI; }
 
-/* 0: portable, 1: AVX-512 F+BW, 2: AVX-512 with VBMI, 3: AVX2 + FMA */
+/* 0: portable, 1: AVX-512 F+BW, 2: AVX-512 with VBMI, 3: AVX2 + FMA + F16C */
 DK_BASELINE int dk_simd(void) {
 #if defined(DK_VBMI)
     return 2;
@@ -100,7 +106,7 @@ DK_BASELINE int dk_simd(void) {
 }
 
 /* Bit i set: this build was compiled for instruction set i and the running CPU (cpuid, with the OS's register-state
- * support, as libgcc reads it) lacks it. i: 0 avx, 1 avx2, 2 fma, 3 avx512f, 4 avx512bw, 5 avx512vbmi. */
+ * support, as libgcc reads it) lacks it. i: 0 avx, 1 avx2, 2 fma, 3 avx512f, 4 avx512bw, 5 avx512vbmi, 6 f16c. */
 DK_BASELINE int dk_cpu_missing(void) {
     int miss = 0;
 #if defined(__x86_64__) || defined(__i386__)
@@ -123,6 +129,9 @@ DK_BASELINE int dk_cpu_missing(void) {
 #if defined(__AVX512VBMI__)
     miss |= !__builtin_cpu_supports("avx512vbmi") << 5;
 #endif
+#if defined(__F16C__)
+    miss |= !__builtin_cpu_supports("f16c") << 6;
+#endif
 #endif
     return miss;
 }
@@ -131,7 +140,8 @@ int dk_max_threads(void) { return omp_get_max_threads(); }
 int dk_last_threads(void) { return last_threads; }
 
 /* ---- element order of one 64-element chunk as the decoder produces it: slot s holds element perm_of(kind, s) */
-enum { PERM_IDENT = 0, PERM_EVENODD = 1, PERM_FP8_VBMI = 2, PERM_EVENODD8 = 3, PERM_FP4_AVX2 = 4, PERM_FP8_AVX2 = 5 };
+enum { PERM_IDENT = 0, PERM_EVENODD = 1, PERM_FP8_VBMI = 2, PERM_EVENODD8 = 3, PERM_FP4_AVX2 = 4, PERM_FP8_AVX2 = 5,
+       PERM_FP8_F16C = 6 };
 
 static int perm_of(int kind, int s) {
     int q = s >> 4, j = s & 15; /* 16-lane vectors (AVX-512) */
@@ -141,8 +151,10 @@ static int perm_of(int kind, int s) {
     if (kind == PERM_EVENODD8) return 16 * (q >> 1) + 2 * j + (q & 1); /* bf16: evens, odds of each 16 */
     if (kind == PERM_FP4_AVX2) /* gemv_avx2.h dec_fp4: nibble q>>2, unpack half (q>>1)&1, word q&1, lane j>>2 */
         return 32 * (j >> 2) + 16 * ((q >> 1) & 1) + 4 * (j & 3) + 2 * (q & 1) + (q >> 2);
-    if (kind == PERM_FP8_AVX2) /* gemv_avx2.h dec_fp8: load q>>2, byte q&3 of dword j */
+    if (kind == PERM_FP8_AVX2) /* gemv_avx2.h dec_fp8_shift: load q>>2, byte q&3 of dword j */
         return 32 * (q >> 2) + 4 * j + (q & 3);
+    if (kind == PERM_FP8_F16C) /* dec_fp8_f16c: load q>>2, its low / high 16 bytes q&1, even / odd codes (q>>1)&1 */
+        return 32 * (q >> 2) + 16 * (q & 1) + 2 * j + ((q >> 1) & 1);
     return s;
 }
 
@@ -157,7 +169,8 @@ static int perm_kind(int fmt) {
     }
     return PERM_EVENODD;
 #elif defined(DK_AVX2)
-    return fmt == FMT_BF16 ? PERM_EVENODD8 : fmt == FMT_FP4 ? PERM_FP4_AVX2 : PERM_FP8_AVX2;
+    if (fmt == FMT_FP8) return fp8_decoder == FP8_F16C ? PERM_FP8_F16C : PERM_FP8_AVX2;
+    return fmt == FMT_BF16 ? PERM_EVENODD8 : PERM_FP4_AVX2;
 #else
     (void)fmt;
     return PERM_IDENT;
@@ -237,9 +250,9 @@ static void exp_range(const float *x, int64_t n, int *emin, int *emax) {
 }
 
 /* xs[m, k] = x[m, k] * 2^(b_kb - bias) for row block `srow`'s scales (bias: 7 where the decoder gives each value
- * times 2^-120, gemv_avx2.h; 127 where it gives the value itself, gemv_avx512.h); 0 (and xs untouched) where that
- * is not exact: every block's w = value * 2^(b-127) a normal fp32 (10 <= b <= 246) and every x * 2^(b-bias) one
- * too (against x's exponent range emin..emax from exp_range) */
+ * times 2^-120, gemv_avx2.h's shift decoder, 119 for times 2^-8, its f16c one; 127 where it gives the value itself,
+ * gemv_avx512.h); 0 (and xs untouched) where that is not exact: every block's w = value * 2^(b-127) a normal fp32
+ * (10 <= b <= 246) and every x * 2^(b-bias) one too (against x's exponent range emin..emax from exp_range) */
 static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_t K, const uint8_t *srow, int bias,
                         int emin, int emax) {
     const int64_t nkb = (K + 127) / 128;
@@ -397,9 +410,27 @@ static __attribute__((noinline)) int run1_fp8(const float *xp, int64_t kp, const
 }
 #endif
 
+/* The FP8 decoder this process uses (FP8_ONLY in builds with one): want FP8_SHIFT or FP8_F16C sets it (tests: each
+ * must be exact; not while a kernel runs), -1 asks, choosing on the first call (gemv_avx2.h fp8_choose). */
+int dk_fp8_decode(int want) {
+#if defined(DK_AVX2)
+    if (want == FP8_SHIFT || want == FP8_F16C) fp8_decoder = want;
+    else if (fp8_decoder == FP8_ONLY) fp8_choose();
+#else
+    (void)want;
+#endif
+    return fp8_decoder;
+}
+
+/* An FMA with a subnormal input against one with normal inputs, time ratio, as the choice measured (0: not run) */
+double dk_subnormal_cost(void) { return subnormal_cost; }
+
 static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
                int64_t K, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
+#if defined(DK_AVX2)
+    if (fmt == FMT_FP8 && fp8_decoder == FP8_ONLY) dk_fp8_decode(-1); /* before x is permuted for it */
+#endif
     const int64_t kp = (K + 63) / 64 * 64;
     float *xp = NULL;
     if (kp > 0) {

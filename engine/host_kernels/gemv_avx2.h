@@ -6,39 +6,44 @@
  *   FP4   32 bytes (two 32-element scale blocks, one per 128-bit lane): the nibbles index two 16-entry byte tables
  *         (_mm256_shuffle_epi8) that give each value's bf16 bytes (every e2m1 value is exact in bf16), interleaved
  *         into words and widened to fp32 like bf16. Each vector holds 4 elements of each block. PERM_FP4_AVX2.
- *   FP8   a byte multiply-add with the codes as its signed operand (_mm256_maddubs_epi16 against 16, 0 / 0, 16 per
- *         byte pair) gives 16 * b of every even (odd) code as a sign-extended 16-bit word; masked, that word is the
- *         top half of the fp32 pattern sign(b) << 31 | (b & 0x7F) << 20: used in place where it is a dword's high
- *         half, shifted up by 16 where it is the low one. Its value is the e4m3 value times 2^-120 exactly,
- *         subnormal codes included (fp32 subnormals continue the e4m3 ones with the same factor: 2^-129 m vs
- *         2^-9 m). Subnormal inputs must not read as zero, so the kernels clear MXCSR.DAZ in their threads (and
- *         restore it). Vector q of a chunk holds byte q % 4 of each 4-byte group of the chunk's 32-byte half q / 4
- *         (PERM_FP8_AVX2). The NaN code (|b| = 0x7F) decodes as a finite value: each row notes whether it holds one
- *         (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every x, as in the reference).
+ *   FP8   two decoders, one chosen per process (fp8_choose, before the first FP8 call; dk_fp8_decode):
+ *         shift  a byte multiply-add puts each code's sign and 7 bits where they make the fp32 pattern of its value
+ *                times 2^-120 (PERM_FP8_AVX2): 8 ops per 32 codes. The 14 subnormal e4m3 codes become fp32
+ *                subnormals, exact (FP8 calls clear MXCSR.DAZ in their threads), but an Intel core runs every FMA
+ *                with a subnormal input through a microcode assist (~100x its time).
+ *         f16c   the same multiply-add makes each code's fp16 pattern (the value times 2^-8, subnormal codes
+ *                included), which vcvtph2ps widens to fp32: every weight a normal fp32 or zero (PERM_FP8_F16C);
+ *                10 ops per 32 codes, 4 of them 2-uop converts.
+ *         The process takes f16c where an FMA with a subnormal input measures over 4x the time of one without
+ *         (Intel), else shift (AMD Zen 4: 1.0x; there shift takes 0.75..0.9x f16c's time at one x row). Both give
+ *         the same products x * w, in another order. The NaN code (|b| = 0x7F) decodes as a finite value: each
+ *         row notes whether it holds one (max over b | 0x80), and such a row gives NaN (x * NaN is NaN for every
+ *         x, as in the reference).
  *
  * Where the time goes (Zen 3, one thread, weights in cache): the decode, not memory. Per 64-element chunk the FP4
- * decode is 19 vector ops (13 of them shuffles / shifts, which Zen 3 runs on two of its four FP pipes, one shared
- * with the FMAs), FP8's 16 + 4 for the NaN note (4 shifts: the multiply-adds run on the integer-multiply pipes),
- * plus 8 FMAs (10 and a blend for M = 1 FP4's block scales). Tried and measured no faster here (kept out): eight
- * accumulators for one x row (as an array, as eight variables, with the FP8 NaN note moved to a pass of its own to
- * free registers: 30..40% slower), four for two x rows, pairwise product sums added into the accumulators, a
+ * decode is 19 vector ops (13 of them shuffles / shifts, which Zen 3 runs on two of its four FP pipes, one shared with
+ * the FMAs), the FP8 shift decoder's 16 + 4 for the NaN note (4 shifts: the multiply-adds run on the integer-multiply
+ * pipes), plus 8 FMAs (10 and a blend for M = 1 FP4's block scales). Tried and measured no faster here (kept out):
+ * eight accumulators for one x row (as an array, as eight variables, with the FP8 NaN note moved to a pass of its own
+ * to free registers: 30..40% slower), four for two x rows, pairwise product sums added into the accumulators, a
  * software-pipelined FP4 loop (next chunk decoded between this one's FMAs), two weight rows per pass sharing the x
- * loads, one partial sum per FP4 chunk (longer FMA chain), the FP4 shifts done as integer multiplies (mulhi /
- * mullo) or as byte shuffles, FP4 block scales folded into the bf16 words by a saturating exponent subtraction.
+ * loads, one partial sum per FP4 chunk (longer FMA chain), the FP4 shifts done as integer multiplies (mulhi / mullo) or
+ * as byte shuffles, FP4 block scales folded into the bf16 words by a saturating exponent subtraction.
  *
- * Scales. FP8 (128 x 128 blocks): where it is exact, x is pre-scaled once per 128-row block by 2^(b-7) per
- * 128-column block (fp8_prescale), so each term is one exact FMA product x * 2^(b-7) * (value * 2^-120) = x * w of
- * the reference, and the inner loop has no multiply: "exact" means every block's w = value * 2^(b-127) is a normal
- * fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's exponent range per call, taken from
- * the smallest and largest nonzero |x| bit patterns); other row blocks multiply each decoded vector by 2^120 and
- * then by 2^(b-127), the reference's own product. FP4 (1 x 32 blocks): M = 1 sums x * value over each block (two
- * partial sums per chunk) and scales the block sums once (the same products in another order, where every
- * 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's scales, checked once per
- * call over all rows' scales and row by row only when that fails; NaN scales excepted, which take the next path);
- * otherwise each decoded vector is multiplied by its block's scale, the reference's product, before the FMAs. A
- * chunk's two block scales are two broadcast loads and a blend (no shuffle-pipe op).
+ * Scales. FP8 (128 x 128 blocks): where it is exact, x is pre-scaled once per 128-row block by 2^(b-7) per 128-column
+ * block (fp8_prescale; 2^(b-119) for f16c), so each term is one exact FMA product
+ * x * 2^(b-7) * (value * 2^-120) = x * w of the reference, and the inner loop has no multiply: "exact" means every
+ * block's w = value * 2^(b-127) is a normal fp32 (10 <= b <= 246) and every x * 2^(b-7) is one too (checked against x's
+ * exponent range per call, taken from the smallest and largest nonzero |x| bit patterns); other row blocks multiply
+ * each decoded vector by 2^120 (2^8) and then by 2^(b-127), the reference's own product. FP4 (1 x 32 blocks): M = 1
+ * sums x * value over each block (two partial sums per chunk) and scales the block sums once (the same products in
+ * another order, where every 0.5 * 2^(b-127) and 6 * 2^(b-127) is a normal fp32: 2 <= b <= 252 for all of the row's
+ * scales, checked once per call over all rows' scales and row by row only when that fails; NaN scales excepted, which
+ * take the next path); otherwise each decoded vector is multiplied by its block's scale, the reference's product,
+ * before the FMAs. A chunk's two block scales are two broadcast loads and a blend (no shuffle-pipe op).
  */
 #include <immintrin.h>
+#include <x86intrin.h> /* __rdtsc */
 
 #define FP4_HI 0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0
 #define FP4_LO 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0
@@ -90,13 +95,14 @@ static inline __attribute__((always_inline)) void dec_fp4(const uint8_t *src, __
     w[7] = _mm256_castsi256_ps(_mm256_and_si256(d, hi16));
 }
 
-/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2). A byte multiply-add with the codes as the
- * signed operand (_mm256_maddubs_epi16 against 16, 0 or 0, 16 per byte pair) gives each even (odd) code times 16 as
- * a sign-extended 16-bit word: sign copies in bits 15..11, b & 0x7F in 10..4. Masked with 0x87F0 that is the top
- * half of the fp32 sign(b) << 31 | (b & 0x7F) << 20; the word in a dword's high half is used in place (a mask),
- * the low one shifted up by 16. So per 32 codes: 2 multiplies (integer-multiply pipes), 2 shifts, 4 masks.
+/* 64 FP8 codes -> w[8], their e4m3 values times 2^-120 (PERM_FP8_AVX2): the shift decoder. A byte multiply-add
+ * with the codes as the signed operand (_mm256_maddubs_epi16 against 16, 0 or 0, 16 per byte pair) gives each even
+ * (odd) code times 16 as a sign-extended 16-bit word: sign copies in bits 15..11, b & 0x7F in 10..4. Masked with
+ * 0x87F0 that is the top half of the fp32 sign(b) << 31 | (b & 0x7F) << 20; the word in a dword's high half is used
+ * in place (a mask), the low one shifted up by 16. So per 32 codes: 2 multiplies (integer-multiply pipes), 2
+ * shifts, 4 masks. The 14 subnormal codes become fp32 subnormals (m * 2^-129: exact, with MXCSR.DAZ cleared).
  * *nan collects max(b | 0x80) (0xFF: a NaN code). */
-static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __m256 w[8], __m256i *nan) {
+static inline __attribute__((always_inline)) void dec_fp8_shift(const uint8_t *src, __m256 w[8], __m256i *nan) {
     const __m256i ev = _mm256_set1_epi16(16), od = _mm256_set1_epi16(16 << 8);
     const __m256i keep = _mm256_set1_epi32((int)0x87F00000u), x80 = _mm256_set1_epi8((char)0x80);
 #pragma GCC unroll 2
@@ -109,6 +115,65 @@ static inline __attribute__((always_inline)) void dec_fp8(const uint8_t *src, __
         w[4 * t + 2] = _mm256_castsi256_ps(_mm256_and_si256(pe, keep));
         w[4 * t + 3] = _mm256_castsi256_ps(_mm256_and_si256(po, keep));
     }
+}
+
+/* 64 FP8 codes -> w[8], their e4m3 values times 2^-8 (PERM_FP8_F16C), every one a normal fp32 or zero: the F16C
+ * decoder. The multiply-add against 128, 0 or 0, 128 gives each even (odd) code times 128: sign copies in bits
+ * 15..14, b & 0x7F in 13..7; masked with 0xBF80 that is the fp16 pattern sign(b) << 15 | (b & 0x7F) << 7, the e4m3
+ * exponent field as fp16's (bias 15 against 7) and the mantissa its top 3 bits: the value times 2^-8, subnormal
+ * codes included (fp16 subnormals continue the e4m3 ones with the same factor), which vcvtph2ps widens to fp32.
+ * Per 32 codes: 2 multiplies, 2 masks, 2 extracts, 4 converts (2 uops each). */
+static inline __attribute__((always_inline)) void dec_fp8_f16c(const uint8_t *src, __m256 w[8], __m256i *nan) {
+    const __m256i ev = _mm256_set1_epi16(128), od = _mm256_set1_epi16((short)(128 << 8));
+    const __m256i keep = _mm256_set1_epi16((short)0xBF80), x80 = _mm256_set1_epi8((char)0x80);
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * t));
+        *nan = _mm256_max_epu8(*nan, _mm256_or_si256(v, x80));
+        const __m256i pe = _mm256_and_si256(_mm256_maddubs_epi16(ev, v), keep);
+        const __m256i po = _mm256_and_si256(_mm256_maddubs_epi16(od, v), keep);
+        w[4 * t] = _mm256_cvtph_ps(_mm256_castsi256_si128(pe));
+        w[4 * t + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(pe, 1));
+        w[4 * t + 2] = _mm256_cvtph_ps(_mm256_castsi256_si128(po));
+        w[4 * t + 3] = _mm256_cvtph_ps(_mm256_extracti128_si256(po, 1));
+    }
+}
+
+/* TSC ticks of 512 FMAs (8 independent chains) with `a` as an input and a normal product, the best of 7 */
+static uint64_t fma_ticks(float a) {
+    __m256 va = _mm256_set1_ps(a), acc[8];
+    const __m256 vb = _mm256_set1_ps(0x1p100f);
+    uint64_t best = UINT64_MAX;
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int r = 0; r < 7; r++) {
+        const uint64_t t0 = __rdtsc();
+        for (int i = 0; i < 64; i++) {
+            __asm__ volatile("" : "+x"(va)); /* a value the compiler cannot fold */
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(va, vb, acc[c]);
+        }
+        const uint64_t t = __rdtsc() - t0;
+        best = t < best ? t : best;
+    }
+    for (int c = 1; c < 8; c++) acc[0] = _mm256_add_ps(acc[0], acc[c]);
+    volatile float sink = _mm256_cvtss_f32(acc[0]);
+    (void)sink;
+    return best;
+}
+
+/* Choose the FP8 decoder by what a subnormal FMA input costs on this core (DAZ off, as in the kernels). Intel cores
+ * run such an FMA through a microcode assist (on a Xeon the shift decoder's FP8 GEMV took 17..57x the avx512-vbmi
+ * build's time on random codes, 5.5 % of them subnormal; checkpoints hold ~1e-4, heavy-tailed blocks more); AMD Zen 4
+ * takes none, and there the shift decoder is 0.75..0.9x the F16C one's time at one x row. Both give the same products;
+ * only their order (the element permutation) differs. */
+static void fp8_choose(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x40u);
+    fma_ticks(0x1p-100f); /* warm up */
+    const uint64_t normal = fma_ticks(0x1p-100f), sub = fma_ticks(0x1p-130f);
+    _mm_setcsr(csr);
+    subnormal_cost = (double)sub / (double)(normal ? normal : 1);
+    fp8_decoder = subnormal_cost > 4.0 ? FP8_F16C : FP8_SHIFT;
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
@@ -200,10 +265,14 @@ tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, 
         const uint8_t *src = chunk_src(fmt, wrow, k0, K, tail);
         if (fmt == FMT_BF16) {
             dec_bf16(src, w);
-        } else if (fmt == FMT_FP8) {
-            dec_fp8(src, w, &nan);
+        } else if (fmt == FMT_FP8 || fmt == FMT_FP8H) {
+            if (fmt == FMT_FP8H)
+                dec_fp8_f16c(src, w, &nan);
+            else
+                dec_fp8_shift(src, w, &nan);
             if (scaled) {
-                const __m256 sv = _mm256_broadcast_ss(&UE8M0[srow[k0 >> 7]]), up = _mm256_set1_ps(0x1p120f);
+                const __m256 sv = _mm256_broadcast_ss(&UE8M0[srow[k0 >> 7]]);
+                const __m256 up = _mm256_set1_ps(fmt == FMT_FP8H ? 0x1p8f : 0x1p120f);
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) w[q] = _mm256_mul_ps(_mm256_mul_ps(w[q], up), sv);
             }
@@ -218,7 +287,8 @@ tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, 
 #pragma GCC unroll 4
             for (int m = 0; m < MT; m++) acc[m][q % A] = _mm256_fmadd_ps(XV(x, m, k0 + 8 * q), w[q], acc[m][q % A]);
     }
-    const int bad = fmt == FMT_FP8 && _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8((char)0xFF)));
+    const int bad = (fmt == FMT_FP8 || fmt == FMT_FP8H) &&
+                    _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8((char)0xFF)));
 #pragma GCC unroll 4
     for (int m = 0; m < MT; m++) {
         __m256 t = acc[m][0];
@@ -302,34 +372,60 @@ row(const int fmt, const int scaled, const float *x, int64_t M, int64_t kp, cons
 
 enum { RB = 16 }; /* weight rows per work item; divides 128, so an item lies in one FP8 scale block */
 
+/* FP8 weight rows [r0, r1) (one scale block) against x pre-scaled (xs) where that is exact, else plain (xp): fmt
+ * FMT_FP8 (the shift decoder) or FMT_FP8H (f16c). One function per decoder (noinline): with all four FP8 tile
+ * families in one function the shift decoder's FP8 GEMV measured 3..13 % slower (Zen 4). */
+static inline __attribute__((always_inline)) void
+fp8_rows(const int fmt, int exact, const float *xp, const float *xs, int64_t M, int64_t kp, const uint8_t *w,
+         const uint8_t *srow, int64_t K, float *y, int64_t N, int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; n++) {
+        if (exact)
+            row(fmt, 0, xs, M, kp, w + n * K, srow, K, y + n, N, 0);
+        else
+            row(fmt, 1, xp, M, kp, w + n * K, srow, K, y + n, N, 0);
+    }
+}
+static __attribute__((noinline)) void fp8_rows_shift(int exact, const float *xp, const float *xs, int64_t M,
+                                                     int64_t kp, const uint8_t *w, const uint8_t *srow, int64_t K,
+                                                     float *y, int64_t N, int64_t r0, int64_t r1) {
+    fp8_rows(FMT_FP8, exact, xp, xs, M, kp, w, srow, K, y, N, r0, r1);
+}
+static __attribute__((noinline)) void fp8_rows_f16c(int exact, const float *xp, const float *xs, int64_t M,
+                                                    int64_t kp, const uint8_t *w, const uint8_t *srow, int64_t K,
+                                                    float *y, int64_t N, int64_t r0, int64_t r1) {
+    fp8_rows(FMT_FP8H, exact, xp, xs, M, kp, w, srow, K, y, N, r0, r1);
+}
+
 /* work items [i0, i1) (rows r0 .. r0 + RB - 1 for r0 = RB * i) in one thread; -1: out of memory */
 static int avx2_rows(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s,
                      int64_t K, float *y, int64_t N, int64_t half, int defer, int emin, int emax, int64_t i0,
                      int64_t i1) {
     const int64_t nkb = (K + 127) / 128, wstride = row_bytes(fmt, K);
-    const int pairs = fmt == FMT_BF16 && M > 1;
+    const int pairs = fmt == FMT_BF16 && M > 1, f16c = fp8_decoder == FP8_F16C;
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr & ~0x40u); /* DAZ off: FP8's subnormal decoded codes are values, not zeros */
+    /* DAZ off: the shift decoder's subnormals are values, and so are f16c's fp16 subnormals (vcvtph2ps ignores DAZ
+     * on the CPUs measured; QEMU's flushes them) */
+    if (fmt == FMT_FP8) _mm_setcsr(csr & ~0x40u);
     float *xs = fmt == FMT_FP8 && i0 < i1 ? (float *)aligned_alloc(32, (size_t)(M * kp) * sizeof(float)) : NULL;
     int64_t cur = -1;
     int exact = 0;
     const int fail = fmt == FMT_FP8 && i0 < i1 && xs == NULL;
     for (int64_t i = fail ? i1 : i0; i < i1; i++) {
         const int64_t r0 = i * RB, r1 = r0 + RB < half ? r0 + RB : half;
-        if (fmt == FMT_FP8 && r0 >> 7 != cur)
-            cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, 7, emin, emax);
+        if (fmt == FMT_FP8) {
+            if (r0 >> 7 != cur)
+                cur = r0 >> 7, exact = fp8_prescale(xp, xs, M, kp, K, s + cur * nkb, f16c ? 119 : 7, emin, emax);
+            (f16c ? fp8_rows_f16c : fp8_rows_shift)(exact, xp, xs, M, kp, w, s + cur * nkb, K, y, N, r0, r1);
+            continue;
+        }
         for (int64_t n = r0; n < r1; n++) {
             const uint8_t *wrow = w + n * wstride;
             if (fmt == FMT_BF16 && pairs && n + half < N)
                 rows2_bf16(xp, M, kp, wrow, wrow + half * wstride, K, y + n, N, half);
             else if (fmt == FMT_BF16)
                 row(FMT_BF16, 0, xp, M, kp, wrow, NULL, K, y + n, N, 0);
-            else if (fmt == FMT_FP4)
-                row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N, defer);
-            else if (exact)
-                row(FMT_FP8, 0, xs, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N, 0);
             else
-                row(FMT_FP8, 1, xp, M, kp, wrow, s + (n >> 7) * nkb, K, y + n, N, 0);
+                row(FMT_FP4, 0, xp, M, kp, wrow, s + n * (K / 32), K, y + n, N, defer);
         }
     }
     free(xs);
