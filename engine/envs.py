@@ -47,7 +47,9 @@ class Envs:
         choices=KERNEL_EXECUTORS)
     DEEPINFER_NUM_THREADS: int = _flag(0, "torch intra-op threads on the host (0 = torch's default)")
     DEEPINFER_DIST_TIMEOUT_S: float = _flag(120.0, "Seconds a rank waits on a collective before the job fails")
-    DEEPINFER_HOST_CC: str = _flag("gcc", "C compiler that builds the native kernels of --kernels host")
+    DEEPINFER_HOST_CC: str = _flag("gcc", "C compiler that builds the native kernels of --kernels host (gcc; clang "
+                                          "builds them too, single-threaded: it has no OpenMP code for torch's "
+                                          "libgomp)")
     DEEPINFER_HOST_SIMD: str = _flag(
         "auto", "Most capable --kernels host build to load: auto (the best this CPU runs), avx512-vbmi, avx512, avx2 "
         "or portable; a lower one emulates an older CPU", graph=True,

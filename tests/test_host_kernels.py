@@ -450,6 +450,23 @@ def test_the_avx2_build_chooses_its_fp8_decoder_by_what_a_subnormal_fma_costs(
         assert builds.set_index("build")["status"]["avx2"] == f"chosen; FP8 decoder {info}"
 
 
+def test_clang_builds_against_torchs_openmp_runtime_and_says_its_kernels_run_on_one_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """clang's -fopenmp would link LLVM's libomp, a second OpenMP runtime beside torch's libgomp; it gets
+    -fopenmp=libgomp, which links torch's runtime and compiles no OpenMP code, and results metadata says the kernels
+    then run on one thread (the kernel tests pass under DEEPINFER_HOST_CC=clang: README)."""
+    cc = get_envs().DEEPINFER_HOST_CC
+    built = H.load(RUNNABLE[-1], cc)
+    assert built.parallel != B.is_clang(cc)  # gcc: OpenMP compiled in
+    assert ("threads" in B.build_info(built)["loaded"]) == B.is_clang(cc)
+    monkeypatch.setattr(B, "is_clang", lambda cc: cc == "clang")
+    assert "-fopenmp" in B.compiler_flags("avx2", "gcc") and "-fopenmp=libgomp" not in B.compiler_flags("avx2", "gcc")
+    assert "-fopenmp=libgomp" in B.compiler_flags("avx2", "clang") and "-fopenmp" not in B.compiler_flags("avx2",
+                                                                                                          "clang")
+    monkeypatch.setattr(built, "parallel", False)
+    assert B.build_info(built)["loaded"]["threads"].startswith("one: ")
+
+
 def test_bf16_weight_decodes_exactly(lib: H.HostLibrary) -> None:
     n, k = 33, 100
     bits = torch.randint(0, 1 << 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
@@ -609,7 +626,7 @@ def test_thread_count_follows_torch_and_does_not_change_results(lib: H.HostLibra
             torch.set_num_threads(t)
             assert lib.max_threads() == t  # the library shares torch's OpenMP runtime (one libgomp.so.1)
             out[t] = H.fp8_linear(x, w, s)
-            assert lib.last_threads() == t
+            assert lib.last_threads() == (t if lib.parallel else 1)  # clang: no OpenMP code (build.compiler_flags)
         assert torch.equal(out[1], out[2])  # each output is one thread's fixed-order sum
         _assert_close(out[2], R.fp8_linear(x, w, s), x, _dense("fp8", w, s))
     finally:

@@ -147,6 +147,28 @@ def native_features(cc: str) -> frozenset[str] | None:
     return frozenset(f for f, macro in FEATURES.items() if macro in macros)
 
 
+@functools.cache
+def is_clang(cc: str) -> bool:
+    """Whether `cc` is clang (its predefined __clang__, whatever the executable is called)."""
+    exe = shutil.which(cc)
+    if exe is None:
+        return False
+    try:
+        r = subprocess.run([exe, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and "#define __clang__ " in r.stdout
+
+
+def compiler_flags(name: str, cc: str) -> tuple[str, ...]:
+    """BASE_FLAGS and variant `name`'s flags for compiler `cc`. clang's -fopenmp takes LLVM's libomp, a second
+    OpenMP runtime beside torch's libgomp with its own threads and thread count; so clang gets -fopenmp=libgomp,
+    which links torch's runtime but compiles no OpenMP code: its kernels run on one thread (`HostLibrary.parallel`,
+    reported by build_info)."""
+    omp = "-fopenmp=libgomp" if is_clang(cc) else "-fopenmp"  # clang: no OpenMP code then (dk_parallel() 0)
+    return tuple(omp if f == "-fopenmp" else f for f in (*BASE_FLAGS, *VARIANTS[name].flags))
+
+
 def simd_cap() -> str:
     """DEEPINFER_HOST_SIMD: the most capable variant to use (auto: the best the CPU runs)."""
     from engine.envs import get_envs
@@ -227,7 +249,7 @@ def build_variant(name: str, cc: str = "gcc", cache_dir: str | Path | None = Non
     container's read-only home), in a directory of this user's under the temp directory."""
     from engine.envs import get_envs, host_kernel_cache_dir
 
-    flags = (*BASE_FLAGS, *VARIANTS[name].flags)
+    flags = compiler_flags(name, cc)
     if cache_dir is not None:
         return build(cc, flags, Path(cache_dir))
     try:
@@ -292,6 +314,7 @@ class HostLibrary:
         lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
         lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
                                     p, p, p, i32]
+        lib.dk_parallel.restype = i32
         lib.dk_fp8_decode.argtypes = [i32]
         lib.dk_fp8_decode.restype = i32
         lib.dk_subnormal_cost.restype = ctypes.c_double
@@ -303,6 +326,7 @@ class HostLibrary:
         self.lib = lib
         self.fp8_decoder = FP8_DECODERS[lib.dk_fp8_decode(-1)]  # the avx2 build chooses here, before any FP8 call
         self.subnormal_cost = float(lib.dk_subnormal_cost())
+        self.parallel = bool(lib.dk_parallel())  # False: every kernel runs on the calling thread (clang)
 
     def set_fp8_decoder(self, name: str) -> None:
         """Make the avx2 build use FP8 decoder `name` (FP8_DECODERS; for tests: each must be exact here, whichever
@@ -398,8 +422,11 @@ def build_info(loaded: HostLibrary | None = None) -> dict[str, Any]:
             "cpu_features": None if cpu is None else {f: f in cpu for f in FEATURES},
             "native_features": None if native is None else {f: f in native for f in FEATURES},
             "variants": status,
-            "loaded": None if loaded is None else {"variant": loaded.variant, "library": loaded.path.name,
-                                                   **({"fp8_decoder": d} if (d := loaded.fp8_decoder_info()) else {})}}
+            "loaded": None if loaded is None else {
+                "variant": loaded.variant, "library": loaded.path.name,
+                **({"fp8_decoder": d} if (d := loaded.fp8_decoder_info()) else {}),
+                **({} if loaded.parallel else {"threads": f"one: {cc} compiled it without OpenMP (clang makes OpenMP "
+                                                         "code for its own libomp only, not torch's libgomp)"})}}
 
 
 def summary(info: dict[str, Any] | None = None) -> str:

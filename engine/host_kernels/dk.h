@@ -5,6 +5,12 @@
 #define DK_H
 #include <stdint.h>
 
+/* The OpenMP runtime calls the library makes, declared here, not by <omp.h>: the library uses torch's libgomp (gcc's
+ * -fopenmp; clang's -fopenmp=libgomp, build.py), and clang has no omp.h of its own without libomp installed. */
+int omp_get_thread_num(void);
+int omp_get_num_threads(void);
+int omp_get_max_threads(void);
+
 int dk_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int nthreads);
 int dk_fp8_linear(const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N, int64_t K,
                   int nthreads);

@@ -27,10 +27,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
+#include "dk.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -129,14 +132,27 @@ DK_BASELINE int dk_cpu_missing(void) {
 #if defined(__AVX512VBMI__)
     miss |= !__builtin_cpu_supports("avx512vbmi") << 5;
 #endif
-#if defined(__F16C__)
-    miss |= !__builtin_cpu_supports("f16c") << 6;
+#if defined(__F16C__) /* cpuid leaf 1 directly (a macro: no call into code built for the variant's ISA): clang 14's
+                         __builtin_cpu_supports does not know "f16c" */
+    unsigned a, b, c, d;
+    __cpuid(1, a, b, c, d);
+    (void)a, (void)b, (void)d;
+    miss |= !(c & bit_F16C) << 6;
 #endif
 #endif
     return miss;
 }
 
 int dk_max_threads(void) { return omp_get_max_threads(); }
+/* 1: the OpenMP pragmas are compiled in (gcc -fopenmp); 0: they are not (clang -fopenmp=libgomp: clang makes OpenMP
+ * code for its own libomp only), and every kernel runs on the calling thread */
+int dk_parallel(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
 int dk_last_threads(void) { return last_threads; }
 
 /* ---- element order of one 64-element chunk as the decoder produces it: slot s holds element perm_of(kind, s) */

@@ -24,7 +24,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <stdint.h>
-#include <omp.h>
+#include "dk.h"
 
 #define LANES 16
 #define PAR_MIN (1 << 16) /* multiply-adds below which one thread does all rows */
