@@ -131,33 +131,30 @@ def cpu_features() -> frozenset[str] | None:
 
 
 @functools.cache
-def native_features(cc: str) -> frozenset[str] | None:
-    """The FEATURES `cc -march=native` enables (None: the compiler is missing or does not answer)."""
+def _predefined_macros(cc: str, *flags: str) -> frozenset[str] | None:
+    """The macros `cc <flags>` predefines (None: the compiler is missing or does not answer)."""
     exe = shutil.which(cc)
-    if exe is None or not IS_X86:
+    if exe is None:
         return None
     try:
-        r = subprocess.run([exe, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run([exe, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                           timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     if r.returncode != 0:
         return None
-    macros = {ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("#define ")}
-    return frozenset(f for f, macro in FEATURES.items() if macro in macros)
+    return frozenset(ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("#define "))
 
 
-@functools.cache
+def native_features(cc: str) -> frozenset[str] | None:
+    """The FEATURES `cc -march=native` enables (None: the compiler is missing or does not answer)."""
+    macros = _predefined_macros(cc, "-march=native") if IS_X86 else None
+    return None if macros is None else frozenset(f for f, macro in FEATURES.items() if macro in macros)
+
+
 def is_clang(cc: str) -> bool:
     """Whether `cc` is clang (its predefined __clang__, whatever the executable is called)."""
-    exe = shutil.which(cc)
-    if exe is None:
-        return False
-    try:
-        r = subprocess.run([exe, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0 and "#define __clang__ " in r.stdout
+    return "__clang__" in (_predefined_macros(cc) or ())
 
 
 def compiler_flags(name: str, cc: str) -> tuple[str, ...]:
@@ -331,7 +328,7 @@ class HostLibrary:
     def set_fp8_decoder(self, name: str) -> None:
         """Make the avx2 build use FP8 decoder `name` (FP8_DECODERS; for tests: each must be exact here, whichever
         this CPU gets). Not while a kernel runs."""
-        if self.variant != "avx2" or name not in ("shift", "f16c"):
+        if self.variant != "avx2" or name not in FP8_DECODERS[1:]:
             raise ValueError(f"build {self.variant} has no FP8 decoder {name!r}")
         self.fp8_decoder = FP8_DECODERS[self.lib.dk_fp8_decode(FP8_DECODERS.index(name))]
 
