@@ -70,13 +70,14 @@ class KVStore:
 
     def __getitem__(self, idx: KVKey) -> torch.Tensor:
         if self.fmt == "auto":
-            return self.data[idx]
+            return _rows(self.data, idx)
         if self.fmt == "fp8":
-            nope = quant.fp8_dequant(self.data[idx], self.scale[idx], KV_FP8_BLOCK, self.dtype)
-            return torch.cat([nope, self.rope[idx]], -1)
+            nope = quant.fp8_dequant(_rows(self.data, idx), _rows(self.scale, idx), KV_FP8_BLOCK, self.dtype)
+            return torch.cat([nope, _rows(self.rope, idx)], -1)
         if self.fmt == "fp8/128":
-            return quant.fp8_dequant(self.data[idx], self.scale[idx], INDEX_FP8_BLOCK, self.dtype)
-        return quant.fp4_dequant(quant.unpack_nibbles(self.data[idx]), self.scale[idx], INDEX_FP4_BLOCK, self.dtype)
+            return quant.fp8_dequant(_rows(self.data, idx), _rows(self.scale, idx), INDEX_FP8_BLOCK, self.dtype)
+        return quant.fp4_dequant(quant.unpack_nibbles(_rows(self.data, idx)), _rows(self.scale, idx),
+                                 INDEX_FP4_BLOCK, self.dtype)
 
     def __setitem__(self, idx: KVKey, values: torch.Tensor) -> None:
         if self.fmt == "auto":
@@ -93,6 +94,15 @@ class KVStore:
             codes = quant.pack_nibbles(codes)
         self.data[idx] = codes
         self.scale[idx] = scale
+
+
+def _rows(t: torch.Tensor, idx: KVKey) -> torch.Tensor:
+    """`t[idx]`; an index tensor alone (whole rows of the leading dim: a decode step's ring and pool reads) by
+    `index_select`, the same values: tensor indexing runs torch's generic index kernel, which copied a [8, 128, 128]
+    ring 5.5x slower than index_select's row copies (81 vs 15 us; a [1, 128, 128] ring 12 vs 3.3 us)."""
+    if isinstance(idx, torch.Tensor) and idx.dtype in (torch.int64, torch.int32):
+        return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
+    return t[idx]
 
 
 # The KV state is written and read through these four helpers only (one place per kind of access); each store is a
