@@ -3,13 +3,14 @@
 on the mid-size V4 shapes (golden/make_bench_model.py --preset mid).
 
     DEEPINFER_NUM_THREADS=1 taskset -c 0 python scripts/bench_host_kernels.py [--m 1,4,16] [--repeats 9]
-        [--builds all] [--shapes head,wq_b,...] [--small-ops] [--warm]
+        [--builds all] [--shapes head,wq_b,...] [--small-ops] [--warm] [--burst 8]
 
 First every build variant with its status (ran / not run: <reason>, engine/host_kernels/build.py), then the memory
 roof: a copy probe (256 MiB, read + write bytes / time) before and after the timings, min / median. Then per (op,
-shape, M) the median ms of the reference and of each build (calls interleaved round-robin, so load from other
+shape, M) the median ms per call of the reference and of each build (in turns of `--burst` calls in a row, as a
+decode step calls its kernels back to back, the turns interleaved in a random order per round, so load from other
 processes on a shared box hits all alike), each build's GB/s of stored weight bytes (bf16 head: 2 B/element, FP8:
-1 B + scales, FP4: 0.5 B + scales; at the median, and at the fastest call) and its speedup over the reference (the
+1 B + scales, FP4: 0.5 B + scales; at the median, and at the fastest turn) and its speedup over the reference (the
 median over rounds of reference time / build time in the same round; marked * where M is above the build's row
 threshold MAX_M, i.e. where `--kernels host` itself runs the reference: the kernels are timed at every M regardless).
 Weights are cold by default, as in a decode step: each call reads the next of enough copies to exceed twice the
@@ -52,6 +53,7 @@ SHAPES = {
     "expert_w2": ("fp4", 1024, 512),
 }
 REF = {"linear": R.linear, "fp8": R.fp8_linear, "fp4": R.fp4_linear}
+MAX_COPIES = 4096  # weight copies per shape (cold: enough to fill twice the last-level cache; 64 MiB at 32 MiB)
 NAT = {"linear": H.linear_impl, "fp8": H.fp8_linear_impl, "fp4": H.fp4_linear_impl}
 
 
@@ -90,6 +92,11 @@ def last_level_cache() -> int:
         except (OSError, ValueError):
             continue
     return best or 64 << 20
+
+
+def _copies(nbytes: int, warm: bool) -> int:
+    """Weight copies of one shape: one warm, else enough to fill twice the last-level cache (capped: MAX_COPIES)."""
+    return 1 if warm else max(1, min(MAX_COPIES, -(-2 * last_level_cache() // nbytes)))
 
 
 def bandwidth_probe(rounds: int = 5) -> list[float]:
@@ -131,12 +138,14 @@ def _libs(builds: str) -> dict[str, H.HostLibrary]:
 
 
 def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrary], repeats: int,
-           budget_s: float) -> dict[str, list[float]]:
+           budget_s: float, burst: int = 1) -> dict[str, list[float]]:
     """Every impl once per round, in a new (seeded) random order each round: no impl always runs right after the
     same other one (the reference's dequantised temporaries leave the cache full of dirty lines; with a rotated
-    fixed order one build always followed it and measured up to 1.4x slow). Each call reads the next weight copy
-    (`fn(j)`, j counting calls, not rounds: with the copies twice the last-level cache, no call finds its weights
-    left in cache by another impl's call in the same round); seconds per call, per impl."""
+    fixed order one build always followed it and measured up to 1.4x slow). Each turn is `burst` calls in a row,
+    timed together (seconds per call: the burst's time / burst), as a decode step runs its kernels back to back:
+    one call after the reference's is up to 4x slower than the next (expert_w1 FP4, one row, Zen 4: 109 vs ~30 us).
+    Each call reads the next weight copy (`fn(j)`, j counting calls, not rounds: with the copies twice the
+    last-level cache, no call finds its weights left in cache by another call); seconds per call, per impl."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     t_end = time.perf_counter() + budget_s
@@ -149,10 +158,11 @@ def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrar
                 if name in DECODER:
                     libs[name].set_fp8_decoder(DECODER[name])
             t0 = time.perf_counter()
-            fn(j)
-            j += 1
+            for _ in range(burst):
+                fn(j)
+                j += 1
             if i:  # the first round warms up
-                times[name].append(time.perf_counter() - t0)
+                times[name].append((time.perf_counter() - t0) / burst)
         if i >= 3 and time.perf_counter() > t_end:
             break
     return times
@@ -177,7 +187,7 @@ def _header(builds: list[str], first: str) -> str:
 
 
 def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
-               limits: dict[str, dict[str, int]]) -> None:
+               limits: dict[str, dict[str, int]], burst: int = 1) -> None:
     g = torch.Generator().manual_seed(1)
     n, d, heads, hd, keys = 4, 1024, 16, 128, 384  # mid: hc_mult 4, D 1024, 16 x 128 heads, 128 window + 256 top-k
     print(_header(list(libs), f"{'op':<12} {'shape':<22} {'M':>3}"))
@@ -203,7 +213,7 @@ def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
             for b in libs:
                 fns[b] = lambda i, c=call, a=args: c(H, *a)
             key = "sparse_attn" if op == "sparse_attn" else "mhc"
-            print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0), None, list(libs),
+            print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0, burst), None, list(libs),
                        {b: m <= limits[libs[b].variant][key] for b in libs}), flush=True)
 
 
@@ -216,6 +226,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--small-ops", action="store_true", help="also time the per-token ops of mhc.c")
     ap.add_argument("--warm", action="store_true", help="one weight copy (cache-resident where it fits)")
+    ap.add_argument("--burst", type=int, default=8, help="calls in a row per impl and round, timed together")
     ap.add_argument("--fp8-codes", default="random", choices=["random", "checkpoint"],
                     help="FP8 weights: random bytes (5.5 %% subnormal e4m3 codes: the worst case for a CPU that "
                     "takes an assist on subnormal floats, as Intel cores do) or a Gaussian quantised per 128 x 128 "
@@ -239,7 +250,7 @@ def main() -> None:
         for name in a.shapes.split(","):
             op, n, k = SHAPES[name]
             one = _weights(op, n, k, 0, a.fp8_codes)
-            copies = 1 if a.warm else max(1, min(64, -(-2 * last_level_cache() // _bytes(one))))
+            copies = _copies(_bytes(one), a.warm)
             ws = [one] + [_weights(op, n, k, c, a.fp8_codes) for c in range(1, copies)]
             for m in (int(v) for v in a.m.split(",")):
                 x = torch.randn(m, k).to(getattr(torch, a.dtype))
@@ -247,12 +258,12 @@ def main() -> None:
                     "reference": lambda i, op=op, x=x, ws=ws: REF[op](x, *ws[i % len(ws)])}
                 for b in builds:
                     fns[b] = lambda i, op=op, x=x, ws=ws: NAT[op](x, *ws[i % len(ws)])
-                times = _timed(fns, libs, a.repeats, 6.0)
+                times = _timed(fns, libs, a.repeats, 6.0, a.burst)
                 print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds,
                            {b: m <= saved[libs[b].variant][op] for b in builds}), flush=True)
             del ws
         if a.small_ops:
-            _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved)
+            _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved, a.burst)
     finally:
         for b, lim in saved.items():
             H.MAX_M[b].update(lim)

@@ -38,3 +38,22 @@ def test_each_call_reads_its_own_weight_copy() -> None:
     fns = {name: (lambda j: seen.append(j)) for name in ("reference", "a", "b")}
     bench._timed(fns, {}, repeats=5, budget_s=60.0)
     assert seen == list(range(len(seen))) and len(seen) == 3 * 6
+
+
+def test_a_turn_is_a_burst_of_calls_in_a_row_timed_per_call() -> None:
+    bench = _script()
+    calls: list[tuple[str, int]] = []
+    fns = {name: (lambda j, n=name: calls.append((n, j))) for name in ("reference", "a", "b")}
+    times = bench._timed(fns, {}, repeats=4, budget_s=60.0, burst=3)
+    assert [j for _, j in calls] == list(range(3 * 5 * 3))  # still one copy per call
+    turns = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert all(len({n for n, _ in t}) == 1 for t in turns)  # a turn is one impl's calls in a row
+    assert all(len(v) == 4 for v in times.values())  # one time per turn after the warm-up round
+
+
+def test_cold_copies_fill_twice_the_last_level_cache_for_small_weights() -> None:
+    bench = _script()
+    one = bench._weights("fp4", *bench.SHAPES["expert_w1"][1:], 0)  # the smallest bench shape, ~270 KiB
+    copies = bench._copies(bench._bytes(one), warm=False)
+    assert copies * bench._bytes(one) >= 2 * bench.last_level_cache()  # a cap of 64 copies gave 17 MiB here
+    assert bench._copies(bench._bytes(one), warm=True) == 1
