@@ -143,9 +143,10 @@ def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrar
     same other one (the reference's dequantised temporaries leave the cache full of dirty lines; with a rotated
     fixed order one build always followed it and measured up to 1.4x slow). Each turn is `burst` calls in a row,
     timed together (seconds per call: the burst's time / burst), as a decode step runs its kernels back to back:
-    one call after the reference's is up to 4x slower than the next (expert_w1 FP4, one row, Zen 4: 109 vs ~30 us).
-    Each call reads the next weight copy (`fn(j)`, j counting calls, not rounds: with the copies twice the
-    last-level cache, no call finds its weights left in cache by another call); seconds per call, per impl."""
+    one call right after the reference's ran up to 3x slower than calls in a row (expert_w1 FP4, one row, Zen 4:
+    109 vs 34 us). Each call reads the next weight copy (`fn(j)`, j counting calls, not rounds: with the copies
+    twice the last-level cache, no call finds its weights left in cache by another call); seconds per call, per
+    impl."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     t_end = time.perf_counter() + budget_s
