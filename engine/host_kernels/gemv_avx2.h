@@ -262,6 +262,9 @@ tile(const int fmt, const int MT, const int scaled, const float *x, int64_t kp, 
 #pragma GCC unroll 4
         for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        if (MT >= 4) /* TILE_PREFETCH */
+            for (int l = 0; l < (fmt == FMT_BF16 ? 2 : 1); l++)
+                _mm_prefetch((const char *)wrow + chunk_off(fmt, k0) + TILE_PREFETCH + 64 * l, _MM_HINT_T0);
         const uint8_t *src = chunk_src(fmt, wrow, k0, K, tail);
         if (fmt == FMT_BF16) {
             dec_bf16(src, w);
@@ -311,6 +314,11 @@ tile2_bf16(const int MT, const float *x, int64_t kp, const uint8_t *w0, const ui
 #pragma GCC unroll 4
     for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        if (MT >= 4) /* TILE_PREFETCH */
+            for (int l = 0; l < 2; l++) {
+                _mm_prefetch((const char *)w0 + 2 * k0 + TILE_PREFETCH + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)w1 + 2 * k0 + TILE_PREFETCH + 64 * l, _MM_HINT_T0);
+            }
         const uint8_t *s0 = chunk_src(FMT_BF16, w0, k0, K, tail0), *s1 = chunk_src(FMT_BF16, w1, k0, K, tail1);
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {

@@ -91,6 +91,11 @@ tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, i
             for (int a = 0; a < NA; a++) acc[m][r][a] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
         __m512 w[NT_TILE][4];
+        if (MT >= 4) /* TILE_PREFETCH */
+#pragma GCC unroll 2
+            for (int r = 0; r < NT; r++)
+                for (int l = 0; l < (fmt == FMT_BF16 ? 2 : 1); l++)
+                    _mm_prefetch((const char *)wr[r] + chunk_off(fmt, k0) + TILE_PREFETCH + 64 * l, _MM_HINT_T0);
 #pragma GCC unroll 2
         for (int r = 0; r < NT; r++) decode(fmt, wr[r], sr[r], k0, K, w[r]);
 #pragma GCC unroll 4
