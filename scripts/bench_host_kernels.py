@@ -139,7 +139,7 @@ def _libs(builds: str) -> dict[str, H.HostLibrary]:
 
 def _timed(fns: dict[str, Callable[[int], object]], libs: dict[str, H.HostLibrary], repeats: int,
            budget_s: float, burst: int = 1) -> dict[str, list[float]]:
-    """Every impl once per round, in a new (seeded) random order each round: no impl always runs right after the
+    """Every impl one turn per round, in a new (seeded) random order each round: no impl always runs right after the
     same other one (the reference's dequantised temporaries leave the cache full of dirty lines; with a rotated
     fixed order one build always followed it and measured up to 1.4x slow). Each turn is `burst` calls in a row,
     timed together (seconds per call: the burst's time / burst), as a decode step runs its kernels back to back:

@@ -218,8 +218,8 @@ static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t k
 /* Tiles of 4 or more x rows prefetch each weight row this many bytes ahead (gemv_avx512.h tile, gemv_avx2.h tile and
  * tile2_bf16): there the FMAs per weight byte leave the hardware prefetcher behind on cold weights. Zen 4, one
  * thread, cold, byte-identical copies of each library interleaved (placement alone moved single cells by up to
- * 1.5x): avx512-vbmi bf16 8192 x 1024 0.82x the time at 4 rows, 0.75x at 8; FP8 0.82-0.92x at 4, 1.0x at 8; FP4
- * 0.95x at 4, 1.0x at 8; avx2 bf16 0.79x / 0.81x, FP8 0.81-0.88x / 0.87-0.91x. Tiles of 1-2 rows do not prefetch
+ * 1.5x): avx512-vbmi bf16 8192 x 1024 0.82-0.85x the time at 4 rows, 0.75-0.79x at 8; FP8 0.82-0.96x at 4, 1.0x
+ * at 8; FP4 0.95x at 4, 1.0x at 8; avx2 bf16 0.79-0.81x, FP8 0.81-0.88x / 0.87-0.91x. Tiles of 1-2 rows do not prefetch
  * (no gain there; the FP8 one-row path has its own: FP8_PREFETCH). Batch-8 decode step: mid 60.2 -> 51.9 ms
  * (its head is 129280 x 1024 bf16), mid-v8192 27.7 -> 27.0 ms (avx2 build 33.4 -> 32.4). */
 #define TILE_PREFETCH 1024
