@@ -74,6 +74,27 @@ def test_index_key_stores_fp8_per_128_and_fp4_per_32() -> None:
     assert torch.equal(s4[torch.arange(6)], sim)  # e2m1 codes + 32-block scales hold them exactly
 
 
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "fp8/128", "fp4"])
+def test_store_reads_are_tensor_indexing_for_every_key(fmt: str) -> None:
+    """A read by one index tensor takes `index_select` (engine/model/cache.py `_rows`); it must equal indexing the
+    values for the keys the model uses: slots [B] (ring), block tables [B, nb] (pool), a 0-d slot, int32 ids, a
+    (slot, rows) pair and an int."""
+    g = torch.Generator().manual_seed(5)
+    vals = torch.randn(5, 4, 128, generator=g).to(torch.bfloat16)
+    if fmt == "auto":
+        st = KVStore(torch.zeros(5, 4, 128, dtype=torch.bfloat16))
+    else:
+        flat = _store(fmt, 20, 128, rd=64 if fmt == "fp8" else 0)
+        st = KVStore(*(t.view(5, 4, *t.shape[1:]) for t in flat.tensors()), dtype=torch.bfloat16)
+    st[torch.arange(5)] = vals
+    want = st[(torch.arange(5),)]  # a tuple key: plain tensor indexing
+    for key in (torch.tensor([3, 0, 3]), torch.tensor([[4, 1], [0, 2]]), torch.tensor(2),
+                torch.tensor([1, 3], dtype=torch.int32), (torch.tensor([2]), torch.tensor([1, 3])), 4):
+        got = st[key]
+        ref = want[key]
+        assert got.shape == ref.shape and torch.equal(got, ref), key
+
+
 # ---- the FP8 cache in the engine = the in-place simulation (every compression boundary) ----------------------------
 def _greedy(config: EngineConfig, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     from engine import build
