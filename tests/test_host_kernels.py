@@ -808,6 +808,19 @@ def test_hc_mixes_matches_reference(lib: H.HostLibrary, t: int, n: int, d: int) 
         assert torch.allclose(got[2].sum(-2), torch.ones(t, n), atol=1e-4)  # doubly stochastic (columns last)
 
 
+@pytest.mark.parametrize("t,d", [(7, 70), (9, 256)])
+def test_hc_mixes_of_a_token_do_not_depend_on_the_tokens_beside_it(lib: H.HostLibrary, t: int, d: int) -> None:
+    """The native mixes of t tokens at once (token tiles of up to 4, mhc.c `mixes_tile`) are bit for bit each token's
+    mixes alone (K = 4 * 70 leaves a tail of 8 after the 16-lane loop)."""
+    g = torch.Generator().manual_seed(t + d)
+    x, fn, scale, base = _mhc_inputs(t, 4, d, g)
+    together = H.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+    for i in range(t):
+        alone = H.hc_mixes(x[i:i + 1].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
+        for a, b in zip(together, alone, strict=True):
+            assert torch.equal(a[i:i + 1], b), f"token {i} of {t}"
+
+
 @pytest.mark.parametrize("t,n,d", SMALL_SHAPES)
 def test_hc_pre_is_the_three_ops_in_a_row(lib: H.HostLibrary, t: int, n: int, d: int) -> None:
     """`hc_pre` (the front of an mHC site) gives exactly what hc_mixes, hc_collapse and rms_norm give one by one in

@@ -25,6 +25,9 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include "dk.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define PAR_MIN (1 << 16) /* multiply-adds below which one thread does all rows */
@@ -59,46 +62,115 @@ static inline float hc_pre_weight(float mix, float scale, float base, float hc_e
     return sigmoidf(scale * mix + base) + hc_eps;
 }
 
+/* dot(x + t * K, fn + j * K, K) * r[t] -> mix[t][j] for TT token rows at once: each token keeps `dot`'s 16 lanes
+ * (as gcc compiles `dot` here: one 16-lane FMA accumulator with AVX-512, two 8-lane ones with AVX2), its tail and
+ * its tree, so every mix is bit for bit the one-token number; what the tile adds is TT independent FMA chains (one
+ * token's chain runs at the FMA latency) and one read of each fn row per tile. Zen 4, mid sizes (n 4, D 1024), one
+ * thread, a call from Python: 8 tokens 70.5 -> 53.8 us (avx2 build 75.0 -> 52.8), 2 tokens 25.0 -> 22.9, 1 token
+ * 17.7 either way; bit-identical outputs at 1-17 tokens. Without AVX2 + FMA: `dot` per token. */
+#define HC_TILE 4
+static inline float lanes_sum(float *lane, const float *x, const float *b, int64_t i, int64_t K) {
+    for (int64_t k = i; k < K; k++) lane[k % LANES] += x[k] * b[k];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+    return lane[0];
+}
+
+static inline __attribute__((always_inline)) void
+mixes_tile_n(const int TT, const float *x, const float *fn, const float *r, float (*mix)[(2 + 16) * 16], int64_t M,
+             int64_t K) {
+    for (int64_t j = 0; j < M; j++) {
+        const float *b = fn + j * K;
+        float lane[HC_TILE][LANES];
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 acc[HC_TILE];
+        for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+        for (; i + LANES <= K; i += LANES) {
+            const __m512 bv = _mm512_loadu_ps(b + i);
+            for (int t = 0; t < TT; t++) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + i), bv, acc[t]);
+        }
+        for (int t = 0; t < TT; t++) _mm512_storeu_ps(lane[t], acc[t]);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 lo[HC_TILE], hi[HC_TILE];
+        for (int t = 0; t < TT; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+        for (; i + LANES <= K; i += LANES) {
+            const __m256 b0 = _mm256_loadu_ps(b + i), b1 = _mm256_loadu_ps(b + i + 8);
+            for (int t = 0; t < TT; t++) {
+                lo[t] = _mm256_fmadd_ps(_mm256_loadu_ps(x + t * K + i), b0, lo[t]);
+                hi[t] = _mm256_fmadd_ps(_mm256_loadu_ps(x + t * K + i + 8), b1, hi[t]);
+            }
+        }
+        for (int t = 0; t < TT; t++) _mm256_storeu_ps(lane[t], lo[t]), _mm256_storeu_ps(lane[t] + 8, hi[t]);
+#else
+        for (int t = 0; t < TT; t++)
+            for (int l = 0; l < LANES; l++) lane[t][l] = 0.0f;
+#endif
+        for (int t = 0; t < TT; t++) mix[t][j] = lanes_sum(lane[t], x + t * K, b, i, K) * r[t];
+    }
+}
+
+static void mixes_tile(const float *x, const float *fn, const float *r, float (*mix)[(2 + 16) * 16], int64_t TT,
+                       int64_t M, int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__)
+    switch (TT) { /* the token count a compile-time constant: the accumulators stay in registers */
+    case 1: mixes_tile_n(1, x, fn, r, mix, M, K); break;
+    case 2: mixes_tile_n(2, x, fn, r, mix, M, K); break;
+    case 3: mixes_tile_n(3, x, fn, r, mix, M, K); break;
+    default: mixes_tile_n(4, x, fn, r, mix, M, K); break;
+    }
+#else
+    for (int64_t t = 0; t < TT; t++)
+        for (int64_t j = 0; j < M; j++) mix[t][j] = dot(x + t * K, fn + j * K, K) * r[t];
+#endif
+}
+
+/* pre [n], post [n] and comb [n, n] of one token from its mixes (sigmoids, softmax, Sinkhorn) */
+static void mixes_finish(const float *mix, const float *scale, const float *base, float *pre, float *post, float *a,
+                         int64_t n, int64_t iters, float hc_eps) {
+    for (int64_t i = 0; i < n; i++) {
+        pre[i] = hc_pre_weight(mix[i], scale[0], base[i], hc_eps);
+        post[i] = 2.0f * sigmoidf(scale[1] * mix[n + i] + base[n + i]);
+    }
+    for (int64_t j = 0; j < n; j++) {  /* a[j * n + k]: from stream j to stream k; softmax over k, + eps */
+        float *row = a + j * n, mx = -INFINITY, s = 0.0f;
+        for (int64_t k = 0; k < n; k++) {
+            row[k] = scale[2] * mix[2 * n + j * n + k] + base[2 * n + j * n + k];
+            mx = row[k] > mx ? row[k] : mx;
+        }
+        for (int64_t k = 0; k < n; k++) s += (row[k] = expf(row[k] - mx));
+        for (int64_t k = 0; k < n; k++) row[k] = row[k] / s + hc_eps;
+    }
+    for (int64_t it = 0; it < iters; it++) {
+        if (it > 0)  /* rows: divide by (sum over k + eps) */
+            for (int64_t j = 0; j < n; j++) {
+                float s = 0.0f;
+                for (int64_t k = 0; k < n; k++) s += a[j * n + k];
+                s += hc_eps;
+                for (int64_t k = 0; k < n; k++) a[j * n + k] /= s;
+            }
+        for (int64_t k = 0; k < n; k++) {  /* columns: divide by (sum over j + eps) */
+            float s = 0.0f;
+            for (int64_t j = 0; j < n; j++) s += a[j * n + k];
+            s += hc_eps;
+            for (int64_t j = 0; j < n; j++) a[j * n + k] /= s;
+        }
+    }
+}
+
 int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float *base, float *pre, float *post,
                 float *comb, int64_t T, int64_t n, int64_t D, int64_t iters, float hc_eps, float norm_eps,
                 int nthreads) {
     if (n <= 0 || n > 16) return -2;
-    const int64_t K = n * D, M = (2 + n) * n;
+    const int64_t K = n * D, M = (2 + n) * n, tiles = (T + HC_TILE - 1) / HC_TILE;
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * M * K >= PAR_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *v = x + t * K;
-        float mix[(2 + 16) * 16];
-        const float r = inv_rms(v, K, norm_eps);
-        for (int64_t j = 0; j < M; j++) mix[j] = dot(v, fn + j * K, K) * r;
-        for (int64_t i = 0; i < n; i++) {
-            pre[t * n + i] = hc_pre_weight(mix[i], scale[0], base[i], hc_eps);
-            post[t * n + i] = 2.0f * sigmoidf(scale[1] * mix[n + i] + base[n + i]);
-        }
-        float *a = comb + t * n * n; /* a[j * n + k]: from stream j to stream k */
-        for (int64_t j = 0; j < n; j++) {  /* softmax over k, + eps */
-            float *row = a + j * n, mx = -INFINITY, s = 0.0f;
-            for (int64_t k = 0; k < n; k++) {
-                row[k] = scale[2] * mix[2 * n + j * n + k] + base[2 * n + j * n + k];
-                mx = row[k] > mx ? row[k] : mx;
-            }
-            for (int64_t k = 0; k < n; k++) s += (row[k] = expf(row[k] - mx));
-            for (int64_t k = 0; k < n; k++) row[k] = row[k] / s + hc_eps;
-        }
-        for (int64_t it = 0; it < iters; it++) {
-            if (it > 0)  /* rows: divide by (sum over k + eps) */
-                for (int64_t j = 0; j < n; j++) {
-                    float s = 0.0f;
-                    for (int64_t k = 0; k < n; k++) s += a[j * n + k];
-                    s += hc_eps;
-                    for (int64_t k = 0; k < n; k++) a[j * n + k] /= s;
-                }
-            for (int64_t k = 0; k < n; k++) {  /* columns: divide by (sum over j + eps) */
-                float s = 0.0f;
-                for (int64_t j = 0; j < n; j++) s += a[j * n + k];
-                s += hc_eps;
-                for (int64_t j = 0; j < n; j++) a[j * n + k] /= s;
-            }
-        }
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t t0 = tile * HC_TILE, tt = T - t0 < HC_TILE ? T - t0 : HC_TILE;
+        float mixes[HC_TILE][(2 + 16) * 16], r[HC_TILE];
+        for (int64_t t = 0; t < tt; t++) r[t] = inv_rms(x + (t0 + t) * K, K, norm_eps);
+        mixes_tile(x + t0 * K, fn, r, mixes, tt, M, K);
+        for (int64_t t = t0; t < t0 + tt; t++)
+            mixes_finish(mixes[t - t0], scale, base, pre + t * n, post + t * n, comb + t * n * n, n, iters, hc_eps);
     }
     return 0;
 }
@@ -147,7 +219,6 @@ int dk_hc_expand(const float *y, const float *x, const float *post, const float 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define DK_ATTN_AVX2 1
 
 /* exp(x) for x <= 0 (the logits minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p Cephes' degree-6
