@@ -32,6 +32,15 @@
 #define LANES 16
 #define PAR_MIN (1 << 16) /* multiply-adds below which one thread does all rows */
 
+/* The end of a 16-lane dot product whose whole 16-element steps are in lane[]: the tail a[i..k) * b[i..k) into lane
+ * k % 16, then the lanes added in a fixed tree (dot's, and hc_mixes' token tiles') */
+static inline float lanes_sum(float *lane, const float *a, const float *b, int64_t i, int64_t k) {
+    for (; i < k; i++) lane[i % LANES] += a[i] * b[i];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+    return lane[0];
+}
+
 /* sum_k a[k] * b[k] (b == NULL: sum_k a[k]^2) in 16 lanes, lanes added in a fixed tree */
 static inline float dot(const float *a, const float *b, int64_t k) {
     float acc[LANES] = {0};
@@ -39,15 +48,11 @@ static inline float dot(const float *a, const float *b, int64_t k) {
     if (b) {
         for (; i + LANES <= k; i += LANES)
             for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-        for (; i < k; i++) acc[i % LANES] += a[i] * b[i];
     } else {
         for (; i + LANES <= k; i += LANES)
             for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * a[i + j];
-        for (; i < k; i++) acc[i % LANES] += a[i] * a[i];
     }
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    return acc[0];
+    return lanes_sum(acc, a, b ? b : a, i, k);
 }
 
 static inline float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
@@ -69,13 +74,7 @@ static inline float hc_pre_weight(float mix, float scale, float base, float hc_e
  * thread, a call from Python: 8 tokens 70.5 -> 53.8 us (avx2 build 75.0 -> 52.8), 2 tokens 25.0 -> 22.9, 1 token
  * 17.7 either way; bit-identical outputs at 1-17 tokens. Without AVX2 + FMA: `dot` per token. */
 #define HC_TILE 4
-static inline float lanes_sum(float *lane, const float *x, const float *b, int64_t i, int64_t K) {
-    for (int64_t k = i; k < K; k++) lane[k % LANES] += x[k] * b[k];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
-    return lane[0];
-}
-
+#if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void
 mixes_tile_n(const int TT, const float *x, const float *fn, const float *r, float (*mix)[(2 + 16) * 16], int64_t M,
              int64_t K) {
@@ -91,7 +90,7 @@ mixes_tile_n(const int TT, const float *x, const float *fn, const float *r, floa
             for (int t = 0; t < TT; t++) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + i), bv, acc[t]);
         }
         for (int t = 0; t < TT; t++) _mm512_storeu_ps(lane[t], acc[t]);
-#elif defined(__AVX2__) && defined(__FMA__)
+#else
         __m256 lo[HC_TILE], hi[HC_TILE];
         for (int t = 0; t < TT; t++) lo[t] = hi[t] = _mm256_setzero_ps();
         for (; i + LANES <= K; i += LANES) {
@@ -102,13 +101,11 @@ mixes_tile_n(const int TT, const float *x, const float *fn, const float *r, floa
             }
         }
         for (int t = 0; t < TT; t++) _mm256_storeu_ps(lane[t], lo[t]), _mm256_storeu_ps(lane[t] + 8, hi[t]);
-#else
-        for (int t = 0; t < TT; t++)
-            for (int l = 0; l < LANES; l++) lane[t][l] = 0.0f;
 #endif
         for (int t = 0; t < TT; t++) mix[t][j] = lanes_sum(lane[t], x + t * K, b, i, K) * r[t];
     }
 }
+#endif
 
 static void mixes_tile(const float *x, const float *fn, const float *r, float (*mix)[(2 + 16) * 16], int64_t TT,
                        int64_t M, int64_t K) {
