@@ -267,7 +267,7 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
             "region_launches": regions.launches if regions is not None else 0,
             "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
-            "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner.model),
+            "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner),
             "host_math": blas_mode(), "speculative": engine.spec_stats.to_dict(),
             "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals]}
 
@@ -288,13 +288,15 @@ def _token_bar(show: bool, prompts: int, total: int) -> Iterator[Callable[[int],
         yield lambda done: bar.update(task, completed=done)
 
 
-def _weight_summary(model: Any) -> dict[str, Any]:
+def _weight_summary(runner: Any) -> dict[str, Any]:
     from engine.model.model import formats_of
 
+    model, placed = runner.model, runner.weights_memory
     formats = formats_of(model)
     return {"resident_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "stored_fp8": sum(f == "fp8" for f in formats.values()),
-            "stored_fp4": sum(f == "fp4" for f in formats.values())}
+            "stored_fp4": sum(f == "fp4" for f in formats.values()),
+            "memory": placed.as_dict() if placed is not None else "device"}  # host: huge pages or why not
 
 
 def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -> dict[str, Any]:

@@ -54,6 +54,9 @@ class Envs:
         "auto", "Most capable --kernels host build to load: auto (the best this CPU runs), avx512-vbmi, avx512, avx2 "
         "or portable; a lower one emulates an older CPU", graph=True,
         choices=("auto", "avx512-vbmi", "avx512", "avx2", "portable"))
+    DEEPINFER_HOST_HUGE_PAGES: str = _flag(
+        "auto", "Host weights in one arena on transparent huge pages (auto: where the kernel's THP mode is madvise or "
+        "always; off: torch's own allocations, 4 KiB pages under madvise)", choices=("auto", "off"))
     DEEPINFER_HOST_KERNEL_CACHE: str = _flag(
         "", "Directory of the compiled --kernels host libraries (empty: $XDG_CACHE_HOME/deepinfer/host_kernels, "
         "else ~/.cache/deepinfer/host_kernels)")

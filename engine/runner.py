@@ -14,6 +14,8 @@ import torch
 
 from engine.backends import Backend
 from engine.config import EngineConfig, GraphMode
+from engine.envs import get_envs
+from engine.host_memory import place_weights
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
 from engine.model.numerics import index_key_format
@@ -73,6 +75,9 @@ class ModelRunner:
 
             with self.backend.grad_context():
                 self.kernel_layouts = dict(prepare(model, kops, self.dtype))
+        # host weights on huge pages, now that they are final and before any kernel has taken an address
+        self.weights_memory = place_weights(model, get_envs().DEEPINFER_HOST_HUGE_PAGES) \
+            if torch.device(self.backend.device).type == "cpu" else None
         self.timer = RegionTimer(enabled=graph.region_timing, synchronize=self.backend.synchronize)
         self.device = self.backend.device
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,

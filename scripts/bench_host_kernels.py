@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine import host_kernels as H  # noqa: E402
 from engine.envs import get_envs  # noqa: E402
+from engine.host_memory import host_buffer, place, thp_mode, why_not  # noqa: E402
 from nki_kernels import reference as R  # noqa: E402
 from nki_kernels.formats import quant_fp8_block  # noqa: E402
 
@@ -100,8 +101,10 @@ def _copies(nbytes: int, warm: bool) -> int:
 
 
 def bandwidth_probe(rounds: int = 5) -> list[float]:
-    a = torch.ones(64 << 20)  # 256 MiB
-    b = torch.empty_like(a)
+    """256 MiB copies (read + write GB/s), the buffers placed as the weights are (`host_buffer`)."""
+    mode = get_envs().DEEPINFER_HOST_HUGE_PAGES
+    a = host_buffer(256 << 20, mode)[0].view(torch.float32).fill_(1.0)
+    b = host_buffer(256 << 20, mode)[0].view(torch.float32)
     b.copy_(a)
     out = []
     for _ in range(rounds):
@@ -240,6 +243,9 @@ def main() -> None:
           f"{'warm' if a.warm else 'cold'} weights (last-level cache {last_level_cache() >> 20} MiB), "
           f"FP8 codes {a.fp8_codes}")
     print(H.summary())
+    why = why_not(get_envs().DEEPINFER_HOST_HUGE_PAGES)
+    print(f"weights and roof buffers: {'on huge pages' if why is None else f'4 KiB pages ({why})'} (kernel THP mode "
+          f"{thp_mode()}; DEEPINFER_HOST_HUGE_PAGES, engine/host_memory.py)")
     libs = _libs(a.builds)
     builds = list(libs)
     roof = bandwidth_probe()
@@ -253,6 +259,7 @@ def main() -> None:
             one = _weights(op, n, k, 0, a.fp8_codes)
             copies = _copies(_bytes(one), a.warm)
             ws = [one] + [_weights(op, n, k, c, a.fp8_codes) for c in range(1, copies)]
+            placed = place([t for w in ws for t in w], get_envs().DEEPINFER_HOST_HUGE_PAGES)  # as the engine's
             for m in (int(v) for v in a.m.split(",")):
                 x = torch.randn(m, k).to(getattr(torch, a.dtype))
                 fns: dict[str, Callable[[int], object]] = {
@@ -262,7 +269,7 @@ def main() -> None:
                 times = _timed(fns, libs, a.repeats, 6.0, a.burst)
                 print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds,
                            {b: m <= saved[libs[b].variant][op] for b in builds}), flush=True)
-            del ws
+            del ws, placed
         if a.small_ops:
             _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved, a.burst)
     finally:
