@@ -54,7 +54,7 @@ def why_not(mode: str = "auto") -> str | None:
 
 @dataclass
 class Placement:
-    """Where a model's host weights live (meta.json `weights_memory`)."""
+    """Where a model's host weights live (`ModelRunner.weights_memory`; golden's meta.json `weights.memory`)."""
 
     huge_pages: str  # "requested" (the arena asked for them) or why not
     thp: str  # the kernel's THP mode
