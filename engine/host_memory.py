@@ -18,6 +18,7 @@ model is final and before anything has read a weight's address (the host kernels
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 from dataclasses import asdict, dataclass
@@ -147,10 +148,8 @@ def host_buffer(nbytes: int, mode: str = "auto") -> tuple[torch.Tensor, bool]:
     """(a uint8 tensor of `nbytes`, whether it asked for huge pages): placed like `place_weights` places weights in
     `mode`, so a bandwidth probe reads memory the way the weights are read."""
     if why_not(mode) is None:
-        try:
+        with contextlib.suppress(OSError):  # madvise refused: torch's allocation, as where THP is never
             return _Arena(nbytes).tensor, True
-        except OSError:
-            pass
     return torch.empty(nbytes, dtype=torch.uint8), False
 
 

@@ -259,7 +259,7 @@ def main() -> None:
             one = _weights(op, n, k, 0, a.fp8_codes)
             copies = _copies(_bytes(one), a.warm)
             ws = [one] + [_weights(op, n, k, c, a.fp8_codes) for c in range(1, copies)]
-            placed = place([t for w in ws for t in w], get_envs().DEEPINFER_HOST_HUGE_PAGES)  # as the engine's
+            place([t for w in ws for t in w], get_envs().DEEPINFER_HOST_HUGE_PAGES)  # as the engine's weights
             for m in (int(v) for v in a.m.split(",")):
                 x = torch.randn(m, k).to(getattr(torch, a.dtype))
                 fns: dict[str, Callable[[int], object]] = {
@@ -269,7 +269,7 @@ def main() -> None:
                 times = _timed(fns, libs, a.repeats, 6.0, a.burst)
                 print(_row(f"{name:<10} {op:<6} {n:>6} {k:>5} {m:>3}", times, _bytes(one), builds,
                            {b: m <= saved[libs[b].variant][op] for b in builds}), flush=True)
-            del ws, placed
+            del ws
         if a.small_ops:
             _small_ops([int(v) for v in a.m.split(",")], libs, a.repeats, saved, a.burst)
     finally:
