@@ -911,6 +911,33 @@ def test_sparse_attn_with_logits_spread_far_apart_matches_reference(lib: H.HostL
     assert bool(((got - ref).abs() <= 2 * (2 * dot_err + (2 * n + 8) * U) * kmax).all())
 
 
+@pytest.mark.parametrize("h,n,d", [(16, 140, 128), (5, 33, 16), (3, 17, 8), (2, 9, 24), (7, 64, 12)])
+def test_sparse_attn_heads_together_equal_each_head_alone(lib: H.HostLibrary, h: int, n: int, d: int) -> None:
+    """The kernel takes a query row's heads H.ATTN_G at a time (each key chunk loaded once for them): every head's
+    output is bit for bit the one of that head in a call of its own (the same FMAs in the same order), with odd head
+    counts (a last group of one), key counts off the 8-key blocks and D off the 32-column blocks."""
+    g = torch.Generator().manual_seed(h * 1000 + n)
+    q, kv = torch.randn(2, 2, h, d, generator=g), torch.randn(2, n, d, generator=g)
+    valid, sink = torch.rand(2, 2, n, generator=g) < 0.7, torch.randn(h, generator=g)
+    valid[1, 1] = False  # a row that sees no key
+    got = H.sparse_attn(q, kv, valid, sink, d**-0.5)
+    for i in range(h):
+        alone = H.sparse_attn(q[:, :, i: i + 1].contiguous(), kv, valid, sink[i: i + 1].contiguous(), d**-0.5)
+        assert torch.equal(got[:, :, i: i + 1], alone), f"head {i}"
+
+
+def test_sparse_attn_refuses_short_scratch(lib: H.HostLibrary) -> None:
+    """The scratch the caller passes is checked against what the head groups need (2 * ATTN_G * N floats a thread):
+    the native call returns -2 instead of writing past it."""
+    q, kv, o = torch.randn(1, 1, 4, 8), torch.randn(1, 10, 8), torch.empty(1, 1, 4, 8)
+    valid, sink = torch.ones(1, 1, 10, dtype=torch.bool), torch.zeros(4)
+    need = 2 * H.ATTN_G * 10
+    for size, rc in ((need - 1, -2), (need, 0)):
+        scratch = torch.empty(size)
+        assert lib.lib.dk_sparse_attn(q.data_ptr(), kv.data_ptr(), valid.data_ptr(), sink.data_ptr(), o.data_ptr(),
+                                      scratch.data_ptr(), size, 1, 1, 4, 10, 8, 1.0, 1) == rc
+
+
 def test_small_ops_above_the_threshold_or_odd_run_the_reference(lib: H.HostLibrary) -> None:
     g = torch.Generator().manual_seed(12)
     m = H.max_m("mhc")

@@ -303,7 +303,7 @@ class HostLibrary:
         lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
         lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
         lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
-        lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
+        lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, i32]
         lib.dk_moe_ffn.argtypes = [p, i64, i64, i64, f32, p, p, i64, i64, i64, i32, p, i32, p, p, i32]
         lib.dk_bf16_grouped_linear.argtypes = [p, p, p, i64, i64, i64, i64, i32]
         lib.dk_rope_tail.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
