@@ -81,12 +81,14 @@ __all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", 
 #   hence linear <= 64; sparse_attn 1.00-1.10x at 8-16 but 0.80-0.91x at 32-64 (q [1, T, 16, 128], 384 keys),
 #   hence sparse_attn <= 16. 2026-12-04 after the FP8 / FP4 decode rework (load ~0, cold weights): head 22.6x at 1,
 #   2.51x at 8, 1.34x at 32 but 0.98x at 64, hence linear <= 32; FP8 5.4-6.1x at 8, 1.6-1.8x at 32, 1.04-1.09x at
-#   64; FP4 11.5x at 8, 3.2-3.4x at 32, 1.6-1.9x at 64.
+#   64; FP4 11.5x at 8, 3.2-3.4x at 32, 1.6-1.9x at 64. 2026-12-05, sparse_attn taking two heads per pass over the
+#   keys (1.34-1.43x a call; measured on the Zen 4 box with the avx2 build, not on Zen 3): 1.33x at 8, 1.18x at 16,
+#   1.05-1.08x at 32-64, 1.01x at 128 (avx512-vbmi alike), hence sparse_attn <= 64.
 # * portable (no AVX2): 1.7-8x at M = 1, but head 0.81x and FP8 0.44-2.2x at 4, FP4 6.9x at 4 and 0.6x at 16,
 #   sparse_attn 0.93-1.08x at 1 (0: never native) and 0.45x at 4; the other small ops 1.5-3x up to 64.
 _AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 16},
+         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64},
          "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 F32 = torch.float32  # every output buffer the native code writes is allocated with this dtype, never the default
