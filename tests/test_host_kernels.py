@@ -915,11 +915,13 @@ def test_sparse_attn_with_logits_spread_far_apart_matches_reference(lib: H.HostL
 def test_sparse_attn_heads_together_equal_each_head_alone(lib: H.HostLibrary, h: int, n: int, d: int) -> None:
     """The kernel takes a query row's heads H.ATTN_G at a time (each key chunk loaded once for them): every head's
     output is bit for bit the one of that head in a call of its own (the same FMAs in the same order), with odd head
-    counts (a last group of one), key counts off the 8-key blocks and D off the 32-column blocks."""
+    counts (a last group of one), key counts off the 8-key blocks, D off the 32-column blocks and a head whose logits
+    are all NaN beside one that has values."""
     g = torch.Generator().manual_seed(h * 1000 + n)
     q, kv = torch.randn(2, 2, h, d, generator=g), torch.randn(2, n, d, generator=g)
     valid, sink = torch.rand(2, 2, n, generator=g) < 0.7, torch.randn(h, generator=g)
     valid[1, 1] = False  # a row that sees no key
+    q[0, 1, 0, 0] = float("nan")  # head 0 of a row with only NaN logits (0 out); its group partner keeps its values
     got = H.sparse_attn(q, kv, valid, sink, d**-0.5)
     for i in range(h):
         alone = H.sparse_attn(q[:, :, i: i + 1].contiguous(), kv, valid, sink[i: i + 1].contiguous(), d**-0.5)

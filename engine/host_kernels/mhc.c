@@ -346,7 +346,8 @@ static inline __attribute__((always_inline)) void attn_values(const int G, const
                                                               int vec) {
 #if defined(DK_ATTN_AVX2)
     if (vec) {
-        for (int64_t d0 = 0; d0 < D; d0 += 32) values32(G, keys, ok, pj, out, N, D, d0, D - d0 >= 32 ? 4 : (int)(D - d0) / 8);
+        for (int64_t d0 = 0; d0 < D; d0 += 32)
+            values32(G, keys, ok, pj, out, N, D, d0, D - d0 >= 32 ? 4 : (int)(D - d0) / 8);
         return;
     }
 #else
@@ -378,8 +379,12 @@ static inline __attribute__((always_inline)) void attn_heads(const int G, const 
     }
     if (!any_none)
         attn_values(G, keys, ok, pj, out, N, D, vec);
-    else  /* no valid key: m is -inf for every head of the row; out 0 */
-        for (int64_t d = 0; d < G * D; d++) out[d] = 0.0f;
+    else  /* a head with m -inf (no valid key, or only NaN / -inf logits) gets 0, the others their values alone */
+        for (int g = 0; g < G; g++)
+            if (m[g] == -INFINITY)
+                for (int64_t d = 0; d < D; d++) out[g * D + d] = 0.0f;
+            else
+                attn_values(1, keys, ok, &pj[g], out + g * D, N, D, vec);
     for (int g = 0; g < G; g++) {
         const float s = sink[g], mm = m[g] > s ? m[g] : s;
         const float w = m[g] == -INFINITY ? 0.0f : expf(m[g] - mm), den = expf(s - mm) + l[g] * w;
