@@ -913,7 +913,7 @@ def test_sparse_attn_with_logits_spread_far_apart_matches_reference(lib: H.HostL
 
 @pytest.mark.parametrize("h,n,d", [(16, 140, 128), (5, 33, 16), (3, 17, 8), (2, 9, 24), (7, 64, 12)])
 def test_sparse_attn_heads_together_equal_each_head_alone(lib: H.HostLibrary, h: int, n: int, d: int) -> None:
-    """The kernel takes a query row's heads H.ATTN_G at a time (each key chunk loaded once for them): every head's
+    """The kernel takes a query row's heads `attn_heads` at a time (each key chunk loaded once for them): every head's
     output is bit for bit the one of that head in a call of its own (the same FMAs in the same order), with odd head
     counts (a last group of one), key counts off the 8-key blocks, D off the 32-column blocks and a head whose logits
     are all NaN beside one that has values."""
@@ -929,11 +929,11 @@ def test_sparse_attn_heads_together_equal_each_head_alone(lib: H.HostLibrary, h:
 
 
 def test_sparse_attn_refuses_short_scratch(lib: H.HostLibrary) -> None:
-    """The scratch the caller passes is checked against what the head groups need (2 * ATTN_G * N floats a thread):
-    the native call returns -2 instead of writing past it."""
+    """The scratch the caller passes is checked against what the head groups need (2 * attn_heads * N floats a
+    thread, attn_heads as the library reports it): the native call returns -2 instead of writing past it."""
     q, kv, o = torch.randn(1, 1, 4, 8), torch.randn(1, 10, 8), torch.empty(1, 1, 4, 8)
     valid, sink = torch.ones(1, 1, 10, dtype=torch.bool), torch.zeros(4)
-    need = 2 * H.ATTN_G * 10
+    need = 2 * lib.attn_heads * 10
     for size, rc in ((need - 1, -2), (need, 0)):
         scratch = torch.empty(size)
         assert lib.lib.dk_sparse_attn(q.data_ptr(), kv.data_ptr(), valid.data_ptr(), sink.data_ptr(), o.data_ptr(),

@@ -94,7 +94,6 @@ EXECUTOR = "host"  # the executor column of the dispatch counters
 F32 = torch.float32  # every output buffer the native code writes is allocated with this dtype, never the default
 # one (torch.set_default_dtype(torch.bfloat16), as DeepSeek's own inference code sets it, would hand the kernels
 # half-sized buffers); as ints, not a torch.Size: torch.empty(*shape, dtype=F32) costs ~1.5 us, (shape, dtype=F32) ~3
-ATTN_G = 2  # mhc.c ATTN_G: sparse_attn takes a query row's heads this many at a time (scratch: 2 * ATTN_G * N floats)
 
 
 def max_m(key: str) -> int:
@@ -396,9 +395,10 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     vb = valid.contiguous()
     nt = torch.get_num_threads()
     o = torch.empty(b, t, h, d, dtype=F32)
-    scratch = torch.empty(max(1, 2 * ATTN_G * nt * n), dtype=F32)
-    if _native().lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
-                                    scratch.data_ptr(), scratch.numel(), b, t, h, n, d, scale, nt) != 0:
+    lib = _native()
+    scratch = torch.empty(max(1, 2 * lib.attn_heads * nt * n), dtype=F32)
+    if lib.lib.dk_sparse_attn(qf.data_ptr(), kf.data_ptr(), vb.data_ptr(), sf.data_ptr(), o.data_ptr(),
+                              scratch.data_ptr(), scratch.numel(), b, t, h, n, d, scale, nt) != 0:
         raise RuntimeError(f"host kernel sparse_attn: scratch of {scratch.numel()} floats is too small")
     return o if q.dtype is torch.float32 else o.to(q.dtype)
 

@@ -312,6 +312,7 @@ class HostLibrary:
         lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
                                     p, p, p, i32]
         lib.dk_parallel.restype = i32
+        lib.dk_attn_heads_per_pass.restype = i32
         lib.dk_fp8_decode.argtypes = [i32]
         lib.dk_fp8_decode.restype = i32
         lib.dk_subnormal_cost.restype = ctypes.c_double
@@ -324,6 +325,7 @@ class HostLibrary:
         self.fp8_decoder = FP8_DECODERS[lib.dk_fp8_decode(-1)]  # the avx2 build chooses here, before any FP8 call
         self.subnormal_cost = float(lib.dk_subnormal_cost())
         self.parallel = bool(lib.dk_parallel())  # False: every kernel runs on the calling thread (clang)
+        self.attn_heads = lib.dk_attn_heads_per_pass()  # sparse_attn's heads per pass: scratch 2 * this * N floats
 
     def set_fp8_decoder(self, name: str) -> None:
         """Make the avx2 build use FP8 decoder `name` (FP8_DECODERS; for tests: each must be exact here, whichever

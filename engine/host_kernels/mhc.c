@@ -31,7 +31,7 @@
 
 #define LANES 16
 #define PAR_MIN (1 << 16) /* multiply-adds below which one thread does all rows */
-#define ATTN_G 2 /* sparse_attn: heads of a query row per pass over its keys (engine/host_kernels ATTN_G) */
+#define ATTN_G 2 /* sparse_attn: heads of a query row per pass over its keys (dk_attn_heads_per_pass) */
 
 /* The end of a 16-lane dot product whose whole 16-element steps are in lane[]: the tail a[i..k) * b[i..k) into lane
  * k % 16, then the lanes added in a fixed tree (dot's, and hc_mixes' token tiles') */
@@ -404,6 +404,9 @@ static inline __attribute__((always_inline)) void attn_heads(const int G, const 
  * of each 8 keys are taken as two blocks of 4, the exps 8 at a time (exp8) and acc in register blocks of 32 columns;
  * otherwise one key at a time with libm's expf. Each number is the one of a head alone, bit for bit: the grouping
  * changes which loads feed the FMAs, not their order. */
+/* ATTN_G for the caller, which sizes sparse_attn's scratch by it (HostLibrary.attn_heads) */
+int dk_attn_heads_per_pass(void) { return ATTN_G; }
+
 int dk_sparse_attn(const float *q, const float *kv, const uint8_t *valid, const float *sink, float *o,
                    float *scratch, int64_t scratch_n, int64_t B, int64_t T, int64_t H, int64_t N, int64_t D,
                    float scale, int nthreads) {
