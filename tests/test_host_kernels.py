@@ -373,6 +373,22 @@ def test_fp4_every_code_and_extreme_scales_decode_exactly(lib: H.HostLibrary, ro
     assert torch.equal(got, R.fp4_dequant_rows(w, s, 0, n))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_fp4_block_sums_scaled_once_are_exact(lib: H.HostLibrary, rows: int) -> None:
+    """At up to 3 x rows with every scale in 2..252, the AVX-512 builds read each 128-element chunk as 16 dwords of 8
+    nibbles and scale each block's sum once (gemv_avx512.h tile_fp4dw). K = two such chunks and a 96-element tail
+    (64 + 32, the scaled-table decode), N odd (a last weight row on its own). Every code at every position through
+    one-hot x rows gives the reference's dequantised weight bit for bit; random x stays within the summation-order
+    bound."""
+    n, k = 41, 352
+    w = ((torch.arange(n)[:, None] * 13 + torch.arange(k // 2)[None, :]) % 256).to(torch.uint8)
+    s = (2 + (torch.arange(n * (k // 32)) * 37) % 251).to(torch.uint8).view(n, k // 32)  # 2..252, every block its own
+    assert torch.equal(_one_hot_columns("fp4", (w, s), k, rows), R.fp4_dequant_rows(w, s, 0, n))
+    s = (110 + (torch.arange(n * (k // 32)) * 37) % 31).to(torch.uint8).view(n, k // 32)  # sums stay finite
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    _assert_close(H.fp4_linear(x, w, s), R.fp4_linear(x, w, s), x, _dense("fp4", w, s))
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 def test_scales_whose_products_overflow_give_what_the_reference_gives(lib: H.HostLibrary, rows: int) -> None:
     """FP8 scales 2^120..2^127 (b 247..254) and FP4 ones 2^126, 2^127 (b 253, 254) take the larger codes to inf;

@@ -157,7 +157,9 @@ int dk_last_threads(void) { return last_threads; }
 
 /* ---- element order of one 64-element chunk as the decoder produces it: slot s holds element perm_of(kind, s) */
 enum { PERM_IDENT = 0, PERM_EVENODD = 1, PERM_FP8_VBMI = 2, PERM_EVENODD8 = 3, PERM_FP4_AVX2 = 4, PERM_FP8_AVX2 = 5,
-       PERM_FP8_F16C = 6 };
+       PERM_FP8_F16C = 6,
+       PERM_FP4_DW = 7 }; /* 128-element chunks (gemv_avx512.h tile_fp4dw): slot 16 t + j holds element 8 j + t; the
+                             K % 128 elements after the last whole chunk in PERM_EVENODD's 64-element chunks */
 
 static int perm_of(int kind, int s) {
     int q = s >> 4, j = s & 15; /* 16-lane vectors (AVX-512) */
@@ -195,12 +197,15 @@ static int perm_kind(int fmt) {
 
 /* xp[m, kp] (kp = K rounded up to 64, zero padded) = x[m, K] in the decoder's element order */
 static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t kp, int kind) {
+    const int64_t k128 = kind == PERM_FP4_DW ? K & ~(int64_t)127 : 0; /* x[0, k128) in 128-element chunks */
     int idx[64];
-    for (int s = 0; s < 64; s++) idx[s] = perm_of(kind, s);
+    for (int s = 0; s < 64; s++) idx[s] = perm_of(kind == PERM_FP4_DW ? PERM_EVENODD : kind, s);
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         float *pr = xp + m * kp;
         int64_t k0 = 0;
+        for (; k0 < k128; k0 += 128)
+            for (int s = 0; s < 128; s++) pr[k0 + s] = xr[k0 + 8 * (s & 15) + (s >> 4)];
 #if defined(DK_AVX2) /* whole chunks by 8-lane gathers (~4x faster than the scalar loop at K = 1024) */
         for (; k0 + 64 <= K; k0 += 64)
             for (int q = 0; q < 8; q++)
@@ -293,6 +298,24 @@ static int fp8_prescale(const float *x, float *xs, int64_t M, int64_t kp, int64_
                 _mm256_storeu_ps(xs + m * kp + k, _mm256_mul_ps(_mm256_loadu_ps(x + m * kp + k), s));
     }
     return 1;
+}
+
+/* FP4: a block scale b can be applied to the block's sum instead of to each decoded value (the same products in
+ * another order) where every e2m1 value times 2^(b-127) is a normal fp32: b in 2..252 (NaN scales, 255, excluded).
+ * Whether every one of the n scales at s is, 32 at a time (b - 2 <= 250 as a byte); gemv_avx2.h's one-row kernel and
+ * gemv_avx512.h's tile_fp4dw. */
+static inline int fp4_deferrable(const uint8_t *s, int64_t n) {
+    int64_t i = 0;
+    int ok = 1;
+    if (n >= 32) {
+        const __m256i two = _mm256_set1_epi8(2), top = _mm256_set1_epi8((char)250);
+        __m256i m = _mm256_setzero_si256();
+        for (; i + 32 <= n; i += 32)
+            m = _mm256_max_epu8(m, _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(s + i)), two));
+        ok = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(m, top), top)) == -1;
+    }
+    for (; i < n; i++) ok &= s[i] >= 2 && s[i] <= 252;
+    return ok;
 }
 
 #endif
@@ -395,6 +418,23 @@ rows_fmt(const int fmt, const float *xp, int64_t M, int64_t kp, const uint8_t *w
 #endif
 
 #if defined(DK_AVX512)
+/* rows_fmt for FP4 on tile_fp4dw (M <= 3, deferrable scales, x in PERM_FP4_DW) */
+static void rows_fp4dw(const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s, int64_t K, float *y,
+                       int64_t N, int64_t n, int64_t step, int nt) {
+    const uint8_t *wr[NT_TILE], *sr[NT_TILE];
+    int64_t yo[NT_TILE];
+    for (int r = 0; r < nt; r++) yo[r] = n + r * step, wr[r] = w + yo[r] * (K / 2), sr[r] = s + yo[r] * (K / 32);
+#define DW(MT)                                                                                                         \
+    (nt == NT_TILE ? tile_fp4dw(MT, NT_TILE, xp, kp, wr, sr, K, y, N, yo)                                              \
+                   : tile_fp4dw(MT, 1, xp, kp, wr, sr, K, y, N, yo))
+    if (M == 1) DW(1);
+    else if (M == 2) DW(2);
+    else DW(3);
+#undef DW
+}
+#endif
+
+#if defined(DK_AVX512)
 /* FP8, one x row (AVX-512): x pre-scaled per 128-row scale block where that is exact (fp8_prescale), one per-thread
  * copy for each of an item's two rows (rows n and n + half: they lie in different blocks), and the decoded values
  * used unscaled on tile_fp8x2: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a
@@ -457,11 +497,16 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
     if (fmt == FMT_FP8 && fp8_decoder == FP8_ONLY) dk_fp8_decode(-1); /* before x is permuted for it */
 #endif
     const int64_t kp = (K + 63) / 64 * 64;
+#if defined(DK_AVX512) /* FP4 at up to 3 x rows, every row's scales deferrable: tile_fp4dw */
+    const int dw = fmt == FMT_FP4 && M <= 3 && fp4_deferrable(s, N * (K / 32));
+#else
+    const int dw = 0;
+#endif
     float *xp = NULL;
     if (kp > 0) {
         xp = (float *)aligned_alloc(64, (size_t)(M * kp) * sizeof(float));
         if (xp == NULL) return -1;
-        permute_x(x, xp, M, K, kp, perm_kind(fmt));
+        permute_x(x, xp, M, K, kp, dw ? PERM_FP4_DW : perm_kind(fmt));
     }
     const int par = nthreads > 1 && N * (K + 1) * M >= (1 << 16);
 #if defined(DK_AVX2)
@@ -496,6 +541,10 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
                 rows_fmt(FMT_BF16, xp, M, kp, w, s, K, y, N, i, half, cnt);
             else if (fmt == FMT_FP8)
                 rows_fmt(FMT_FP8, xp, M, kp, w, s, K, y, N, i, half, cnt);
+#if defined(DK_AVX512)
+            else if (dw)
+                rows_fp4dw(xp, M, kp, w, s, K, y, N, i, half, cnt);
+#endif
             else
                 rows_fmt(FMT_FP4, xp, M, kp, w, s, K, y, N, i, half, cnt);
         }

@@ -179,21 +179,6 @@ static void fp8_choose(void) {
 /* ---------------------------------------------------------------------------------------------------------------
  * FP4 scales and the one-row FP4 kernel */
 
-/* every one of the n scales b at s in 2..252 (b - 2 <= 250 as a byte), 32 at a time */
-static inline int fp4_deferrable(const uint8_t *s, int64_t n) {
-    int64_t i = 0;
-    int ok = 1;
-    if (n >= 32) {
-        const __m256i two = _mm256_set1_epi8(2), top = _mm256_set1_epi8((char)250);
-        __m256i m = _mm256_setzero_si256();
-        for (; i + 32 <= n; i += 32)
-            m = _mm256_max_epu8(m, _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(s + i)), two));
-        ok = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(m, top), top)) == -1;
-    }
-    for (; i < n; i++) ok &= s[i] >= 2 && s[i] <= 252;
-    return ok;
-}
-
 /* the scales of chunk k0's two blocks, 4 lanes each: UE8M0 b as fp32 bits b << 23 (b in 1..254) */
 static inline __m256 fp4_scales_bits(const uint8_t *srow, int64_t k0) {
     const __m256i pick = _mm256_setr_epi8(0, -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1,
