@@ -197,15 +197,21 @@ static int perm_kind(int fmt) {
 
 /* xp[m, kp] (kp = K rounded up to 64, zero padded) = x[m, K] in the decoder's element order */
 static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t kp, int kind) {
+#if defined(DK_AVX512) /* only there: with this compiled into the avx2 build, gcc allocated the gathers below so that
+                          QEMU 7.2's TCG (scripts/emulated_cpu_check.sh) computed them wrong; right on the hardware */
     const int64_t k128 = kind == PERM_FP4_DW ? K & ~(int64_t)127 : 0; /* x[0, k128) in 128-element chunks */
+    if (kind == PERM_FP4_DW) kind = PERM_EVENODD;                        /* the rest */
+#endif
     int idx[64];
-    for (int s = 0; s < 64; s++) idx[s] = perm_of(kind == PERM_FP4_DW ? PERM_EVENODD : kind, s);
+    for (int s = 0; s < 64; s++) idx[s] = perm_of(kind, s);
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         float *pr = xp + m * kp;
         int64_t k0 = 0;
+#if defined(DK_AVX512)
         for (; k0 < k128; k0 += 128)
             for (int s = 0; s < 128; s++) pr[k0 + s] = xr[k0 + 8 * (s & 15) + (s >> 4)];
+#endif
 #if defined(DK_AVX2) /* whole chunks by 8-lane gathers (~4x faster than the scalar loop at K = 1024) */
         for (; k0 + 64 <= K; k0 += 64)
             for (int q = 0; q < 8; q++)
