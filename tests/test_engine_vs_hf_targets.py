@@ -22,3 +22,14 @@ def test_issue_24_targets() -> None:
                    "batch-8 tok/s / batch-1 tok/s (engine)": (">= 4.0", True)}
     missed = E.targets(_ratios(0.26, 0.49, 1.5, 3.9), ("eager",), (2, 8), 0)
     assert list(missed.met) == [False, False, "-", False]
+
+
+def test_the_batch_ratio_at_batch_1s_bandwidth_is_reported_beside_it() -> None:
+    """Batch 8 reads more weight bytes a step than batch 1 (each distinct expert once): the run reports the batch
+    ratio that batch 8 would reach at batch 1's GB/s, 8 x batch-1 bytes / batch-8 bytes, right after the ratio."""
+    r = _ratios(0.24, 0.51, 1.5, 2.5) | {"eager:b8_bytes_bound": 8 * 80.2 / 220.6}
+    df = E.targets(r, ("eager",), (2, 8), 0)
+    i = list(df.measure).index("batch-8 tok/s / batch-1 tok/s (engine)")
+    assert df.measure[i + 1] == "  the same at batch-1's GB/s (8 x batch-1 bytes / batch-8 bytes)"
+    assert abs(df.value[i + 1] - 2.9084) < 1e-3 and df.met[i + 1] == "-"
+    assert sum("the same at" in m for m in df.measure) == 1  # batch 2's bytes were not given: no row for it
