@@ -56,7 +56,8 @@ def engine_vs_hf_cmd(
                                        threads=threads, graph_modes=modes, prefill_len=prefill_len,
                                        kernels_also=also)
     render_df(df, f"decode: deepinfer vs HF transformers ({config.model.dtype}, same weights, same run; memory "
-                  f"roof {ratios['memory_bandwidth_gb_s']:.1f} GB/s)")
+                  f"roof {ratios['memory_bandwidth_gb_s']:.1f} GB/s: the best of {ratios['memory_probes']:.0f} copy "
+                  f"probes through the run, the lowest {ratios['memory_bandwidth_min_gb_s']:.1f})")
     if len(pre):
         render_df(pre, f"prefill: TTFT of one {prefill_len}-token prompt")
     render_df(targets(ratios, modes, batches, prefill_len, also), "targets")

@@ -33,3 +33,12 @@ def test_the_batch_ratio_at_batch_1s_bandwidth_is_reported_beside_it() -> None:
     assert df.measure[i + 1] == "  the same at batch-1's GB/s (8 x batch-1 bytes / batch-8 bytes)"
     assert abs(df.value[i + 1] - 2.9084) < 1e-3 and df.met[i + 1] == "-"
     assert sum("the same at" in m for m in df.measure) == 1  # batch 2's bytes were not given: no row for it
+
+
+def test_the_roof_is_the_best_copy_probe_of_the_run_with_its_spread() -> None:
+    """The run probes the machine's bandwidth before its timings and after each repeat; on a shared VM one probe
+    read 10.5 to 14.5 GB/s. The roof is the best probe (not the first), and the lowest and the count go beside it."""
+    r = E.roof_summary([10.5, 14.5, 11.8])
+    assert r == {"memory_bandwidth_gb_s": 14.5, "memory_bandwidth_min_gb_s": 10.5, "memory_probes": 3.0}
+    assert E.roof_summary([12.0]) == {"memory_bandwidth_gb_s": 12.0, "memory_bandwidth_min_gb_s": 12.0,
+                                      "memory_probes": 1.0}
