@@ -12,7 +12,7 @@ Measured, interleaved (engine, HF, engine, HF, ...; medians), with the same torc
   `--weights stored`; HF's at its dtype; routed experts: min(local experts, B x K) per layer, the embedding B rows),
   the achieved GB/s they imply, and the machine's own read bandwidth from copy probes run in this process (before
   the timings and after each repeat; the roof is the best of them, their spread is reported: on a shared VM one
-  probe read anywhere from 10.5 to 14.5 GB/s), so the table says how close each side is to the memory roof.
+  probe read anywhere from 10.5 to 16.3 GB/s), so the table says how close each side is to the memory roof.
 The engine runs `config` (its dtype, weights, kernels, moe); HF runs the dequantised weights at the same dtype.
 """
 
