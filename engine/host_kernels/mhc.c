@@ -393,6 +393,9 @@ static inline __attribute__((always_inline)) void attn_heads(const int G, const 
     }
 }
 
+/* ATTN_G for the caller, which sizes sparse_attn's scratch by it (HostLibrary.attn_heads) */
+int dk_attn_heads_per_pass(void) { return ATTN_G; }
+
 /* reference.sparse_attn: q [B, T, H, D] fp32, kv [B, N, D] fp32, valid [B, T, N] bytes (0/1), sink [H] fp32 ->
  * o [B, T, H, D] fp32 = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink_h)) over valid keys j, l_j = scale q.kv_j,
  * computed as the reference's partial + merge: m = max valid logit, p_j = exp(l_j - m), acc = sum p_j kv_j,
@@ -404,9 +407,6 @@ static inline __attribute__((always_inline)) void attn_heads(const int G, const 
  * of each 8 keys are taken as two blocks of 4, the exps 8 at a time (exp8) and acc in register blocks of 32 columns;
  * otherwise one key at a time with libm's expf. Each number is the one of a head alone, bit for bit: the grouping
  * changes which loads feed the FMAs, not their order. */
-/* ATTN_G for the caller, which sizes sparse_attn's scratch by it (HostLibrary.attn_heads) */
-int dk_attn_heads_per_pass(void) { return ATTN_G; }
-
 int dk_sparse_attn(const float *q, const float *kv, const uint8_t *valid, const float *sink, float *o,
                    float *scratch, int64_t scratch_n, int64_t B, int64_t T, int64_t H, int64_t N, int64_t D,
                    float scale, int nthreads) {
