@@ -48,8 +48,13 @@
 #define NT_TILE 2
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#define DK_BASELINE __attribute__((target("arch=x86-64"))) /* code that runs before the CPU check */
+/* code that runs before the CPU check. clang's target attribute only adds to the command line's features, so there
+ * "arch=x86-64" kept AVX-512 (dk_init's loops came out in zmm registers, and loading a refused avx512-vbmi build on
+ * an AVX2-only CPU died with SIGILL); "no-sse3" takes away SSE3 and everything built on it, leaving SSE2. */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__clang__)
+#define DK_BASELINE __attribute__((target("no-sse3")))
+#elif defined(__x86_64__) || defined(__i386__)
+#define DK_BASELINE __attribute__((target("arch=x86-64")))
 #else
 #define DK_BASELINE
 #endif
@@ -195,10 +200,23 @@ static int perm_kind(int fmt) {
 #endif
 }
 
-/* xp[m, kp] (kp = K rounded up to 64, zero padded) = x[m, K] in the decoder's element order */
-static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t kp, int kind) {
-#if defined(DK_AVX512) /* only there: with this compiled into the avx2 build, gcc allocated the gathers below so that
-                          QEMU 7.2's TCG (scripts/emulated_cpu_check.sh) computed them wrong; right on the hardware */
+/* xp[m, kp] (kp = K rounded up to 64, zero padded) = x[m, K] in the decoder's element order. The avx2 build holds no
+ * gather, written or made by the vectorizer (hence the attribute and pragma): QEMU 7.2's TCG computes vgatherdps
+ * wrong on some hosts (scripts/emulated_cpu_check.sh on an AVX2-only Zen-1-class EPYC: 32 of 320 slots 0 from an
+ * 8-gather loop whose masks were all ones; right on the hardware, and under QEMU on a Zen 4 host), and on that core
+ * the plain copy took 0.69-0.78x the 8-lane gathers' time (K 1024-7168, 1 and 8 rows). */
+#if defined(DK_AVX2) && defined(__clang__)
+#define DK_NO_VECTORIZE _Pragma("clang loop vectorize(disable)")
+#define DK_NO_VECTORIZE_FN
+#elif defined(DK_AVX2)
+#define DK_NO_VECTORIZE
+#define DK_NO_VECTORIZE_FN __attribute__((optimize("no-tree-vectorize")))
+#else
+#define DK_NO_VECTORIZE
+#define DK_NO_VECTORIZE_FN
+#endif
+static DK_NO_VECTORIZE_FN void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t kp, int kind) {
+#if defined(DK_AVX512)
     const int64_t k128 = kind == PERM_FP4_DW ? K & ~(int64_t)127 : 0; /* x[0, k128) in 128-element chunks */
     if (kind == PERM_FP4_DW) kind = PERM_EVENODD;                        /* the rest */
 #endif
@@ -212,12 +230,9 @@ static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int64_t k
         for (; k0 < k128; k0 += 128)
             for (int s = 0; s < 128; s++) pr[k0 + s] = xr[k0 + 8 * (s & 15) + (s >> 4)];
 #endif
-#if defined(DK_AVX2) /* whole chunks by 8-lane gathers (~4x faster than the scalar loop at K = 1024) */
-        for (; k0 + 64 <= K; k0 += 64)
-            for (int q = 0; q < 8; q++)
-                _mm256_storeu_ps(pr + k0 + 8 * q,
-                                 _mm256_i32gather_ps(xr + k0, _mm256_loadu_si256((const __m256i *)(idx + 8 * q)), 4));
-#endif
+        for (; k0 + 64 <= K; k0 += 64) /* whole chunks */
+            DK_NO_VECTORIZE
+            for (int s = 0; s < 64; s++) pr[k0 + s] = xr[k0 + idx[s]];
         for (; k0 < kp; k0 += 64)
             for (int s = 0; s < 64; s++) {
                 int64_t k = k0 + idx[s];
