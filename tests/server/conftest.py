@@ -29,10 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], *, timeout_s: float = 30.0,
+def start_server(args: list[str], *, timeout_s: float = 120.0,
                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start a server process on a free loopback port (`env`: added to this process's environment); return it once
-    /health answers 200."""
+    /health answers 200. `timeout_s` catches a start that hangs; it is not a speed check (CI runs its lanes side by
+    side on 2 cores, where a start can take several times its time on an idle machine)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, *args, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
