@@ -1,5 +1,6 @@
-"""The engine on a torch-xla device (PJRT CPU): the second CI lane runs these (`python -m pytest -m xla` in a venv
-with torch 2.9.0 + torch-xla 2.9.0). They need torch-xla; in the host lane they are deselected by the marker.
+"""The engine on a torch-xla device (PJRT CPU): the second CI lane runs these (`python -m pytest -m "xla and not
+slow"` in a venv with torch 2.9.0 + torch-xla 2.9.0; `-m xla` adds the two marked slow). They need torch-xla; in the
+host lane they are deselected by the marker.
 
 What is shown here: the golden through the same LLMEngine path on `xla:0` (eager and layer graphs); decode graphs
 shared across layers (their number does not grow with the layer count); after warm-up a decode step compiles
@@ -30,7 +31,9 @@ def _pjrt_cpu(monkeypatch: pytest.MonkeyPatch):
     engine.envs.get_envs.cache_clear()
 
 
-@pytest.mark.parametrize("mode", ["eager", "layer"])
+# Eager (op by op) is opt-in (`-m "xla and slow"`): ~480 s on a 2-core Zen-1-class box beside CI's other lanes, where
+# the whole lane outran CI's 90 minutes; layer mode, the XLA line's decode path, stays in the lane.
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "layer"])
 def test_golden_on_xla(mode: str) -> None:
     from deepinfer_bench.golden import golden_config, run_golden
 
@@ -153,6 +156,8 @@ def _prefill_counters(over: dict) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # opt-in (`-m "xla and slow"`): ~525 s there (two engines' chunk graphs); the golden in layer mode
+# runs prefill through chunk graphs in the lane
 def test_prefill_graphs_per_bucket_not_per_layer_or_prompt() -> None:
     """Prefill chunks run as chunk-region graphs, one per (structure, batch bucket, chunk bucket, block bucket):
     the golden prompts compile the same graphs with 4 layers and with 8, nothing falls back to the CPU, and a
