@@ -170,3 +170,87 @@ def test_hc_head_matches_the_reference(t: int, n: int, d: int) -> None:
     ref_err = float((ref.double() - exact).abs().max())
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert float((got.double() - exact).abs().max()) <= 2 * ref_err + 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The MoE half of a block in one call (step_ops.py `ffn_site`, moe.c `dk_ffn_site`)
+
+N_HC = 4
+
+
+def _site_case(t: int, fmt_r: str | None, fmt_s: str | None, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, N_HC, D, generator=g)
+    fn = torch.randn((2 + N_HC) * N_HC, N_HC * D, generator=g) / (N_HC * D) ** 0.5
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + N_HC) * N_HC, generator=g) * 0.1
+    norm_w = torch.rand(D, generator=g) + 0.5
+    gate_w = (torch.randn(E, D, generator=g) / D**0.5).bfloat16()
+    bias, hash_ids = torch.randn(E, generator=g) * 0.1, torch.randint(0, E, (t, K), generator=g)
+    _, _, _, routed, shared = _case(t, fmt_r, fmt_s, seed=seed)
+    return x, (fn, scale, base, norm_w, N_HC, 2, 1e-6, 1e-6), gate_w, bias, hash_ids, routed, shared
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("fmt_r,fmt_s", [("fp4", "fp8"), ("fp8", None), (None, None)])
+@pytest.mark.parametrize("routing", ["bias", "hash"])
+def test_ffn_site_is_the_four_ops_bit_for_bit(t: int, fmt_r: str | None, fmt_s: str | None, routing: str) -> None:
+    """One native call equals hc_pre, gate, moe_ffn and hc_expand of the host table run one by one, bit for bit
+    (the same kernels in the same order); counted under its own key and each of the four's."""
+    x, mhc, gate_w, bias, hash_ids, routed, shared = _site_case(t, fmt_r, fmt_s, seed=t * 7 + len(routing))
+    b, h = (bias, None) if routing == "bias" else (None, hash_ids)
+    h_, post, comb = H.hc_pre(x, *mhc)
+    w, idx = H.step_ops.gate(h_, gate_w, K, 1.5, b, h)
+    y = H.moe_ffn(h_, w, idx, 10.0, 0, routed, shared, lambda: pytest.fail("fell back"))
+    ref = H.hc_expand(y, x, post, comb)
+    pack = H.step_ops.site_pack(mhc, gate_w, K, 1.5, b, h is not None, 10.0, 0, routed, shared)
+    dispatch.reset_counts()
+    got = H.step_ops.ffn_site(pack, x, h)
+    assert got is not None and got.dtype is torch.float32 and torch.equal(got, ref)
+    assert dispatch.counts() == {(k, "host"): 1 for k in H.step_ops._SITE_KEYS}
+
+
+def test_ffn_site_declines_what_an_op_would_not_take_natively() -> None:
+    """None (the block then runs the four ops, each deciding for itself) and nothing counted: bf16 streams, an fp32
+    router weight (torch's GEMV in `gate`: the pack has no arguments), more rows than max_m("mhc"), a hash id
+    tensor of the wrong shape or none for a hash layer."""
+    x, mhc, gate_w, bias, hash_ids, routed, shared = _site_case(2, "fp4", "fp8", seed=5)
+    plain = H.step_ops.site_pack(mhc, gate_w, K, 1.5, bias, False, 10.0, 0, routed, shared)
+    hashed = H.step_ops.site_pack(mhc, gate_w, K, 1.5, None, True, 10.0, 0, routed, shared)
+    fp32_gate = H.step_ops.site_pack(mhc, gate_w.float(), K, 1.5, bias, False, 10.0, 0, routed, shared)
+    assert plain.args is not None and fp32_gate.args is None
+    big = torch.randn(H.max_m("mhc") + 1, N_HC, D)
+    cases = {"bf16 x": (plain, x.bfloat16(), None), "fp32 gate": (fp32_gate, x, None), "rows": (plain, big, None),
+             "hash shape": (hashed, x, hash_ids[:1]), "no hash ids": (hashed, x, None)}
+    for why, (pack, xx, h) in cases.items():
+        dispatch.reset_counts()
+        assert H.step_ops.ffn_site(pack, xx, h) is None, why
+        assert dispatch.counts() == {}, why
+
+
+def test_ffn_site_bad_hash_id_is_a_clear_error() -> None:
+    x, mhc, gate_w, _, hash_ids, routed, shared = _site_case(2, "fp4", None, seed=6)
+    pack = H.step_ops.site_pack(mhc, gate_w, K, 1.5, None, True, 10.0, 0, routed, shared)
+    with pytest.raises(ValueError, match="hash-layer expert id"):
+        H.step_ops.ffn_site(pack, x, hash_ids + E)
+
+
+def test_a_pack_is_made_again_when_a_tensor_it_points_into_moves() -> None:
+    """`host_kernels.packed` keeps a module's pack while every tensor it holds lies where it did and it is asked for
+    with the same tag; a tensor moved in place (`Tensor.set_`, as engine/host_memory.py moves weights) or another
+    tag (another KV cache) makes a new one."""
+    _, mhc, gate_w, bias, _, routed, shared = _site_case(1, "fp4", None, seed=7)
+    owner = torch.nn.Module()
+    made = []
+
+    def make():
+        made.append(H.step_ops.site_pack(mhc, gate_w, K, 1.5, bias, False, 10.0, 0, routed, shared))
+        return made[-1]
+
+    first = H.packed(owner, "site", make)
+    assert H.packed(owner, "site", make) is first and len(made) == 1
+    bias.set_(bias.clone())  # same tensor object, new storage
+    again = H.packed(owner, "site", make)
+    assert again is not first and len(made) == 2 and again.args.head[-1] == bias.data_ptr()
+    tag = object()
+    tagged = H.packed(owner, "site", make, tag)
+    assert tagged is not again and H.packed(owner, "site", make, tag) is tagged and len(made) == 3

@@ -39,6 +39,13 @@ calls per (token, expert) pair were the largest non-GEMM cost of a mid-model bat
 at most max_m("mhc") rows (and each weight format's own limit), else the module's op-by-op path, counted by reason;
 in decode-region graphs (`MoE.forward_static`) the custom op `deepinfer::host_moe_ffn`.
 
+A decode-only eager step runs each layer as one native call (`decode_layer`, layer_ops.py, attn.c
+`dk_decode_layer`) of three parts that also run alone: `attn_front` and `attn_decode` (attn_ops.py: the attention
+site's front; the state writes, keys, attention and tail) and `ffn_site` (step_ops.py: the MoE half). Each is the
+kernels above in the op-by-op order, so the same numbers bit for bit, and each takes a `Pack`: its static
+arguments, made once per layer (`packed`) and made again when a tensor they point into has moved. Off under
+`--numerics official` (engine/model/numerics.py), like `moe_ffn` and `attn_qkv_native`.
+
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
 portable; `build_info()` says which and why, for results metadata) is compiled with DEEPINFER_HOST_CC into
 `engine.envs.host_kernel_cache_dir()` and loaded with ctypes. The library's libgomp.so.1 NEEDED entry resolves to
@@ -65,8 +72,8 @@ from engine.host_kernels.build import build_info as _build_info
 from engine.host_kernels.build import summary as _summary
 from nki_kernels import dispatch, reference
 
-__all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", "build_info", "build_variant",
-           "ensure_loaded", "library", "load", "max_m", "moe_ffn", "stack_linear", "summary", "why_not"]
+__all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", "Pack", "build_info", "build_variant",
+           "ensure_loaded", "library", "load", "max_m", "moe_ffn", "packed", "stack_linear", "summary", "why_not"]
 
 # Largest x row count each native kernel takes, per build ("mhc": the small per-token ops but sparse_attn, which has
 # its own); above it the reference (MKL on dequantised chunks; torch's batched ops) is as fast or faster.
@@ -156,6 +163,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _count(key: str) -> None:
     dispatch.current().count(key, EXECUTOR)
+
+
+def _count_each(keys: tuple[tuple[str, str], ...]) -> None:
+    """Count every (key, executor) of `keys` (a pack's: made once) in the active dispatcher."""
+    dispatch.current().count_each(keys)
 
 
 def _run(fmt: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -294,9 +306,10 @@ def hc_mixes_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 def hc_pre_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
                 hc_mult: int, iters: int, hc_eps: float,
                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The front of an mHC site (engine/model/ops.py `hc_pre`: hc_mixes, hc_collapse with its pre, rms_norm) as the
-    three native calls in a row for fp32 x [T, n, D]: the same native code as the three ops one by one (so the same
-    numbers), without two of their three Python wrappers (an mHC site runs twice per layer and step). Counted
+    """The front of an mHC site (engine/model/ops.py `hc_pre`: hc_mixes, hc_collapse with its pre, rms_norm) as one
+    native call for fp32 x [T, n, D] (mhc.c `dk_hc_pre`: the three kernels in a row, as dk_ffn_site and
+    dk_attn_front call them too): the same native code as the three ops one by one (so the same numbers), without
+    two of their three Python wrappers (an mHC site runs twice per layer and step). Counted
     under each op's own key; any other case runs the three ops one by one (each natively or not, as it decides)."""
     n = hc_mult
     why = _why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, fn, scale, base, norm_w)
@@ -313,11 +326,9 @@ def hc_pre_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     xf, fnf, sf, bf, wf = _f32(x), _f32(fn), _f32(scale), _f32(base), _f32(norm_w)
     pre, post, comb = torch.empty(t, n, dtype=F32), torch.empty(t, n, dtype=F32), torch.empty(t, n, n, dtype=F32)
     h, y = torch.empty(t, d, dtype=F32), torch.empty(t, d, dtype=F32)
-    lib, nt = _native().lib, torch.get_num_threads()
-    lib.dk_hc_mixes(xf.data_ptr(), fnf.data_ptr(), sf.data_ptr(), bf.data_ptr(), pre.data_ptr(), post.data_ptr(),
-                    comb.data_ptr(), t, n, d, iters, hc_eps, norm_eps, nt)
-    lib.dk_hc_collapse(xf.data_ptr(), pre.data_ptr(), h.data_ptr(), t, n, d, nt)
-    lib.dk_rms_norm(h.data_ptr(), wf.data_ptr(), y.data_ptr(), t, d, norm_eps, nt)
+    _native().lib.dk_hc_pre(xf.data_ptr(), fnf.data_ptr(), sf.data_ptr(), bf.data_ptr(), wf.data_ptr(), pre.data_ptr(),
+                            post.data_ptr(), comb.data_ptr(), h.data_ptr(), y.data_ptr(), t, n, d, iters, hc_eps,
+                            norm_eps, torch.get_num_threads())
     return y, post, comb
 
 
@@ -418,6 +429,79 @@ _FMT_DTYPE = {None: torch.bfloat16, "fp8": torch.uint8, "fp4": torch.uint8}
 _FMT_KEY = {None: "linear", "fp8": "fp8", "fp4": "fp4"}
 
 
+class Pack:
+    """The static arguments of one layer's native call (pointers, formats, sizes, ctypes arrays: `args`; None where
+    the kernels do not take these tensors), made once by an op's `*_pack` builder and kept by the module that
+    calls it (`packed`). It holds every tensor its pointers point into, so they live as long as it does, and is
+    made again when one of them has moved (`Tensor.set_`, `.data =`: `fresh`). A pack is made at a module's first
+    decode step, when its weights are final (engine/runner.py places them before any kernel takes an address)."""
+
+    __slots__ = ("_held", "args", "tag")
+
+    def __init__(self, args: Any, held: tuple[torch.Tensor | None, ...]) -> None:
+        self.args, self.tag = args, None
+        self._held = tuple((t, t.data_ptr()) for t in held if t is not None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the pack holds."""
+        return tuple(t for t, _ in self._held)
+
+    def fresh(self) -> bool:
+        for t, ptr in self._held:
+            if t.data_ptr() != ptr:
+                return False
+        return True
+
+
+def _same(a: object, b: object) -> bool:
+    """a is b, or both tuples of the same objects."""
+    if a is b:
+        return True
+    return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(
+        u is v for u, v in zip(a, b, strict=True))
+
+
+def packed(owner: torch.nn.Module, key: str, make: Callable[[], Pack], tag: object = None) -> Pack:
+    """owner's pack `key`, made by `make()` the first time and again once it is not `fresh` or was made for another
+    `tag` (an object the pack's tensors come from besides the owner's, e.g. a layer's KV cache: compared by
+    identity, and kept alive by the pack)."""
+    packs = owner.__dict__.get("_native_packs")
+    if packs is None:
+        packs = owner.__dict__["_native_packs"] = {}
+    pack = packs.get(key)
+    if pack is None or not _same(pack.tag, tag) or not pack.fresh():
+        pack = packs[key] = make()
+        pack.tag = tag
+    return pack
+
+
+def held(lin: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """The tensors a Linear's native GEMV reads (weight, and scale for a stored one): what a pack holds for it."""
+    return (lin.weight, lin.scale) if lin.fmt is not None else (lin.weight,)
+
+
+def step_rows(a: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
+    """The row count B of x [B, n, dim] when a packed call with static arguments `a` (n, dim, rd, limit_keys) takes
+    x and the RoPE tables cos / sin [B, rd/2] (`rows_ok`, within every kernel's max_m), else None."""
+    b = x.shape[0] if x.dim() == 3 else 0
+    limit = min(max_m(k) for k in a.limit_keys)
+    ok = rows_ok(x, (b, a.n, a.dim), limit) and rows_ok(cos, (b, a.rd // 2), limit) \
+        and rows_ok(sin, (b, a.rd // 2), limit)
+    return b if ok else None
+
+
+def fp32_cpu(*ts: torch.Tensor) -> bool:
+    """Every tensor of `ts` is fp32, contiguous and on the CPU: what a pack's static tensors must be."""
+    return all(t.dtype is F32 and t.is_contiguous() and t.is_cpu for t in ts)
+
+
+def rows_ok(x: torch.Tensor, shape: tuple[int, ...], limit: int) -> bool:
+    """x is a CPU fp32 contiguous tensor of `shape` with 1..limit rows, outside autograd: the per-call check of a
+    packed native call."""
+    return x.dtype is F32 and x.is_cpu and tuple(x.shape) == shape and 0 < shape[0] <= limit \
+        and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())
+
+
 def _moe_why_not(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                  parts: list[tuple[str | None, tuple[torch.Tensor | None, ...]]]) -> str | None:
     """Why `moe_ffn` does not take this call natively (None: it does); reads metadata only (works on the fake
@@ -430,16 +514,20 @@ def _moe_why_not(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
     if why is None and (x.dim() != 2 or weights.shape != indices.shape or indices.dim() != 2
                         or indices.shape[0] != t):
         why = "shape"
-    if why is None:
-        for fmt, ts in parts:
-            if fmt not in _FMT_CODE or ts[0].dtype is not _FMT_DTYPE[fmt] or ts[2].dtype is not _FMT_DTYPE[fmt] \
-                    or ts[4].dtype is not _FMT_DTYPE[fmt] or any(u is not None and not u.is_contiguous() for u in ts):
-                why = "dtype"
-            elif ts[0].shape[-2] != parts[0][1][0].shape[-2]:
-                why = "shape"
-            elif t > max_m(_FMT_KEY[fmt]):
-                why = f"M > {max_m(_FMT_KEY[fmt])}"
-    return why
+    return why if why is not None else _moe_weights_why_not(t, parts)
+
+
+def _moe_weights_why_not(t: int, parts: list[tuple[str | None, tuple[torch.Tensor | None, ...]]]) -> str | None:
+    """`_moe_why_not`'s checks of the expert weights (`parts`: routed, then shared) for t token rows."""
+    for fmt, ts in parts:
+        if fmt not in _FMT_CODE or ts[0].dtype is not _FMT_DTYPE[fmt] or ts[2].dtype is not _FMT_DTYPE[fmt] \
+                or ts[4].dtype is not _FMT_DTYPE[fmt] or any(u is not None and not u.is_contiguous() for u in ts):
+            return "dtype"
+        if ts[0].shape[-2] != parts[0][1][0].shape[-2]:
+            return "shape"
+        if t > max_m(_FMT_KEY[fmt]):
+            return f"M > {max_m(_FMT_KEY[fmt])}"
+    return None
 
 
 def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, limit: float, e_lo: int,
@@ -528,7 +616,7 @@ hc_pre = _native_op("hc_pre", hc_pre_impl, lambda x, fn, scale, base, norm_w, hc
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
-from engine.host_kernels import attn_ops, step_ops  # noqa: E402  (their ops are built on the helpers above)
+from engine.host_kernels import attn_ops, layer_ops, step_ops  # noqa: E402  (their ops are built on the helpers above)
 
 # What `--kernels host` replaces in the reference table (engine/model/ops.py `ops_for("host")` assembles the table:
 # these ops, the reference's others, the composites over them, and `stack_linear` reading the stack in place).
@@ -536,7 +624,11 @@ NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
     "hc_collapse": hc_collapse, "hc_expand": hc_expand, "hc_pre": hc_pre, "sparse_attn": sparse_attn,
     "moe_ffn": moe_ffn, "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj,
-    "gate": step_ops.gate, "hc_head": step_ops.hc_head, "attn_qkv_native": attn_ops.attn_qkv_native}
+    "gate": step_ops.gate, "hc_head": step_ops.hc_head, "attn_qkv_native": attn_ops.attn_qkv_native,
+    "ffn_site": step_ops.ffn_site, "ffn_site_pack": step_ops.site_pack, "attn_front": attn_ops.attn_front,
+    "attn_front_pack": attn_ops.front_pack, "attn_decode": attn_ops.attn_decode,
+    "attn_decode_pack": attn_ops.decode_pack, "attn_decode_takes": attn_ops.attn_decode_takes, "native_pack": packed,
+    "decode_layer": layer_ops.decode_layer, "decode_layer_pack": layer_ops.layer_pack}
 
 
 def ensure_loaded() -> HostLibrary:

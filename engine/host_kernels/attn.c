@@ -1,4 +1,5 @@
-/* The front of the attention of a decode step in one native call (loaded with gemv.c, mhc.c and moe.c as one
+/* The front of the attention of a decode step in one native call, and its attention with the block's attention tail
+ * in another (loaded with gemv.c, mhc.c and moe.c as one
  * library by engine/host_kernels/__init__.py; same build flags, no torch headers).
  *
  *   dk_attn_qkv  the op table's `attn_qkv` (engine/model/ops.py; engine/model/attention.py Attention._qkv), fp32:
@@ -11,9 +12,51 @@
  * bit. What it saves is the Python between them: eight op-table calls per layer and step. Norms and RoPE run in
  * place on the outputs (both read a row before writing it). Weight formats as in dk.h (fa, fb, fk); cos / sin
  * [T, rd/2]. Returns 0, else the first kernel's non-zero code.
+ *
+ *   dk_attn_decode  a decode-only step's attention after its state writes, through the block's attention tail
+ *                   (engine/model/attention.py Attention._decode's keys, _attend and _out; engine/model/block.py's
+ *                   attn_out_expand), fp32, B sequences of one token; with `new_kv` also the step's state writes
+ *                   before it (Attention._decode_writes on a step where no compressed block closes):
+ *                ring[slots[b], ring_rows[b]] = new_kv[b]                                     (write_ring)
+ *                st_kv_c[slots[b], row_c[b]] = kv_c[b]; st_score_c[...] = score_c[b] + ape_c[phase_c[b]]
+ *                                                                   (Compressor.decode, each of the C compressors)
+ *                keys_b [N, D] = ring[slots[b]] (wl rows) ++ pool entries 0..nloc-1 of block table b   N = wl + nloc
+ *                valid_b [N]   = ring_valid[b] ++ (entry e < visible[b])
+ *                o [B, H, D]   = sparse_attn(q, keys, valid, sink, scale)
+ *                y [B, G*R]    = grouped wo_a (rope_tail(o, cos, sin, rd, inverse))
+ *                out [B, n, d] = hc_expand(wo_b y, x, post, comb)
+ *
+ * The keys and masks are the tensors `_decode` gathers (the same rows, in the same order), and the rest are the
+ * kernels the op table runs one by one (dk_sparse_attn on all B rows, dk_rope_tail, dk_bf16_grouped_linear, gemm,
+ * dk_hc_expand), so the result is that path's bit for bit. What it saves is the gathers' and concatenations' torch
+ * ops and five op-table calls per layer and step. ring [S, wl, D], pool [NB, epb, D] (NULL when nloc is 0), tables
+ * [B, nb] int64, wo_a bf16 [G*R, H*D/G], wo_b [dim, G*R] in format fb; per compressor c, cptr[7c..7c+6] = kv_c,
+ * score_c [B, W_c], st_kv_c, st_score_c [S, rows_c, W_c], ape_c [m, W_c], row_c, phase_c [B] int64 and cdim[2c..]
+ * = W_c, rows_c. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
+ *
+ *   dk_attn_front  the front of the attention half of a decode block (engine/model/attention.py
+ *                  Attention.decode_native before its state writes), fp32:
+ *                h, post, comb = hc_pre(x)          dk_hc_pre (attn_norm)
+ *                qr, q, kv     = dk_attn_qkv(h)
+ *                proj_i [T, N_i] = h @ W_i^T         the compressors' wkv and wgate (P of them, formats pf[i])
+ *
+ * Again the host table's kernels in its order (hc_pre, attn_qkv, then each projection's GEMV), so its numbers bit
+ * for bit, without three op-table calls and P GEMV wrappers per layer and step. proj: the P outputs one after the
+ * other. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
+ *
+ *   dk_decode_layer  a whole decode layer (engine/model/block.py Block.forward of a decode-only step whose state
+ *                    writes need no pooling): dk_attn_front, then dk_attn_decode with the state writes (the
+ *                    compressors' kv and score are the front's projections 2c and 2c + 1), then dk_ffn_site, with
+ *                    the static arguments of dk_layer (dk.h) and the step's own: x [B, n, dim] -> out; cos / sin
+ *                    [B, rd/2]; slots, ring rows [B]; ring_valid [B, wl]; tables [B, nb]; nloc, visible [B];
+ *                    crow: per compressor its state rows and phases [B]; hash_ids [B, K] or NULL. The same calls
+ *                    the three make one by one, so the same numbers bit for bit; what it saves is the Python
+ *                    between them. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "dk.h"
 
@@ -30,4 +73,143 @@ int dk_attn_qkv(const float *x, int64_t T, int64_t dim, int fa, const uint8_t *w
     if (!rc) rc = dk_rms_norm(kv, kv_norm, kv, T, D, eps, nt);
     if (!rc) rc = dk_rope_tail(kv, cs, sn, kv, T, 1, D, rd, 0);
     return rc;
+}
+
+int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring, int64_t wl,
+                   const int64_t *slots, const uint8_t *ring_valid, const float *pool, int64_t epb,
+                   const int64_t *tables, int64_t nb, int64_t nloc, const int64_t *visible, const float *sink,
+                   float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a, int64_t G,
+                   int64_t R, int fb, const uint8_t *wb, const uint8_t *sb, int64_t dim, const float *x, int64_t n,
+                   const float *post, const float *comb, float *out, const float *new_kv, const int64_t *ring_rows,
+                   int64_t C, const void *const *cptr, const int64_t *cdim, int nt) {
+    if (nloc > nb * epb) return -2;
+    if (new_kv != NULL) {
+        for (int64_t b = 0; b < B; b++)
+            memcpy(ring + (slots[b] * wl + ring_rows[b]) * D, new_kv + b * D, sizeof(float) * (size_t)D);
+        for (int64_t c = 0; c < C; c++) {
+            const float *kv_c = (const float *)cptr[7 * c], *sc_c = (const float *)cptr[7 * c + 1],
+                        *ape = (const float *)cptr[7 * c + 4];
+            float *st_kv = (float *)cptr[7 * c + 2], *st_sc = (float *)cptr[7 * c + 3];
+            const int64_t *row = (const int64_t *)cptr[7 * c + 5], *phase = (const int64_t *)cptr[7 * c + 6];
+            const int64_t W = cdim[2 * c], rows = cdim[2 * c + 1];
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t at = (slots[b] * rows + row[b]) * W;
+                memcpy(st_kv + at, kv_c + b * W, sizeof(float) * (size_t)W);
+                for (int64_t i = 0; i < W; i++) st_sc[at + i] = sc_c[b * W + i] + ape[phase[b] * W + i];
+            }
+        }
+    }
+    const int64_t N = wl + nloc, threads = nt > 0 ? nt : 1, scratch_n = threads * 2 * dk_attn_heads_per_pass() * N;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(B * N * D + scratch_n + 2 * B * H * D + B * G * R +
+                                                          B * dim) + 64);
+    uint8_t *valid = (uint8_t *)malloc((size_t)(B * N) + 1);
+    if (buf == NULL || valid == NULL) {
+        free(buf), free(valid);
+        return -1;
+    }
+    float *keys = buf, *scratch = keys + B * N * D, *o = scratch + scratch_n, *o2 = o + B * H * D, *y = o2 + B * H * D,
+          *z = y + B * G * R;
+    for (int64_t b = 0; b < B; b++) {
+        float *kb = keys + b * N * D;
+        memcpy(kb, ring + slots[b] * wl * D, sizeof(float) * (size_t)(wl * D));
+        for (int64_t e = 0; e < nloc; e++)
+            memcpy(kb + (wl + e) * D, pool + (tables[b * nb + e / epb] * epb + e % epb) * D, sizeof(float) * (size_t)D);
+        memcpy(valid + b * N, ring_valid + b * wl, (size_t)wl);
+        for (int64_t e = 0; e < nloc; e++) valid[b * N + wl + e] = e < visible[b];
+    }
+    int rc = dk_sparse_attn(q, keys, valid, sink, o, scratch, scratch_n, B, 1, H, N, D, scale, nt);
+    if (!rc) rc = dk_rope_tail(o, cs, sn, o2, B, H, D, rd, 1);
+    if (!rc) rc = dk_bf16_grouped_linear(o2, wo_a, y, B, G, R, H * D / G, nt);
+    if (!rc) rc = gemm(fb, y, wb, sb, z, B, dim, G * R, nt);
+    if (!rc) rc = dk_hc_expand(z, x, post, comb, out, B, n, dim, nt);
+    free(buf), free(valid);
+    return rc;
+}
+
+int dk_attn_front(const float *x, int64_t T, int64_t n, int64_t dim, const float *fn, const float *scale,
+                  const float *base, int64_t iters, float hc_eps, float norm_eps, const float *norm_w, int fa,
+                  const uint8_t *wa, const uint8_t *sa, const float *q_norm, int64_t Q, int fb, const uint8_t *wb,
+                  const uint8_t *sb, int64_t H, int64_t D, int fk, const uint8_t *wk, const uint8_t *sk,
+                  const float *kv_norm, const float *cs, const float *sn, int64_t rd, float eps, int64_t P,
+                  const int *pf, const void *const *pw, const void *const *ps, const int64_t *pn, float *post,
+                  float *comb, float *qr, float *q, float *kv, float *proj, int nt) {
+    const int64_t M = T > 0 ? T : 1;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(M * (n + 2 * dim)) + 64);
+    if (buf == NULL) return -1;
+    float *pre = buf, *h = pre + M * n, *hn = h + M * dim;
+    int rc = dk_hc_pre(x, fn, scale, base, norm_w, pre, post, comb, h, hn, T, n, dim, iters, hc_eps, norm_eps, nt);
+    if (!rc)
+        rc = dk_attn_qkv(hn, T, dim, fa, wa, sa, q_norm, Q, fb, wb, sb, H, D, fk, wk, sk, kv_norm, cs, sn, rd, eps, qr,
+                         q, kv, nt);
+    for (int64_t i = 0; i < P && rc == 0; i++) {
+        rc = gemm(pf[i], hn, (const uint8_t *)pw[i], (const uint8_t *)ps[i], proj, T, pn[i], dim, nt);
+        proj += T * pn[i];
+    }
+    free(buf);
+    return rc;
+}
+
+int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, const float *cs, const float *sn,
+                    const int64_t *slots, const int64_t *ring_rows, const uint8_t *ring_valid, const int64_t *tables,
+                    int64_t nb, int64_t nloc, const int64_t *visible, const int64_t *const *crow,
+                    const int64_t *hash_ids, int nt) {
+    const int64_t n = L->n, dim = L->dim;
+    int64_t proj_n = 0;
+    for (int64_t i = 0; i < L->P; i++) proj_n += L->pn[i];
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(B * (n + n * n + L->Q + L->H * L->D + L->D + proj_n +
+                                                               n * dim)) + 64);
+    if (buf == NULL) return -1;
+    float *post = buf, *comb = post + B * n, *qr = comb + B * n * n, *q = qr + B * L->Q, *kv = q + B * L->H * L->D,
+          *proj = kv + B * L->D, *x2 = proj + B * proj_n;
+    int rc = dk_attn_front(x, B, n, dim, L->a_fn, L->a_scale, L->a_base, L->iters, L->hc_eps, L->norm_eps, L->a_norm,
+                           (int)L->fa, L->wa, L->sa, L->q_norm, L->Q, (int)L->fb, L->wb, L->sb, L->H, L->D, (int)L->fk,
+                           L->wk, L->sk, L->kv_norm, cs, sn, L->rd, L->eps, L->P, L->pf, L->pw, L->ps, L->pn, post,
+                           comb, qr, q, kv, proj, nt);
+    const void *cptr[14];
+    int64_t cdim[4];
+    for (int64_t c = 0; c < L->C && c < 2; c++) {
+        int64_t off = 0;
+        for (int64_t i = 0; i < 2 * c; i++) off += B * L->pn[i];
+        cptr[7 * c] = proj + off, cptr[7 * c + 1] = proj + off + B * L->pn[2 * c];
+        cptr[7 * c + 2] = L->states[c][0], cptr[7 * c + 3] = L->states[c][1], cptr[7 * c + 4] = L->states[c][2];
+        cptr[7 * c + 5] = crow[2 * c], cptr[7 * c + 6] = crow[2 * c + 1];
+        cdim[2 * c] = L->W[c], cdim[2 * c + 1] = L->rows[c];
+    }
+    if (!rc)
+        rc = dk_attn_decode(q, B, L->H, L->D, L->ring, L->wl, slots, ring_valid, nloc ? L->pool : NULL, L->epb, tables,
+                            nb, nloc, visible, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo, L->wo,
+                            L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, nt);
+    if (!rc)
+        rc = dk_ffn_site(x2, B, n, dim, L->f_fn, L->f_scale, L->f_base, L->iters, L->hc_eps, L->norm_eps, L->f_norm,
+                         L->gate_w, L->E, L->bias, hash_ids, L->K, L->route_scale, L->I, L->limit, L->e_lo, L->e_n,
+                         (int)L->fmt_r, L->r, (int)L->fmt_s, L->s, out, nt);
+    free(buf);
+    return rc;
+}
+
+/* dk_layer's size and its fields' offsets, in dk.h's order: engine/host_kernels/layer_ops.py checks its ctypes
+ * mirror against them when it loads the library. Returns the number of fields; out (room for cap values): the
+ * size, then each offset. */
+int64_t dk_layer_layout(int64_t *out, int64_t cap) {
+    static const int64_t offs[] = {
+        offsetof(dk_layer, a_fn), offsetof(dk_layer, a_scale), offsetof(dk_layer, a_base), offsetof(dk_layer, iters),
+        offsetof(dk_layer, hc_eps), offsetof(dk_layer, norm_eps), offsetof(dk_layer, a_norm), offsetof(dk_layer, fa),
+        offsetof(dk_layer, wa), offsetof(dk_layer, sa), offsetof(dk_layer, q_norm), offsetof(dk_layer, Q),
+        offsetof(dk_layer, fb), offsetof(dk_layer, wb), offsetof(dk_layer, sb), offsetof(dk_layer, H),
+        offsetof(dk_layer, D), offsetof(dk_layer, fk), offsetof(dk_layer, wk), offsetof(dk_layer, sk),
+        offsetof(dk_layer, kv_norm), offsetof(dk_layer, rd), offsetof(dk_layer, eps), offsetof(dk_layer, scale),
+        offsetof(dk_layer, P), offsetof(dk_layer, pf), offsetof(dk_layer, pw), offsetof(dk_layer, ps),
+        offsetof(dk_layer, pn), offsetof(dk_layer, ring), offsetof(dk_layer, wl), offsetof(dk_layer, pool),
+        offsetof(dk_layer, epb), offsetof(dk_layer, sink), offsetof(dk_layer, wo_a), offsetof(dk_layer, G),
+        offsetof(dk_layer, R), offsetof(dk_layer, fo), offsetof(dk_layer, wo), offsetof(dk_layer, so),
+        offsetof(dk_layer, C), offsetof(dk_layer, states), offsetof(dk_layer, W), offsetof(dk_layer, rows),
+        offsetof(dk_layer, f_fn), offsetof(dk_layer, f_scale), offsetof(dk_layer, f_base), offsetof(dk_layer, f_norm),
+        offsetof(dk_layer, gate_w), offsetof(dk_layer, E), offsetof(dk_layer, bias), offsetof(dk_layer, K),
+        offsetof(dk_layer, route_scale), offsetof(dk_layer, limit), offsetof(dk_layer, I), offsetof(dk_layer, e_lo),
+        offsetof(dk_layer, e_n), offsetof(dk_layer, fmt_r), offsetof(dk_layer, r), offsetof(dk_layer, fmt_s),
+        offsetof(dk_layer, s), offsetof(dk_layer, n), offsetof(dk_layer, dim)};
+    const int64_t n = (int64_t)(sizeof(offs) / sizeof(offs[0]));
+    if (cap > 0) out[0] = (int64_t)sizeof(dk_layer);
+    for (int64_t i = 0; i < n && i + 1 < cap; i++) out[i + 1] = offs[i];
+    return n;
 }

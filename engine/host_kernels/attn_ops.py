@@ -8,6 +8,14 @@
     attn_qkv_native       x fp32 [T, dim], wq_a / wq_b / wkv FP8, FP4 or bf16, norms   "host.attn_qkv"
                           and cos / sin fp32, T <= max_m of "mhc" and each weight's
                           format (else None: the table's attn_qkv runs op by op)
+    attn_front            the attention half's front: hc_pre, attn_qkv_native and the     "host.attn_front" (+
+                          compressors' projections (when hc_pre and attn_qkv_native      hc_pre's three, attn_qkv's
+                          would run natively and every projection's weight is one the    and each GEMV's keys)
+                          native GEMVs take; else None)
+    attn_decode           a decode-only step's attention + the block's attention tail    "host.attn_decode" (+
+                          (`attn_decode_takes`: fp32 stores, B <= max_m of "mhc",        sparse_attn's, rope_tail's,
+                          sparse_attn and wo_b's format, wo_a bf16)                      grouped_out_proj's, wo_b's
+                                                                                         and hc_expand's keys)
 
 `rope_tail` (mhc.c `dk_rope_tail`) is the reference bit for bit (no FMA contraction); at decode sizes it is ~15 torch
 ops (~50 us) per call, five calls a layer. `grouped_out_proj` (gemv.c `dk_bf16_grouped_linear`) runs V4's wo_a
@@ -16,10 +24,21 @@ the reference widens the weight to fp32 and runs a batched matmul: results diffe
 `attn_qkv_native` (attn.c `dk_attn_qkv`) is the attention's front, engine/model/ops.py `attn_qkv` (three GEMVs, two
 norms, the per-head RMS, two RoPEs), as one native call over the same kernels in the same order: the op-by-op host
 path's numbers bit for bit, without its eight op-table calls per layer.
+`attn_front` (attn.c `dk_attn_front`) is what comes before a decode step's state writes in `Attention.decode_native`:
+the mHC site's front (hc_pre), `attn_qkv_native` and the compressors' wkv / wgate GEMVs, one native call over the
+host table's kernels in its order (bit for bit).
+`attn_decode` (attn.c `dk_attn_decode`) is what follows a decode-only step's state writes in
+engine/model/attention.py (`Attention.decode_native`): the keys' gather from the window ring and the entry pool,
+sparse_attn, the inverse RoPE, wo_a and, from the block, wo_b and the mHC expand, as one native call over the same
+kernels in the same order (bit for bit the op-by-op host path); the attention decides with `attn_decode_takes`
+before it writes any state, so the call itself never declines.
 Every other case runs the reference, counted by reason (`dispatch.fallbacks()`).
 """
 
 from __future__ import annotations
+
+import ctypes
+import types
 
 import torch
 
@@ -136,3 +155,142 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
     if rc != 0:
         raise MemoryError(f"host kernel attn_qkv: error {rc} for x [{t}, {dim}]")
     return q, kv, qr
+
+
+_FRONT_KEYS = ("host.attn_front", "host.hc_mixes", "host.hc_collapse", "host.rms_norm", "host.attn_qkv")
+
+
+def front_pack(site: tuple, wq_a: torch.nn.Module, q_norm_w: torch.Tensor, wq_b: torch.nn.Module,
+               wkv: torch.nn.Module, kv_norm_w: torch.Tensor, n_heads: int, rd: int, eps: float,
+               projs: tuple[torch.nn.Module, ...]) -> hk.Pack:
+    """`attn_front`'s pack for one layer: `site` the mHC site's hc_pre arguments after x (fn, scale, base, norm
+    weight, hc_mult, iterations, hc_eps, norm_eps), then attn_qkv's and the projections' (Linear modules); args None
+    where a part would not run natively (a weight the native GEMVs do not take, non-fp32 tensors, odd shapes)."""
+    fn, scale, base, norm_w, n, iters, hc_eps, norm_eps = site
+    lins = (wq_a, wq_b, wkv, *projs)
+    keep = (fn, scale, base, norm_w, q_norm_w, kv_norm_w, *(t for lin in lins for t in hk.held(lin)))
+    dim, ql, hd = norm_w.shape[0], wq_a.out_features, wkv.out_features
+    args = [_gemm_args(lin) for lin in lins]
+    ins = (wq_a.in_features, wq_b.in_features, wq_b.out_features, wkv.in_features)
+    if not hk.fp32_cpu(fn, scale, base, norm_w, q_norm_w, kv_norm_w) or any(a is None for a in args) \
+            or not 0 < n <= 16 or tuple(fn.shape) != ((2 + n) * n, n * dim) or scale.numel() < 3 \
+            or base.numel() != (2 + n) * n or ins != (dim, ql, n_heads * hd, dim) \
+            or tuple(q_norm_w.shape) != (ql,) or tuple(kv_norm_w.shape) != (hd,) or not 0 < rd <= hd or rd % 2 \
+            or any(p.in_features != dim for p in projs):
+        return hk.Pack(None, keep)
+    k, widths = len(projs), [p.out_features for p in projs]
+    (fa, wa, sa, _), (fb, wb, sb, _), (fk, wk, sk, _) = args[:3]
+    return hk.Pack(types.SimpleNamespace(
+        n=n, dim=dim, ql=ql, hd=hd, heads=n_heads, rd=rd, widths=widths, limit_keys=("mhc", *(a[3] for a in args)),
+        keys=tuple((k, hk.EXECUTOR) for k in (*_FRONT_KEYS, *(f"host.{a[3]}" for a in args[3:]))),
+        head=(fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters, hc_eps, norm_eps, norm_w.data_ptr(), fa, wa,
+              sa, q_norm_w.data_ptr(), ql, fb, wb, sb, n_heads, hd, fk, wk, sk, kv_norm_w.data_ptr()),
+        tail=(rd, eps, k, (ctypes.c_int * max(1, k))(*[a[0] for a in args[3:]]),
+              (ctypes.c_void_p * max(1, k))(*[a[1] for a in args[3:]]),
+              (ctypes.c_void_p * max(1, k))(*[a[2] or None for a in args[3:]]), (ctypes.c_int64 * max(1, k))(*widths))),
+        keep)
+
+
+def attn_front(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """attn.c `dk_attn_front` (module docstring) with `front_pack`'s static arguments: x the residual streams
+    [T, n, dim], cos / sin [T, rd/2] -> (post, comb, q, kv, qr, *one output per projection), or None where a part
+    would not run natively (nothing counted: the caller runs them one by one)."""
+    a = pack.args
+    t = None if a is None else hk.step_rows(a, x, cos, sin)
+    if t is None:
+        return None
+    hk._count_each(a.keys)
+    n = a.n
+    post, comb = torch.empty(t, n, dtype=hk.F32), torch.empty(t, n, n, dtype=hk.F32)
+    qr, q, kv = torch.empty(t, a.ql, dtype=hk.F32), torch.empty(t, a.heads, a.hd, dtype=hk.F32), \
+        torch.empty(t, a.hd, dtype=hk.F32)
+    proj = torch.empty(t * sum(a.widths), dtype=hk.F32)
+    rc = hk._native().lib.dk_attn_front(x.data_ptr(), t, n, a.dim, *a.head, cos.data_ptr(), sin.data_ptr(), *a.tail,
+                                        post.data_ptr(), comb.data_ptr(), qr.data_ptr(), q.data_ptr(), kv.data_ptr(),
+                                        proj.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"host kernel attn_front: error {rc} for x [{t}, {n}, {a.dim}]")
+    outs, off = [], 0
+    for w in a.widths:
+        outs.append(proj[off: off + t * w].view(t, w))
+        off += t * w
+    return (post, comb, q, kv, qr, *outs)
+
+
+_DECODE_KEYS = ("host.attn_decode", "host.sparse_attn", "host.rope_tail", "host.grouped_out_proj", "host.hc_expand")
+
+
+def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, groups: int, wo_b: torch.nn.Module,
+                win_kv: torch.Tensor, cmp_pool: torch.Tensor | None,
+                states: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]) -> hk.Pack:
+    """`attn_decode`'s pack for one layer and its cache: the sink, wo_a (bf16) and wo_b, the window ring [S, wl, D]
+    and the entry pool [NB, epb, D] (None: no compressor), and per compressor its state kv and score [S, rows, W]
+    and ape [m, W] (the state writes `attn_decode` can make), all fp32 CPU tensors as --kv-cache-dtype auto holds
+    them; args None where the kernels do not take them."""
+    keep = (sink, wo_a, win_kv, cmp_pool, *hk.held(wo_b), *(t for st in states for t in st))
+    gb = _gemm_args(wo_b)
+    if gb is None or not hk.fp32_cpu(sink, win_kv, *(t for st in states for t in st)) or cmp_pool is not None \
+            and not hk.fp32_cpu(cmp_pool) or wo_a.dtype is not torch.bfloat16 or not wo_a.is_contiguous() \
+            or wo_a.shape[0] % groups or wo_b.in_features != wo_a.shape[0]:
+        return hk.Pack(None, keep)
+    h, d = sink.shape[0], win_kv.shape[2]
+    if wo_a.shape[1] * groups != h * d:
+        return hk.Pack(None, keep)
+    return hk.Pack(types.SimpleNamespace(
+        h=h, d=d, wl=win_kv.shape[1], ring=win_kv.data_ptr(), sink=sink.data_ptr(), scale=scale, rd=rd,
+        pool=cmp_pool.data_ptr() if cmp_pool is not None else None,
+        epb=cmp_pool.shape[1] if cmp_pool is not None else 1,
+        wo=(wo_a.data_ptr(), groups, wo_a.shape[0] // groups, *gb[:3], wo_b.out_features),
+        states=[(st_kv.data_ptr(), st_score.data_ptr(), ape.data_ptr(), st_kv.shape[2], st_kv.shape[1])
+                for st_kv, st_score, ape in states],
+        limit_keys=("mhc", "sparse_attn", "linear", gb[3]),
+        keys=tuple((k, hk.EXECUTOR) for k in (*_DECODE_KEYS, f"host.{gb[3]}"))), keep)
+
+
+def attn_decode_takes(pack: hk.Pack, b: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `attn_decode` takes a decode-only step of b sequences with residual streams x [B, n, dim] and RoPE
+    tables cos / sin [B, rd/2]: the pack has arguments (`decode_pack`), x, cos and sin are fp32 (then so are the
+    front's outputs), b within every kernel's max_m."""
+    a = pack.args
+    if a is None:
+        return False
+    limit = min(hk.max_m(k) for k in a.limit_keys)
+    return hk.rows_ok(x, (b, x.shape[1] if x.dim() == 3 else 0, a.wo[-1]), limit) \
+        and hk.rows_ok(cos, (b, a.rd // 2), limit) and hk.rows_ok(sin, (b, a.rd // 2), limit)
+
+
+def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor,
+                nloc: int, visible: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
+                post: torch.Tensor, comb: torch.Tensor, writes: tuple | None = None) -> torch.Tensor:
+    """attn.c `dk_attn_decode` (module docstring) with `decode_pack`'s static arguments -> the block's new streams
+    [B, n, dim] fp32. q [B, H, D]; the window ring read at slots [B] with ring_valid [B, (1,) wl] bool; entries
+    0..nloc-1 of each sequence through tables [B, nb], seen while their id < visible [B, (1)]; cos / sin [B, rd/2];
+    x [B, n, dim], post [B, n], comb [B, n, n]. The caller checked `attn_decode_takes`. `writes`: the step's state
+    writes first (a step where no compressed block closes): (kv [B, D] and its ring rows [B] int64, then per
+    compressor of the pack (kv_c, score_c [B, W] fp32, state rows, phases [B] int64)); None: already written."""
+    a = pack.args
+    b = q.shape[0]
+    hk._count_each(a.keys)
+    qf, sl, rv, tb = q.contiguous(), slots.contiguous(), ring_valid.contiguous(), tables.contiguous()
+    vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
+    n, dim = x.shape[1], x.shape[2]
+    out = torch.empty(b, n, dim, dtype=hk.F32)
+    new_kv = ring_rows = cptr = cdim = None
+    n_comp = 0
+    if writes is not None:
+        new_kv, ring_rows = writes[0].contiguous(), writes[1].contiguous()
+        dyn = [[u.contiguous() for u in c] for c in writes[2:]]  # alive until the call returns
+        n_comp = len(dyn)
+        cptr = (ctypes.c_void_p * max(1, 7 * n_comp))(*[p for c, st in zip(dyn, a.states, strict=True) for p in (
+            c[0].data_ptr(), c[1].data_ptr(), *st[:3], c[2].data_ptr(), c[3].data_ptr())])
+        cdim = (ctypes.c_int64 * max(1, 2 * n_comp))(*[v for st in a.states for v in st[3:]])
+    rc = hk._native().lib.dk_attn_decode(
+        qf.data_ptr(), b, a.h, a.d, a.ring, a.wl, sl.data_ptr(), rv.data_ptr(), a.pool if nloc else None, a.epb,
+        tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, a.sink, a.scale,
+        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), a.rd, *a.wo[:-1], dim, x.data_ptr(), n,
+        post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(),
+        new_kv.data_ptr() if new_kv is not None else None, ring_rows.data_ptr() if ring_rows is not None else None,
+        n_comp, cptr, cdim, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"host kernel attn_decode: error {rc} for q [{b}, {a.h}, {a.d}] over {a.wl} + {nloc} keys")
+    return out

@@ -302,6 +302,7 @@ class HostLibrary:
         lib.dk_hc_mixes.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
         lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
         lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
+        lib.dk_hc_pre.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
         lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
         lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, i32]
         lib.dk_moe_ffn.argtypes = [p, i64, i64, i64, f32, p, p, i64, i64, i64, i32, p, i32, p, p, i32]
@@ -311,16 +312,31 @@ class HostLibrary:
         lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
         lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
                                     p, p, p, i32]
+        lib.dk_attn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64, p, p, f32, p, p, i64, p,
+                                       i64, i64, i32, p, p, i64, p, i64, p, p, p, p, p, i64, p, p, i32]
+        lib.dk_attn_front.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, i32, p, p, p, i64, i32, p, p, i64,
+                                      i64, i32, p, p, p, p, p, i64, f32, i64, p, p, p, p, p, p, p, p, p, p, i32]
+        lib.dk_decode_layer.argtypes = [p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, i32]
+        lib.dk_layer_layout.argtypes = [p, i64]
+        lib.dk_layer_layout.restype = ctypes.c_int64
+        lib.dk_ffn_site.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, p, i64, p, p, i64, f32, i64, f32, i64,
+                                    i64, i32, p, i32, p, p, i32]
         lib.dk_parallel.restype = i32
         lib.dk_attn_heads_per_pass.restype = i32
         lib.dk_fp8_decode.argtypes = [i32]
         lib.dk_fp8_decode.restype = i32
         lib.dk_subnormal_cost.restype = ctypes.c_double
         for f in (lib.dk_bf16_linear, lib.dk_fp8_linear, lib.dk_fp4_linear, lib.dk_max_threads, lib.dk_last_threads,
-                  lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_expand, lib.dk_sparse_attn,
-                  lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route, lib.dk_hc_head,
-                  lib.dk_attn_qkv):
+                  lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_pre, lib.dk_hc_expand,
+                  lib.dk_sparse_attn, lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route,
+                  lib.dk_hc_head, lib.dk_attn_qkv, lib.dk_ffn_site, lib.dk_attn_decode, lib.dk_attn_front,
+                  lib.dk_decode_layer):
             f.restype = i32
+        from engine.host_kernels.layer_ops import layout_mismatch
+
+        if (why := layout_mismatch(lib)) is not None:
+            raise HostKernelError(f"--kernels host: {path.name}: the decode layer's argument struct differs from "
+                                  f"engine/host_kernels/layer_ops.py DkLayer ({why})")
         self.lib = lib
         self.fp8_decoder = FP8_DECODERS[lib.dk_fp8_decode(-1)]  # the avx2 build chooses here, before any FP8 call
         self.subnormal_cost = float(lib.dk_subnormal_cost())

@@ -199,6 +199,17 @@ int dk_hc_collapse(const float *x, const float *pre, float *y, int64_t T, int64_
     return 0;
 }
 
+/* The front of an mHC site (the op table's hc_pre; moe.c dk_ffn_site, attn.c dk_attn_front): pre, post, comb =
+ * hc_mixes(x); y = rms_norm(hc_collapse(x, pre), norm_w). pre [T, n] and h [T, D]: caller scratch. */
+int dk_hc_pre(const float *x, const float *fn, const float *scale, const float *base, const float *norm_w,
+              float *pre, float *post, float *comb, float *h, float *y, int64_t T, int64_t n, int64_t D, int64_t iters,
+              float hc_eps, float norm_eps, int nthreads) {
+    int rc = dk_hc_mixes(x, fn, scale, base, pre, post, comb, T, n, D, iters, hc_eps, norm_eps, nthreads);
+    if (!rc) rc = dk_hc_collapse(x, pre, h, T, n, D, nthreads);
+    if (!rc) rc = dk_rms_norm(h, norm_w, y, T, D, norm_eps, nthreads);
+    return rc;
+}
+
 int dk_hc_expand(const float *y, const float *x, const float *post, const float *comb, float *out, int64_t T,
                  int64_t n, int64_t D, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * n * n * D >= PAR_MIN)

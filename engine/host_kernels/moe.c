@@ -16,6 +16,18 @@
  * stacks [E_local, I, D] / [E_local, D, I] in format fmt_r, and the shared expert's [I, D] / [D, I] in fmt_s (s NULL:
  * no shared expert). Formats as in gemv.c: 0 bf16, 1 FP8 e4m3 (128 x 128 UE8M0 blocks), 2 FP4 e2m1 (1 x 32).
  * Returns 0, -1 when out of memory.
+ *
+ *   dk_ffn_site  engine/model/block.py Block.hc_site("ffn") of a decode step, the MoE half of a block, fp32:
+ *                h, post, comb = hc_pre(x)              dk_hc_pre (ffn_norm)
+ *                weights, idx  = route(h @ gate^T)      dk_bf16_linear (the router weight as stored), dk_route
+ *                out [T, n, D] = hc_expand(dk_moe_ffn(h, ...), x, post, comb)
+ *
+ * The same kernels with the same arguments, in the same order, as the host op table runs them op by op (hc_pre,
+ * gate, moe_ffn, hc_expand), so the result is that path's bit for bit; what it saves is the Python between them:
+ * four op-table wrappers, two module calls and their checks per layer and step. x [T, n, D] the residual streams;
+ * fn [(2+n)n, nD], scale [3], base [(2+n)n] the site's mHC tensors; gate_w bf16 [E, D]; bias [E] or NULL, hash_ids
+ * [T, K] or NULL (hash layers); the experts as in dk_moe_ffn. Returns 0, -1 when out of memory, -2 / -3 as
+ * dk_hc_mixes / dk_route (n out of range, a hash-layer expert id outside [0, E)).
  */
 #include <math.h>
 #include <stdint.h>
@@ -103,4 +115,27 @@ int dk_moe_ffn(const float *x, int64_t T, int64_t D, int64_t I, float limit, con
     }
     free(buf), free(tok);
     return rc ? -1 : 0;
+}
+
+int dk_ffn_site(const float *x, int64_t T, int64_t n, int64_t D, const float *fn, const float *scale,
+                const float *base, int64_t iters, float hc_eps, float norm_eps, const float *norm_w,
+                const uint16_t *gate_w, int64_t E, const float *bias, const int64_t *hash_ids, int64_t K,
+                float route_scale, int64_t I, float limit, int64_t e_lo, int64_t e_n, int fmt_r,
+                const void *const *r, int fmt_s, const void *const *s, float *out, int nthreads) {
+    const int64_t M = T > 0 ? T : 1;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(M * (2 * n + n * n + 3 * D + E + K)) + 64);
+    int64_t *idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M * K));
+    if (buf == NULL || idx == NULL) {
+        free(buf), free(idx);
+        return -1;
+    }
+    float *pre = buf, *post = pre + M * n, *comb = post + M * n, *h = comb + M * n * n, *hn = h + M * D,
+          *y = hn + M * D, *logits = y + M * D, *wts = logits + M * E;
+    int rc = dk_hc_pre(x, fn, scale, base, norm_w, pre, post, comb, h, hn, T, n, D, iters, hc_eps, norm_eps, nthreads);
+    if (!rc) rc = dk_bf16_linear(hn, gate_w, logits, T, E, D, nthreads);
+    if (!rc) rc = dk_route(logits, bias, hash_ids, wts, idx, T, E, K, route_scale);
+    if (!rc) rc = dk_moe_ffn(hn, T, D, I, limit, idx, wts, K, e_lo, e_n, fmt_r, r, fmt_s, s, y, nthreads);
+    if (!rc) rc = dk_hc_expand(y, x, post, comb, out, T, n, D, nthreads);
+    free(buf), free(idx);
+    return rc;
 }

@@ -2,11 +2,19 @@
 library is the one `engine.host_kernels` loads):
 
     op (reference.<op>)   native when                                                    dispatch key
+    ffn_site              every one of hc_pre, gate, moe_ffn and hc_expand would run     "host.ffn_site" (+ each
+                          natively: x fp32 [T, n, D], T <= max_m("mhc"), the router      of the four's keys)
+                          weight bf16, expert weights as moe_ffn takes them
     gate                  x fp32 [T, D], T <= max_m("mhc"); router weight bf16 (held     "host.gate"
                           as stored) or fp32 [E, D], E <= 1024; bias fp32 [E] / hash
                           ids int64 [T, K]
     hc_head               x fp32 [T, n, D], T <= max_m("mhc"), fn [n, n*D], scale [1],   "host.hc_head"
                           base [n] fp32
+
+`ffn_site` (engine/model/block.py `Block.ffn_half`: the MoE half of a decode block, hc_pre + gate + moe_ffn +
+hc_expand) is moe.c `dk_ffn_site`: the same native kernels in the same order as those four ops, so the same numbers
+bit for bit, in one call; it declines (None: the block runs the four ops) wherever one of them would not run
+natively, counting nothing, so the ops themselves then count their own way.
 
 `hc_head` (once a step, before the final norm and the head: ~10 torch ops) is mhc.c `dk_hc_head`, hc_mixes' `pre`
 formula over the head's n-row fn followed by dk_hc_collapse: results differ by fp32 summation order and libm's expf.
@@ -21,6 +29,9 @@ by reason (`dispatch.fallbacks()`).
 """
 
 from __future__ import annotations
+
+import ctypes
+import types
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +79,66 @@ def gate_impl(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale
     if rc == -3:
         raise ValueError(f"gate: a hash-layer expert id is outside [0, {e})")
     return weights, indices
+
+
+_SITE_KEYS = ("host.ffn_site", "host.hc_mixes", "host.hc_collapse", "host.rms_norm", "host.gate", "host.moe_ffn",
+              "host.hc_expand")
+_SITE_COUNTS = tuple((k, hk.EXECUTOR) for k in _SITE_KEYS)
+
+
+def site_pack(site: tuple, gate_weight: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None,
+              hashed: bool, limit: float, e_lo: int, routed: tuple[str | None, tuple[torch.Tensor | None, ...]],
+              shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None) -> hk.Pack:
+    """`ffn_site`'s pack for one layer: `site` the mHC site's hc_pre arguments after x (fn, scale, base, norm
+    weight, hc_mult, iterations, hc_eps, norm_eps), then the router's (`hashed`: a hash layer, ids given per call)
+    and moe_ffn's; args None where one of the four ops would not run natively on these tensors."""
+    fn, scale, base, norm_w, n, iters, hc_eps, norm_eps = site
+    parts = [routed] + ([shared] if shared is not None else [])
+    keep = (fn, scale, base, norm_w, gate_weight, bias, *(u for _, ts in parts for u in ts))
+    d = norm_w.shape[0]
+    e = gate_weight.shape[0] if gate_weight.dim() == 2 else 0
+    if not hk.fp32_cpu(fn, scale, base, norm_w, *((bias,) if bias is not None else ())) or not 0 < n <= 16 \
+            or tuple(fn.shape) != ((2 + n) * n, n * d) or scale.numel() < 3 \
+            or base.numel() != (2 + n) * n or gate_weight.dtype is not torch.bfloat16 or not gate_weight.is_cpu \
+            or tuple(gate_weight.shape) != (e, d) or not gate_weight.is_contiguous() or not 0 < topk <= e <= 1024 \
+            or bias is not None and tuple(bias.shape) != (e,) or hk._moe_weights_why_not(0, parts) is not None \
+            or any(u is not None and not u.is_cpu for _, ts in parts for u in ts):
+        return hk.Pack(None, keep)
+    fmt_r, rw = routed
+    ptrs = [(ctypes.c_void_p * 6)(*[u.data_ptr() if u is not None else None for u in ts]) for _, ts in parts]
+    return hk.Pack(types.SimpleNamespace(
+        n=n, d=d, topk=topk, hashed=hashed, e=e,
+        limit_keys=("mhc", *(hk._FMT_KEY[f] for f, _ in parts)),
+        head=(fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters, hc_eps, norm_eps, norm_w.data_ptr(),
+              gate_weight.data_ptr(), e, bias.data_ptr() if bias is not None else None),
+        tail=(topk, route_scale, rw[0].shape[1], limit, e_lo, rw[0].shape[0], hk._FMT_CODE[fmt_r], ptrs[0],
+              hk._FMT_CODE[shared[0]] if shared is not None else 0, ptrs[1] if shared is not None else None)), keep)
+
+
+def ffn_site(pack: hk.Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The MoE half of a decode block (`Block.hc_site("ffn")`: ops hc_pre, gate, moe_ffn, hc_expand) as one native
+    call (moe.c `dk_ffn_site`) with `site_pack`'s static arguments -> the new residual streams [T, n, D] fp32; None
+    where any of the four would not run natively (nothing counted: the caller runs them one by one). x [T, n, D];
+    hash_ids [T, K] int64 for a hash layer. Eager only (the caller checks it is not being compiled)."""
+    a = pack.args
+    if a is None:
+        return None
+    t = x.shape[0] if x.dim() == 3 else 0
+    if not hk.rows_ok(x, (t, a.n, a.d), min(hk.max_m(k) for k in a.limit_keys)):
+        return None
+    if a.hashed != (hash_ids is not None) or hash_ids is not None and (
+            hash_ids.dtype is not torch.int64 or tuple(hash_ids.shape) != (t, a.topk) or not hash_ids.is_cpu):
+        return None
+    hk._count_each(_SITE_COUNTS)
+    h = hash_ids.contiguous() if hash_ids is not None else None
+    out = torch.empty(t, a.n, a.d, dtype=hk.F32)
+    rc = hk._native().lib.dk_ffn_site(x.data_ptr(), t, a.n, a.d, *a.head, h.data_ptr() if h is not None else None,
+                                      *a.tail, out.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})")
+    if rc != 0:
+        raise MemoryError(f"host kernel ffn_site: out of memory for x [{t}, {a.n}, {a.d}]")
+    return out
 
 
 def _fake(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, *_: object) -> tuple[torch.Tensor, torch.Tensor]:

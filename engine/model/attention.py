@@ -353,27 +353,147 @@ class Attention(OpsUser, nn.Module):
 
     # -- many sequences, one token each ----------------------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _Group:
-        tok, slots, pos, tables = plan.dec_tokens, plan.dec_slots, plan.dec_pos, plan.dec_tables
-        wl = cache.win_kv.shape[1]
-        ix = plan.shared(("decode", wl, self.win, self.rank, self.cp), lambda: self._decode_index(plan, wl))
+        ix = self._decode_writes(kv, aux, plan, cache)
+        keys = ring_keys(cache.win_store, plan.dec_slots)  # [B, wl, D]
+        g = _Group(rows=slice(None) if ix.all_rows else plan.dec_tokens, q=ix.pick(q)[:, None], keys=keys,
+                   valid=ix.valid)
+        if self.ratio:
+            aux_q = None
+            if self.indexer is not None and "q" in aux:
+                aux_q = (ix.pick(aux["q"][0])[:, None], ix.pick(aux["q"][1])[:, None])
+            visible, ids = plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(plan.dec_pos))
+            self._entries(g, cache, plan.dec_tables, visible, aux_q, ids)
+        return g
+
+    def _decode_writes(self, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _DecodeIndex:
+        """The decode group's state writes (its kv into the window ring; each compressor's projections into its
+        state, closing blocks pooled into entries) -> the step's `_DecodeIndex`."""
+        slots = plan.dec_slots
+        ix = self._decode_ix(plan, cache)
         w_slots, w_rows, w_tok = ix.ring_write
         write_ring(cache.win_store, w_slots, w_rows, kv if w_tok is None else kv[w_tok])
-        keys = ring_keys(cache.win_store, slots)  # [B, wl, D]
-        pick = (lambda t: t) if ix.all_rows else (lambda t: t[tok])  # noqa: E731
-        g = _Group(rows=slice(None) if ix.all_rows else tok, q=pick(q)[:, None], keys=keys, valid=ix.valid)
         if self.ratio:
-            self.compressor.decode(*(pick(t) for t in aux["c"]), slots, self._cmp_index(plan, cache.cmp_kv),
+            self.compressor.decode(*(ix.pick(t) for t in aux["c"]), slots, self._cmp_index(plan, cache.cmp_kv),
                                    cache.cmp_kv, cache.cmp_score, cache.cmp_store, cache.dtype)
-            aux_q = None
             if self.indexer is not None:
                 ic = self.indexer.compressor
-                ic.decode(*(pick(t) for t in aux["i"]), slots, self._cmp_index(plan, cache.idx_kv, ic), cache.idx_kv,
-                          cache.idx_score, cache.idx_store, cache.dtype)
-                if "q" in aux:
-                    aux_q = (pick(aux["q"][0])[:, None], pick(aux["q"][1])[:, None])
-            visible, ids = plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(pos))
-            self._entries(g, cache, tables, visible, aux_q, ids)
-        return g
+                ic.decode(*(ix.pick(t) for t in aux["i"]), slots, self._cmp_index(plan, cache.idx_kv, ic),
+                          cache.idx_kv, cache.idx_score, cache.idx_store, cache.dtype)
+        return ix
+
+    def _decode_ix(self, plan: StepPlan, cache: LayerCache) -> _DecodeIndex:
+        wl = cache.win_kv.shape[1]
+        return plan.shared(("decode", wl, self.win, self.rank, self.cp), lambda: self._decode_index(plan, wl))
+
+    # -- the op table's native decode (the host's attn_front and attn_decode) ------------------------------------------
+    def _comps(self) -> list[Compressor]:
+        """The layer's compressors: the attention's, then the indexer's."""
+        comps = [self.compressor] if self.ratio else []
+        return comps + [self.indexer.compressor] if self.indexer is not None else comps
+
+    def decode_pack(self, cache: LayerCache) -> object:
+        """This layer's pack of the op table's `attn_decode` for `cache` (the table's `native_pack`: made once)."""
+        def build() -> object:
+            states = [(cache.cmp_kv, cache.cmp_score, self.compressor.ape)] if self.ratio else []
+            if self.indexer is not None:
+                states.append((cache.idx_kv, cache.idx_score, self.indexer.compressor.ape))
+            return self.ops.attn_decode_pack(self.attn_sink, self.scale, self.rd, self.wo_a.weight, self.cfg.o_groups,
+                                             self.wo_b, cache.win_kv, cache.cmp_pool if self.ratio else None,
+                                             tuple(states))
+
+        return self.ops.native_pack(self, "decode", build, cache)
+
+    def decodes_natively(self, plan: StepPlan, cache: LayerCache) -> bool:
+        """Whether this step is one the op table's native decode (`attn_decode`, `decode_layer`) may take, by the
+        plan and the cache alone: the table has `attn_decode`, a decode-only step whose group is every row, one
+        rank, eager, the window ring and the entries held as values (--kv-cache-dtype auto), and no indexer
+        selection needed (`index_needed`)."""
+        if getattr(self.ops, "attn_decode_takes", None) is None or self.par is not None or plan.prefill \
+                or plan.dec_tokens is None or torch.compiler.is_compiling() or cache.win_store.fmt != "auto" \
+                or self.ratio and cache.cmp_store.fmt != "auto" or not self._decode_ix(plan, cache).all_rows:
+            return False
+        return self.indexer is None or not self.index_needed(max(s.start + s.n - 1 for s in plan.seqs))
+
+    def native_decode(self, plan: StepPlan, cache: LayerCache, x: torch.Tensor) -> object | None:
+        """The op table's `attn_decode` pack of this layer (`attn_decode_pack`) when `decode_native` runs this step
+        (`decodes_natively`, and `attn_decode_takes` takes this layer's tensors and x, the block's residual
+        streams), else None. Decided before any state is written."""
+        if not self.decodes_natively(plan, cache):
+            return None
+        pack = self.decode_pack(cache)
+        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
+        return pack if self.ops.attn_decode_takes(pack, len(plan.seqs), x, cos, sin) else None
+
+    def decode_native(self, x: torch.Tensor, site: Callable[[], tuple], plan: StepPlan, cache: LayerCache,
+                      pack: object) -> torch.Tensor:
+        """The block's attention half of a step `native_decode` allows (`pack`: what it returned): the mHC site's
+        front, `forward`'s and the block's attention tail (wo_b, the mHC expand). x: the residual streams
+        [B, n, dim]; `site()`: the rest of `ops.hc_pre`'s arguments (Block.site_args) -> the new streams. The front
+        is the op table's `attn_front` (one native call: hc_pre, attn_qkv and the compressors' projections) where it
+        takes it, else those ops one by one; then the state writes `_decode` makes (inside `attn_decode` where no
+        block closes, else `_decode_writes`), then `attn_decode` (one native call: the keys' gather, sparse_attn,
+        inverse RoPE, wo_a, wo_b, hc_expand)."""
+        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [B, rd/2]
+        fpack = self.front_pack(site)
+        front = None if fpack is None else self.ops.attn_front(fpack, x, cos, sin)
+        if front is None:
+            h, post, comb = self.ops.hc_pre(x, *site())
+            q, kv, qr = self._qkv(h, cos, sin)
+            aux = self._aux(h, qr, cos, sin, index=False)
+        else:
+            post, comb, q, kv, qr, *proj = front
+            kv = self.ops.kv_quant(kv, self.rd)  # as `_qkv` (numerics: FP8 non-RoPE dims)
+            aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
+        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow = self.layer_inputs(plan, cache)
+        writes = None
+        if crow is None or kv.dtype is not torch.float32:  # a block closes: its pooling runs in Compressor.decode
+            self._decode_writes(kv, aux, plan, cache)
+        else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
+            writes = (kv, ring_rows, *((*aux[key], crow[2 * i], crow[2 * i + 1])
+                                       for i, key in enumerate(("c", "i")[:len(crow) // 2])))
+        return self.ops.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
+                                    writes)
+
+    def front_pack(self, site: Callable[[], tuple]) -> object | None:
+        """This layer's pack of the op table's `attn_front` (made once; `site()`: the attention site's hc_pre
+        arguments after x), or None where the table has no such op."""
+        make = getattr(self.ops, "attn_front_pack", None)
+        if make is None:
+            return None
+        return self.ops.native_pack(self, "front", lambda: make(
+            site(), self.wq_a, self.q_norm.weight, self.wq_b, self.wkv, self.kv_norm.weight, self.n_heads, self.rd,
+            self.eps, tuple(lin for c in self._comps() for lin in (c.wkv, c.wgate))))
+
+    def layer_inputs(self, plan: StepPlan, cache: LayerCache) -> tuple | None:
+        """The step's arguments of the op table's `decode_layer` / `attn_decode` for this layer: cos, sin, slots,
+        ring rows, ring valid, tables, entry count, visible counts and each compressor's state rows and phases
+        (that last None where a compressed block of the layer closes in the step: its pooling runs in
+        `Compressor.decode`); None where the step is not one the native decode takes (`decodes_natively`). Made
+        once a step for every layer of the same kind (ratio, indexer, RoPE table, ring and state sizes:
+        `StepPlan.shared`)."""
+        if self.par is not None or cache.win_store.fmt != "auto" or self.ratio and cache.cmp_store.fmt != "auto":
+            return None
+        states = (cache.cmp_kv, cache.idx_kv)[:len(self._comps())]
+        key = ("layer", self.ratio, self.indexer is not None, self.rope.key, self.win, cache.win_kv.shape[1],
+               *(st.shape[1] for st in states))
+        return plan.shared(key, lambda: self._layer_inputs(plan, cache, states))
+
+    def _layer_inputs(self, plan: StepPlan, cache: LayerCache, states: tuple) -> tuple | None:
+        if not self.decodes_natively(plan, cache):  # one rank, every row: the ring is written row for row
+            return None
+        ix = self._decode_ix(plan, cache)
+        crow: list | None = []
+        for comp, st_kv in zip(self._comps(), states, strict=True):
+            rows, phase, closing = self._cmp_index(plan, st_kv, comp)
+            crow = None if crow is None or closing is not None else [*crow, rows, phase]
+        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
+        nloc, visible = 0, None
+        if self.ratio:
+            visible, found = plan.shared(("entries", self.ratio, self.rank, self.cp),
+                                         lambda: self._visible(plan.dec_pos))
+            nloc = found[0] if found is not None else 0
+        return (cos, sin, plan.dec_slots, ix.ring_write[1], ix.valid, plan.dec_tables, nloc, visible,
+                None if crow is None else tuple(crow))
 
     def _visible(self, pos: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids`."""
@@ -388,7 +508,7 @@ class Attention(OpsUser, nn.Module):
         mine = bool(own.all())
         ring = (slots, (pos // self.cp) % wl, None if all_rows and mine else tok) if mine else \
             (slots[own], (pos[own] // self.cp) % wl, tok[own])
-        return _DecodeIndex(all_rows, ring, self._ring_valid(pos, wl)[:, None])
+        return _DecodeIndex(all_rows, ring, self._ring_valid(pos, wl)[:, None], tok)
 
     def _cmp_index(self, plan: StepPlan, state: torch.Tensor, comp: Compressor | None = None) -> tuple:
         """`Compressor.decode_index` of the step for `comp` (default: the attention's compressor) with `state`'s
@@ -407,3 +527,8 @@ class _DecodeIndex:
     all_rows: bool  # the decode group is every token of the step, in order (no prefill): no row gather needed
     ring_write: tuple  # (slots, ring rows, token rows or None) of this rank's window-ring writes
     valid: torch.Tensor  # [B, 1, wl] the ring rows each query sees
+    tokens: torch.Tensor  # [B] the decode group's token rows of the step
+
+    def pick(self, t: torch.Tensor) -> torch.Tensor:
+        """The decode group's rows of a per-token tensor of the step (t itself when the group is every row)."""
+        return t if self.all_rows else t[self.tokens]

@@ -243,6 +243,25 @@ class MoE(OpsUser, nn.Module):
         y = self.routed(x, weights, indices, grouped) + self.shared_experts(x)
         return y.to(x.dtype)
 
+    def site_pack(self, site: Callable[[], tuple], grouped: bool = False) -> object | None:
+        """This layer's pack of the op table's `ffn_site` (the MoE half of a block in one native call,
+        engine/host_kernels/step_ops.py; `Block.ffn_half` uses it), made once (the table's `native_pack`) from the
+        site's hc_pre arguments (`site()`), the router's and the experts'; None where `forward` would not take the
+        table's one-call MoE FFN (no such op, unstacked experts, the capacity path, expert parallelism, a graph
+        being compiled)."""
+        make = getattr(self.ops, "ffn_site_pack", None)
+        if make is None or self.par is not None or not self._stacked or (grouped and self.capacity > 0) \
+                or getattr(self.ops, "moe_ffn", None) is None or torch.compiler.is_compiling():
+            return None
+
+        def build() -> object:
+            g = self.gate
+            routed, shared = self._native_inputs()
+            return make(site(), g.weight, g.topk, g.route_scale, None if g.hash else g.bias, g.hash,
+                        self.experts[self.local.start].limit, self.local.start, routed, shared)
+
+        return self.ops.native_pack(self, "ffn_site", build)
+
     def _native_inputs(self) -> tuple[tuple, tuple]:
         """`_weights_of` the routed stacks and of the shared expert, made once and reused while those tensors are
         the module's (a decode step calls this in every layer; rebuilding the twelve-tensor tuples cost ~20 us)."""

@@ -98,6 +98,9 @@ def with_numerics(ops: types.SimpleNamespace, numerics: Numerics | str = Numeric
     # the host table's one-call MoE FFN quantises no activations: official numerics take the op-by-op experts
     t.moe_ffn = None
     t.attn_qkv_native = None  # nor does the host's one-call attention front (and its head_rms differs)
+    for name in ("ffn_site_pack", "attn_front_pack", "attn_decode_takes", "decode_layer"):  # nor its decode sites
+        if hasattr(t, name):
+            setattr(t, name, None)
     for name in ("fp8_linear", "fp4_linear"):
         kernel = (aq_kernels or {}).get(name)
         if kernel is not None:

@@ -1,0 +1,126 @@
+"""A whole decode layer in one native call (engine/host_kernels `NATIVE_OPS`: `decode_layer`, `decode_layer_pack`):
+attn.c `dk_decode_layer` runs the layer's three one-call sites in their order - `dk_attn_front` (the attention
+site's mHC front, q / kv, the compressors' projections), `dk_attn_decode` with the step's state writes, and
+`dk_ffn_site` (the MoE half) - from one struct of static arguments (`DkLayer`, the mirror of dk.h's `dk_layer`)
+built from the three sites' packs. The same kernels in the same order as the three calls one by one (and they as
+the ops one by one), so the same numbers bit for bit; what it saves is the Python between them, ~1 ms a layer on a
+Zen-1-class core. engine/model/block.py `Block.forward` takes it on decode-only steps where every part would run
+natively and no compressed block of the layer closes (pooling stays in `Compressor.decode`).
+
+    op             native when                                                      dispatch key
+    decode_layer   the three sites' packs all have arguments (attn_front_pack,       "host.decode_layer" (+ each
+                   attn_decode_pack, ffn_site_pack), the same mHC settings in both   site's keys)
+                   halves, at most two compressors; x fp32 [B, n, dim] within every
+                   kernel's max_m
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import torch
+
+from engine import host_kernels as hk
+from engine.host_kernels.step_ops import _SITE_COUNTS
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DkLayer(ctypes.Structure):
+    """dk.h `dk_layer`, field for field."""
+
+    _fields_ = [  # noqa: RUF012  (ctypes' own class attribute)
+        ("a_fn", _P), ("a_scale", _P), ("a_base", _P), ("iters", _I), ("hc_eps", _F), ("norm_eps", _F),
+        ("a_norm", _P), ("fa", _I), ("wa", _P), ("sa", _P), ("q_norm", _P), ("Q", _I), ("fb", _I), ("wb", _P),
+        ("sb", _P), ("H", _I), ("D", _I), ("fk", _I), ("wk", _P), ("sk", _P), ("kv_norm", _P), ("rd", _I),
+        ("eps", _F), ("scale", _F), ("P", _I), ("pf", _P), ("pw", _P), ("ps", _P), ("pn", _P),
+        ("ring", _P), ("wl", _I), ("pool", _P), ("epb", _I), ("sink", _P), ("wo_a", _P), ("G", _I), ("R", _I),
+        ("fo", _I), ("wo", _P), ("so", _P), ("C", _I), ("states", _P * 6), ("W", _I * 2), ("rows", _I * 2),
+        ("f_fn", _P), ("f_scale", _P), ("f_base", _P), ("f_norm", _P), ("gate_w", _P), ("E", _I), ("bias", _P),
+        ("K", _I), ("route_scale", _F), ("limit", _F), ("I", _I), ("e_lo", _I), ("e_n", _I), ("fmt_r", _I),
+        ("r", _P), ("fmt_s", _I), ("s", _P), ("n", _I), ("dim", _I)]
+
+
+def layout_mismatch(lib: ctypes.CDLL, struct: type[ctypes.Structure] = DkLayer) -> str | None:
+    """Where `struct` (DkLayer) differs from the library's dk_layer (attn.c dk_layer_layout: its size and every
+    field's offset), else None. The library's loader refuses a library where it does."""
+    fields = struct._fields_
+    out = (ctypes.c_int64 * (len(fields) + 1))()
+    n = lib.dk_layer_layout(out, len(fields) + 1)
+    if n != len(fields):
+        return f"dk_layer has {n} fields, {struct.__name__} {len(fields)}"
+    if out[0] != ctypes.sizeof(struct):
+        return f"sizeof(dk_layer) {out[0]}, ctypes.sizeof({struct.__name__}) {ctypes.sizeof(struct)}"
+    for i, (name, _) in enumerate(fields):
+        if out[i + 1] != getattr(struct, name).offset:
+            return f"field {name}: offset {out[i + 1]} in C, {getattr(struct, name).offset} in {struct.__name__}"
+    return None
+
+
+def layer_pack(front: hk.Pack | None, decode: hk.Pack | None, site: hk.Pack | None) -> hk.Pack:
+    """`decode_layer`'s pack from the layer's three site packs (attn_ops.front_pack, attn_ops.decode_pack,
+    step_ops.site_pack; None: the module has none); args None unless each has arguments, both halves share the mHC
+    settings and the layer has at most two compressors (the attention's and the indexer's). It holds every tensor
+    the three hold, so it is made again when any of them moves."""
+    packs = [p for p in (front, decode, site) if p is not None]
+    held = tuple(t for p in packs for t in p.tensors())
+    if len(packs) < 3:
+        return hk.Pack(None, held)
+    fa, da, sa = front.args, decode.args, site.args
+    if fa is None or da is None or sa is None or len(da.states) > 2 or fa.head[3:6] != sa.head[3:6] \
+            or (fa.n, fa.dim) != (sa.n, sa.d) or len(fa.widths) != 2 * len(da.states):
+        return hk.Pack(None, held)
+    (fn, scale, base, iters, hc_eps, norm_eps, norm_w, f_a, wa, s_a, q_norm, ql, f_b, wb, s_b, heads, hd, f_k, wk, s_k,
+     kv_norm) = fa.head
+    rd, eps, k, pf, pw, ps, pn = fa.tail
+    wo_a, groups, r, fo, wo, so, _ = da.wo
+    ffn, ffn_scale, ffn_base, _, _, _, ffn_norm, gate_w, e, bias = sa.head
+    topk, route_scale, inter, limit, e_lo, e_n, fmt_r, ptrs_r, fmt_s, ptrs_s = sa.tail
+    st = [p for kv, sc, ape, _, _ in da.states for p in (kv, sc, ape)] + [None] * (6 - 3 * len(da.states))
+    dims = [v for *_, w, rows in da.states for v in (w, rows)] + [0] * (4 - 2 * len(da.states))
+    layer = DkLayer(
+        fn, scale, base, iters, hc_eps, norm_eps, norm_w, f_a, wa, s_a or None, q_norm, ql, f_b, wb, s_b or None,
+        heads, hd, f_k, wk, s_k or None, kv_norm, rd, eps, da.scale, k, ctypes.addressof(pf), ctypes.addressof(pw),
+        ctypes.addressof(ps), ctypes.addressof(pn), da.ring, da.wl, da.pool, da.epb, da.sink, wo_a, groups, r, fo, wo,
+        so or None, len(da.states), (_P * 6)(*st), (_I * 2)(*dims[0::2]), (_I * 2)(*dims[1::2]), ffn, ffn_scale,
+        ffn_base, ffn_norm, gate_w, e, bias, topk, route_scale, limit, inter, e_lo, e_n, fmt_r,
+        ctypes.addressof(ptrs_r), fmt_s, ctypes.addressof(ptrs_s) if ptrs_s is not None else None, fa.n, fa.dim)
+    return hk.Pack(types.SimpleNamespace(
+        layer=layer, ref=ctypes.byref(layer), keep=(pf, pw, ps, pn, ptrs_r, ptrs_s), n=fa.n, dim=fa.dim, rd=rd,
+        hashed=sa.hashed, topk=topk, e=e, n_comp=len(da.states),
+        limit_keys=tuple(sorted({*fa.limit_keys, *da.limit_keys, *sa.limit_keys})),
+        keys=(("host.decode_layer", hk.EXECUTOR), *fa.keys, *da.keys, *_SITE_COUNTS)), held)
+
+
+def decode_layer(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 ring_rows: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int,
+                 visible: torch.Tensor | None, crow: tuple[torch.Tensor, ...],
+                 hash_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """attn.c `dk_decode_layer` with `layer_pack`'s static arguments: x the residual streams [B, n, dim] -> the
+    layer's output streams, or None where it does not take this call (nothing counted, no state written: the
+    caller runs the layer's sites). cos / sin [B, rd/2]; slots, ring_rows [B] int64; ring_valid [B, (1,) wl] bool;
+    tables [B, nb]; entries 0..nloc-1 seen while their id < visible [B, (1)]; crow: each compressor's state rows
+    and phases [B] int64 (2 per compressor); hash_ids [B, K] int64 for a hash layer."""
+    a = pack.args
+    b = None if a is None else hk.step_rows(a, x, cos, sin)
+    if b is None or len(crow) != 2 * a.n_comp \
+            or a.hashed != (hash_ids is not None) or hash_ids is not None and (
+                hash_ids.dtype is not torch.int64 or tuple(hash_ids.shape) != (b, a.topk)):
+        return None
+    hk._count_each(a.keys)
+    sl, rr, rv, tb = slots.contiguous(), ring_rows.contiguous(), ring_valid.contiguous(), tables.contiguous()
+    vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
+    rows = [t.contiguous() for t in crow]
+    cptr = (_P * max(1, len(rows)))(*[t.data_ptr() for t in rows])
+    h = hash_ids.contiguous() if hash_ids is not None else None
+    out = torch.empty(b, a.n, a.dim, dtype=hk.F32)
+    rc = hk._native().lib.dk_decode_layer(
+        a.ref, x.data_ptr(), out.data_ptr(), b, cos.data_ptr(), sin.data_ptr(), sl.data_ptr(), rr.data_ptr(),
+        rv.data_ptr(), tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, cptr,
+        h.data_ptr() if h is not None else None, torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})")
+    if rc != 0:
+        raise MemoryError(f"host kernel decode_layer: error {rc} for x [{b}, {a.n}, {a.dim}]")
+    return out

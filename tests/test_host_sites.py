@@ -1,0 +1,212 @@
+"""The host table's one-call decode sites inside the model, and the whole layer in one call (`decode_layer`,
+engine/host_kernels/layer_ops.py, attn.c `dk_decode_layer`): `attn_front` (engine/host_kernels/attn_ops.py, attn.c
+`dk_attn_front`: the attention half's hc_pre, q / kv and compressor projections), `attn_decode` (attn.c
+`dk_attn_decode`: a decode step's keys, attention, inverse RoPE, wo_a, wo_b and mHC expand) and `ffn_site`
+(step_ops.py, moe.c `dk_ffn_site`: the MoE half of a block). Each is the same kernels in the same order as the host
+table's ops one by one, so the model's logits are the op-by-op path's bit for bit; `attn_decode` also against that
+composition on its own, with sequences in shuffled slots and entries spread over several pool blocks."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import engine
+from deepinfer_bench.golden import GOLDEN_DIR
+from engine import host_kernels as H
+from engine.config import EngineConfig
+from engine.host_kernels import attn_ops as A
+from engine.llm import greedy_with_logits
+from engine.model.layers import Linear
+from engine.model.ops import ops_for
+from nki_kernels import dispatch
+from tests.test_host_kernels import cache_dir, lib  # noqa: F401  (fixtures)
+
+SITES = ("attn_front", "attn_decode_takes", "ffn_site_pack", "decode_layer")
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, without: tuple[str, ...]) -> tuple[list, list, dict]:
+    """Greedy decode of three prompts on the tiny model (stored FP8 / FP4 weights), host kernels, with the table's
+    `without` ops removed."""
+    prompts = [[5, 9, 13], [300, 2, 2, 41, 7, 8, 9, 10, 11, 12, 13], list(range(40, 66))]
+    with monkeypatch.context() as m:
+        for name in without:
+            m.delitem(H.NATIVE_OPS, name)
+        eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny", kernels="host", max_num_seqs=4))
+        out, logits = greedy_with_logits(eng, prompts, 14)
+    return out, logits, dict(eng.runner.dispatcher.counts)
+
+
+def test_the_layer_in_one_call_gives_the_three_sites_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    out, logits, counts = _run(monkeypatch, ())
+    ref_out, ref_logits, ref_counts = _run(monkeypatch, ("decode_layer",))
+    assert counts[("host.decode_layer", "host")] > 0 and ("host.decode_layer", "host") not in ref_counts
+    assert ref_counts[("host.ffn_site", "host")] == counts[("host.ffn_site", "host")]  # the same sites ran
+    assert out == ref_out
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_decode_sites_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences past the window (16) and through compressed blocks closing at ratios 4 and 16; the CSA
+    layers' indexer starts selecting at position 19 (top-k 4 of ratio-4 entries), where those layers leave
+    `attn_decode` to the op-by-op path for the rest of the run, step by step."""
+    out, logits, counts = _run(monkeypatch, ())
+    ref_out, ref_logits, ref_counts = _run(monkeypatch, SITES)
+    for key in ("host.decode_layer", "host.attn_front", "host.attn_decode", "host.ffn_site"):
+        assert counts[(key, "host")] > 0 and (key, "host") not in ref_counts, key
+    # closing steps (a compressed block pools) and the indexer's steps run the sites or the ops one by one
+    assert counts[("host.attn_front", "host")] > counts[("host.decode_layer", "host")]
+    assert counts[("host.sparse_attn", "host")] > counts[("host.attn_decode", "host")]  # the indexer's steps
+    assert out == ref_out
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("lib")  # every build this CPU runs
+@pytest.mark.parametrize("nloc", [0, 7, 21])
+@pytest.mark.parametrize("fmt_b", [None, "fp8"])
+def test_attn_decode_is_its_ops_in_a_row(nloc: int, fmt_b: str | None) -> None:
+    host = ops_for("host")
+    g = torch.Generator().manual_seed(nloc + len(str(fmt_b)))
+    b, h, d, wl, epb, n_hc, dim, groups, r, rd = 3, 4, 64, 8, 4, 4, 96, 2, 16, 32
+    q = torch.randn(b, h, d, generator=g)
+    ring = torch.randn(5, wl, d, generator=g)
+    pool = torch.randn(12, epb, d, generator=g)
+    slots = torch.tensor([3, 0, 4])
+    tables = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(b)])
+    ring_valid = torch.rand(b, 1, wl, generator=g) < 0.7
+    visible = torch.tensor([[nloc], [max(0, nloc - 3)], [nloc // 2]])
+    sink = torch.randn(h, generator=g)
+    ang = torch.rand(b, rd // 2, generator=g) * 50
+    cos, sin = ang.cos(), ang.sin()
+    wo_a = (torch.randn(groups * r, h * d // groups, generator=g) / 8).bfloat16()
+    wo_b = Linear(groups * r, dim, fmt_b)
+    wo_b.ops = host
+    if fmt_b is None:
+        wo_b.weight = torch.nn.Parameter((torch.randn(dim, groups * r, generator=g) / 6).bfloat16(),
+                                         requires_grad=False)
+    else:
+        wo_b.weight = torch.nn.Parameter(torch.randint(0, 126, (dim, groups * r), generator=g, dtype=torch.uint8),
+                                         requires_grad=False)
+        wo_b.scale = torch.nn.Parameter(torch.full((1, 1), 120, dtype=torch.uint8), requires_grad=False)
+    x = torch.randn(b, n_hc, dim, generator=g)
+    post, comb = torch.rand(b, n_hc, generator=g), torch.rand(b, n_hc, n_hc, generator=g)
+    keys = ring[slots]
+    valid = ring_valid
+    if nloc:
+        entries = pool[tables].flatten(1, 2)[:, :nloc]
+        keys = torch.cat([keys, entries], 1)
+        valid = torch.cat([valid, (torch.arange(nloc).view(1, 1, -1) < visible.unsqueeze(-1))], 2)
+    o = host.sparse_attn(q[:, None], keys, valid, sink, 0.125)[:, 0]
+    y = host.grouped_out_proj(host.rope_tail(o, cos[:, None], sin[:, None], rd, True).reshape(b, -1), wo_a, groups)
+    want = host.hc_expand(wo_b(y), x, post, comb)
+    pack = A.decode_pack(sink, 0.125, rd, wo_a, groups, wo_b, ring, pool, ())
+    assert A.attn_decode_takes(pack, b, x, cos, sin)
+    dispatch.reset_counts()
+    got = A.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible if nloc else None, cos, sin, x, post, comb)
+    assert dispatch.counts()[("host.attn_decode", "host")] == 1
+    assert got.dtype is torch.float32 and torch.equal(got, want)
+
+
+def test_attn_decode_takes_only_what_its_kernels_take() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, sink, ring, pool = torch.randn(2, 4, 96), torch.randn(4), torch.randn(3, 8, 64), torch.randn(4, 4, 64)
+    wo_a = torch.randn(32, 128, generator=g).bfloat16()
+    wo_b = Linear(32, 96)
+    wo_b.weight = torch.nn.Parameter(torch.randn(96, 32).bfloat16(), requires_grad=False)
+
+    def takes(b=2, x=x, ring=ring, pool=pool, wo_a=wo_a, wo_b=wo_b, cos=torch.ones(2, 16)):
+        return A.attn_decode_takes(A.decode_pack(sink, 0.125, 32, wo_a, 2, wo_b, ring, pool, ()), b, x, cos, cos)
+
+    assert takes()
+    assert takes(pool=None)  # a sliding-only layer
+    assert not takes(x=x.bfloat16())
+    assert not takes(ring=ring.bfloat16())
+    assert not takes(wo_a=wo_a.float())
+    assert not takes(cos=torch.ones(2, 16).bfloat16())  # RoPE tables in another dtype (a bf16 default dtype)
+    assert not takes(b=H.max_m("mhc") + 1, x=torch.randn(H.max_m("mhc") + 1, 4, 96))
+    fp32 = Linear(32, 96)
+    fp32.weight = torch.nn.Parameter(torch.randn(96, 32), requires_grad=False)  # BLAS, not the native GEMV
+    assert not takes(wo_b=fp32)
+
+
+@pytest.mark.usefixtures("lib")  # every build this CPU runs
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("n_proj", [0, 2, 4])
+def test_attn_front_is_its_ops_in_a_row(t: int, n_proj: int) -> None:
+    from tests.test_host_attn_ops import _linear
+
+    host = ops_for("host")
+    g = torch.Generator().manual_seed(t * 10 + n_proj)
+    n_hc, dim, ql, heads, hd, rd = 4, 256, 128, 4, 64, 32
+    x = torch.randn(t, n_hc, dim, generator=g)
+    site = (torch.randn((2 + n_hc) * n_hc, n_hc * dim, generator=g) / (n_hc * dim) ** 0.5,
+            torch.rand(3, generator=g) + 0.5, torch.randn((2 + n_hc) * n_hc, generator=g) * 0.1,
+            torch.rand(dim, generator=g) + 0.5, n_hc, 2, 1e-6, 1e-6)
+    wq_a, wq_b, wkv = _linear("fp8", ql, dim, host, g), _linear("fp4", heads * hd, ql, host, g), \
+        _linear(None, hd, dim, host, g)
+    projs = tuple(_linear(("fp8", None, "fp4", None)[i], (2 * hd, 2 * hd, 96, 96)[i], dim, host, g)
+                  for i in range(n_proj))
+    qn, kn = torch.rand(ql, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+    ang = torch.rand(t, rd // 2, generator=g) * 100
+    h, post, comb = host.hc_pre(x, *site)
+    want = (post, comb, *host.attn_qkv(h, wq_a, qn, wq_b, wkv, kn, ang.cos(), ang.sin(), heads, rd, 1e-6),
+            *(p(h) for p in projs))
+    dispatch.reset_counts()
+    got = A.attn_front(A.front_pack(site, wq_a, qn, wq_b, wkv, kn, heads, rd, 1e-6, projs), x, ang.cos(), ang.sin())
+    assert got is not None and dispatch.counts()[("host.attn_front", "host")] == 1
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_attn_front_declines_what_its_parts_would_not_take() -> None:
+    """None and nothing counted: bf16 streams, an fp32 projection weight (BLAS: not a native GEMV), more rows than
+    max_m("mhc")."""
+    from tests.test_host_attn_ops import _linear
+
+    host = ops_for("host")
+    g = torch.Generator().manual_seed(2)
+    n_hc, dim, ql, heads, hd, rd = 4, 128, 64, 2, 64, 32
+    site = (torch.randn((2 + n_hc) * n_hc, n_hc * dim, generator=g) / 30, torch.rand(3, generator=g) + 0.5,
+            torch.randn((2 + n_hc) * n_hc, generator=g) * 0.1, torch.ones(dim), n_hc, 2, 1e-6, 1e-6)
+    wq_a, wq_b, wkv = _linear("fp8", ql, dim, host, g), _linear("fp8", heads * hd, ql, host, g), \
+        _linear("fp8", hd, dim, host, g)
+    fp32 = _linear(None, hd, dim, host, g)
+    fp32.weight = torch.nn.Parameter(fp32.weight.float(), requires_grad=False)
+
+    def call(x, projs=()):
+        ang = torch.rand(x.shape[0], rd // 2, generator=g)
+        pack = A.front_pack(site, wq_a, torch.ones(ql), wq_b, wkv, torch.ones(hd), heads, rd, 1e-6, projs)
+        return A.attn_front(pack, x, ang.cos(), ang.sin())
+
+    dispatch.reset_counts()
+    assert call(torch.randn(2, n_hc, dim).bfloat16()) is None
+    assert call(torch.randn(2, n_hc, dim), (fp32,)) is None
+    assert call(torch.randn(H.max_m("mhc") + 1, n_hc, dim)) is None
+    assert dispatch.counts() == {}
+    assert call(torch.randn(2, n_hc, dim)) is not None
+
+
+@pytest.mark.usefixtures("lib")  # every build this CPU runs
+def test_the_layer_struct_mirror_is_checked_against_the_library() -> None:
+    """The library's dk_layer and layer_ops.DkLayer agree field for field (every load checks it); a mirror with one
+    field of another size, or one field short, is told apart."""
+    from engine.host_kernels import layer_ops as L
+
+    native = H._native().lib
+    assert L.layout_mismatch(native) is None
+    fields = list(L.DkLayer._fields_)
+    i = [n for n, _ in fields].index("route_scale")
+
+    class Wrong(ctypes.Structure):
+        _fields_ = [*fields[:i], ("route_scale", ctypes.c_double), *fields[i + 1:]]  # noqa: RUF012
+
+    class Short(ctypes.Structure):
+        _fields_ = fields[:-1]  # noqa: RUF012
+
+    assert "offset" in L.layout_mismatch(native, Wrong) or "sizeof" in L.layout_mismatch(native, Wrong)
+    assert "fields" in L.layout_mismatch(native, Short)
