@@ -34,7 +34,7 @@ build=$(sed -n 's/^host kernels: \([a-z0-9-]*\) .*/\1/p' "$out/summary")
 
 echo "== 2/3 host-kernel tests on $cpu (DEEPINFER_HOST_SIMD=$build)"
 DEEPINFER_HOST_SIMD=$build emu -m pytest -q -p no:cacheprovider tests/test_host_kernels.py tests/test_host_moe.py \
-    tests/test_host_attn_ops.py tests/test_portable.py
+    tests/test_host_attn_ops.py tests/test_host_sites.py tests/test_portable.py
 
 echo "== 3/3 deepinfer golden on $cpu (default: --kernels auto)"
 emu -m deepinfer_bench.cli golden --out "$out/golden"
