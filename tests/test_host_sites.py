@@ -51,24 +51,27 @@ def test_the_layer_in_one_call_gives_the_three_sites_logits_bit_for_bit(monkeypa
 
 def test_the_decode_sites_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences past the window (16) and through compressed blocks closing at ratios 4 and 16; the CSA
-    layers' indexer starts selecting at position 19 (top-k 4 of ratio-4 entries), where those layers leave
-    `attn_decode` to the op-by-op path for the rest of the run, step by step."""
+    layers' indexer starts selecting at position 19 (top-k 4 of ratio-4 entries), where those layers run the
+    halves, the attention's `attn_decode` over the indexer's picks, for the rest of the run."""
     out, logits, counts = _run(monkeypatch, ())
     ref_out, ref_logits, ref_counts = _run(monkeypatch, SITES)
-    for key in ("host.decode_layer", "host.attn_front", "host.attn_decode", "host.ffn_site"):
+    for key in ("host.decode_layer", "host.attn_front", "host.attn_decode", "host.attn_decode.select",
+                "host.ffn_site"):
         assert counts[(key, "host")] > 0 and (key, "host") not in ref_counts, key
-    # closing steps (a compressed block pools) and the indexer's steps run the sites or the ops one by one
+    # closing steps (a compressed block pools) and the indexer's steps run the three sites
     assert counts[("host.attn_front", "host")] > counts[("host.decode_layer", "host")]
-    assert counts[("host.sparse_attn", "host")] > counts[("host.attn_decode", "host")]  # the indexer's steps
+    assert counts[("host.attn_decode", "host")] > counts[("host.attn_decode.select", "host")]
     assert out == ref_out
     for a, b in zip(logits, ref_logits, strict=True):
         assert torch.equal(a, b)
 
 
 @pytest.mark.usefixtures("lib")  # every build this CPU runs
+@pytest.mark.parametrize("select", [False, True])
 @pytest.mark.parametrize("nloc", [0, 7, 21])
 @pytest.mark.parametrize("fmt_b", [None, "fp8"])
-def test_attn_decode_is_its_ops_in_a_row(nloc: int, fmt_b: str | None) -> None:
+def test_attn_decode_is_its_ops_in_a_row(nloc: int, fmt_b: str | None, select: bool) -> None:
+    """`select`: over the indexer's picks (`keep`), as Attention._select masks the entries."""
     host = ops_for("host")
     g = torch.Generator().manual_seed(nloc + len(str(fmt_b)))
     b, h, d, wl, epb, n_hc, dim, groups, r, rd = 3, 4, 64, 8, 4, 4, 96, 2, 16, 32
@@ -96,18 +99,22 @@ def test_attn_decode_is_its_ops_in_a_row(nloc: int, fmt_b: str | None) -> None:
     post, comb = torch.rand(b, n_hc, generator=g), torch.rand(b, n_hc, n_hc, generator=g)
     keys = ring[slots]
     valid = ring_valid
+    keep = torch.rand(b, nloc, generator=g) < 0.5 if select else None
     if nloc:
         entries = pool[tables].flatten(1, 2)[:, :nloc]
         keys = torch.cat([keys, entries], 1)
-        valid = torch.cat([valid, (torch.arange(nloc).view(1, 1, -1) < visible.unsqueeze(-1))], 2)
+        seen = torch.arange(nloc).view(1, 1, -1) < visible.unsqueeze(-1)
+        valid = torch.cat([valid, seen if keep is None else seen & keep[:, None]], 2)
     o = host.sparse_attn(q[:, None], keys, valid, sink, 0.125)[:, 0]
     y = host.grouped_out_proj(host.rope_tail(o, cos[:, None], sin[:, None], rd, True).reshape(b, -1), wo_a, groups)
     want = host.hc_expand(wo_b(y), x, post, comb)
     pack = A.decode_pack(sink, 0.125, rd, wo_a, groups, wo_b, ring, pool, ())
     assert A.attn_decode_takes(pack, b, x, cos, sin)
     dispatch.reset_counts()
-    got = A.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible if nloc else None, cos, sin, x, post, comb)
+    got = A.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible if nloc else None, cos, sin, x, post, comb,
+                        keep=keep)
     assert dispatch.counts()[("host.attn_decode", "host")] == 1
+    assert dispatch.counts().get(("host.attn_decode.select", "host"), 0) == int(select)
     assert got.dtype is torch.float32 and torch.equal(got, want)
 
 

@@ -43,7 +43,9 @@ A decode-only eager step runs each layer as one native call (`decode_layer`, lay
 `dk_decode_layer`) of three parts that also run alone: `attn_front` and `attn_decode` (attn_ops.py: the attention
 site's front; the state writes, keys, attention and tail) and `ffn_site` (step_ops.py: the MoE half). Each is the
 kernels above in the op-by-op order, so the same numbers bit for bit, and each takes a `Pack`: its static
-arguments, made once per layer (`packed`) and made again when a tensor they point into has moved. Off under
+arguments, made once per layer (`packed`) and made again when a tensor they point into has moved. A step where a
+layer's indexer selects (contexts past index_topk x ratio) runs that layer's three parts, the indexer's queries,
+scores and top-k in torch between the first two and `attn_decode` over its picks (`keep`). Off under
 `--numerics official` (engine/model/numerics.py), like `moe_ffn` and `attn_qkv_native`.
 
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >

@@ -21,7 +21,7 @@
  *                st_kv_c[slots[b], row_c[b]] = kv_c[b]; st_score_c[...] = score_c[b] + ape_c[phase_c[b]]
  *                                                                   (Compressor.decode, each of the C compressors)
  *                keys_b [N, D] = ring[slots[b]] (wl rows) ++ pool entries 0..nloc-1 of block table b   N = wl + nloc
- *                valid_b [N]   = ring_valid[b] ++ (entry e < visible[b])
+ *                valid_b [N]   = ring_valid[b] ++ (entry e < visible[b] and, with `keep`, keep[b, e])
  *                o [B, H, D]   = sparse_attn(q, keys, valid, sink, scale)
  *                y [B, G*R]    = grouped wo_a (rope_tail(o, cos, sin, rd, inverse))
  *                out [B, n, d] = hc_expand(wo_b y, x, post, comb)
@@ -30,7 +30,7 @@
  * kernels the op table runs one by one (dk_sparse_attn on all B rows, dk_rope_tail, dk_bf16_grouped_linear, gemm,
  * dk_hc_expand), so the result is that path's bit for bit. What it saves is the gathers' and concatenations' torch
  * ops and five op-table calls per layer and step. ring [S, wl, D], pool [NB, epb, D] (NULL when nloc is 0), tables
- * [B, nb] int64, wo_a bf16 [G*R, H*D/G], wo_b [dim, G*R] in format fb; per compressor c, cptr[7c..7c+6] = kv_c,
+ * [B, nb] int64, keep [B, nloc] (NULL: every causal entry; else the indexer's picks, Attention._select), wo_a bf16 [G*R, H*D/G], wo_b [dim, G*R] in format fb; per compressor c, cptr[7c..7c+6] = kv_c,
  * score_c [B, W_c], st_kv_c, st_score_c [S, rows_c, W_c], ape_c [m, W_c], row_c, phase_c [B] int64 and cdim[2c..]
  * = W_c, rows_c. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
  *
@@ -77,8 +77,8 @@ int dk_attn_qkv(const float *x, int64_t T, int64_t dim, int fa, const uint8_t *w
 
 int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring, int64_t wl,
                    const int64_t *slots, const uint8_t *ring_valid, const float *pool, int64_t epb,
-                   const int64_t *tables, int64_t nb, int64_t nloc, const int64_t *visible, const float *sink,
-                   float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a, int64_t G,
+                   const int64_t *tables, int64_t nb, int64_t nloc, const int64_t *visible, const uint8_t *keep,
+                   const float *sink, float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a, int64_t G,
                    int64_t R, int fb, const uint8_t *wb, const uint8_t *sb, int64_t dim, const float *x, int64_t n,
                    const float *post, const float *comb, float *out, const float *new_kv, const int64_t *ring_rows,
                    int64_t C, const void *const *cptr, const int64_t *cdim, int nt) {
@@ -115,7 +115,8 @@ int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring,
         for (int64_t e = 0; e < nloc; e++)
             memcpy(kb + (wl + e) * D, pool + (tables[b * nb + e / epb] * epb + e % epb) * D, sizeof(float) * (size_t)D);
         memcpy(valid + b * N, ring_valid + b * wl, (size_t)wl);
-        for (int64_t e = 0; e < nloc; e++) valid[b * N + wl + e] = e < visible[b];
+        for (int64_t e = 0; e < nloc; e++)
+            valid[b * N + wl + e] = e < visible[b] && (keep == NULL || keep[b * nloc + e]);
     }
     int rc = dk_sparse_attn(q, keys, valid, sink, o, scratch, scratch_n, B, 1, H, N, D, scale, nt);
     if (!rc) rc = dk_rope_tail(o, cs, sn, o2, B, H, D, rd, 1);
@@ -177,7 +178,7 @@ int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, co
     }
     if (!rc)
         rc = dk_attn_decode(q, B, L->H, L->D, L->ring, L->wl, slots, ring_valid, nloc ? L->pool : NULL, L->epb, tables,
-                            nb, nloc, visible, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo, L->wo,
+                            nb, nloc, visible, NULL, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo, L->wo,
                             L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, nt);
     if (!rc)
         rc = dk_ffn_site(x2, B, n, dim, L->f_fn, L->f_scale, L->f_base, L->iters, L->hc_eps, L->norm_eps, L->f_norm,

@@ -218,6 +218,7 @@ def attn_front(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 _DECODE_KEYS = ("host.attn_decode", "host.sparse_attn", "host.rope_tail", "host.grouped_out_proj", "host.hc_expand")
+_SELECT_KEY = (("host.attn_decode.select", hk.EXECUTOR),)  # attn_decode over the indexer's picks
 
 
 def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, groups: int, wo_b: torch.nn.Module,
@@ -261,16 +262,21 @@ def attn_decode_takes(pack: hk.Pack, b: int, x: torch.Tensor, cos: torch.Tensor,
 
 def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor,
                 nloc: int, visible: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
-                post: torch.Tensor, comb: torch.Tensor, writes: tuple | None = None) -> torch.Tensor:
+                post: torch.Tensor, comb: torch.Tensor, writes: tuple | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
     """attn.c `dk_attn_decode` (module docstring) with `decode_pack`'s static arguments -> the block's new streams
     [B, n, dim] fp32. q [B, H, D]; the window ring read at slots [B] with ring_valid [B, (1,) wl] bool; entries
     0..nloc-1 of each sequence through tables [B, nb], seen while their id < visible [B, (1)]; cos / sin [B, rd/2];
     x [B, n, dim], post [B, n], comb [B, n, n]. The caller checked `attn_decode_takes`. `writes`: the step's state
     writes first (a step where no compressed block closes): (kv [B, D] and its ring rows [B] int64, then per
-    compressor of the pack (kv_c, score_c [B, W] fp32, state rows, phases [B] int64)); None: already written."""
+    compressor of the pack (kv_c, score_c [B, W] fp32, state rows, phases [B] int64)); None: already written.
+    `keep`: the indexer's picks among the entries [B, nloc] bool (Attention._select), None: every causal entry."""
     a = pack.args
     b = q.shape[0]
-    hk._count_each(a.keys)
+    hk._count_each(a.keys if keep is None else a.keys + _SELECT_KEY)
+    kp = keep.contiguous() if keep is not None and nloc else None
+    if kp is not None and (kp.dtype is not torch.bool or tuple(kp.shape) != (b, nloc)):
+        raise ValueError(f"attn_decode: keep must be bool [{b}, {nloc}], got {kp.dtype} {tuple(kp.shape)}")
     qf, sl, rv, tb = q.contiguous(), slots.contiguous(), ring_valid.contiguous(), tables.contiguous()
     vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
     n, dim = x.shape[1], x.shape[2]
@@ -286,7 +292,8 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
         cdim = (ctypes.c_int64 * max(1, 2 * n_comp))(*[v for st in a.states for v in st[3:]])
     rc = hk._native().lib.dk_attn_decode(
         qf.data_ptr(), b, a.h, a.d, a.ring, a.wl, sl.data_ptr(), rv.data_ptr(), a.pool if nloc else None, a.epb,
-        tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, a.sink, a.scale,
+        tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None,
+        kp.data_ptr() if kp is not None else None, a.sink, a.scale,
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), a.rd, *a.wo[:-1], dim, x.data_ptr(), n,
         post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(),
         new_kv.data_ptr() if new_kv is not None else None, ring_rows.data_ptr() if ring_rows is not None else None,

@@ -312,8 +312,8 @@ class HostLibrary:
         lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
         lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
                                     p, p, p, i32]
-        lib.dk_attn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64, p, p, f32, p, p, i64, p,
-                                       i64, i64, i32, p, p, i64, p, i64, p, p, p, p, p, i64, p, p, i32]
+        lib.dk_attn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64, p, p, p, f32, p, p, i64,
+                                       p, i64, i64, i32, p, p, i64, p, i64, p, p, p, p, p, i64, p, p, i32]
         lib.dk_attn_front.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, i32, p, p, p, i64, i32, p, p, i64,
                                       i64, i32, p, p, p, p, p, i64, f32, i64, p, p, p, p, p, p, p, p, p, p, i32]
         lib.dk_decode_layer.argtypes = [p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, i32]

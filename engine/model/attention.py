@@ -36,6 +36,11 @@ def global_topk(cands: torch.Tensor, k: int, bitcast: bool = True) -> torch.Tens
     return gid.gather(-1, top).masked_fill(pad.gather(-1, top), -1).long()
 
 
+def _picked(scores: torch.Tensor, pick: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The entries `index_topk`'s `pick` (order, valid) keeps, as a mask shaped like `scores` [B, T, E]."""
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, pick[0], pick[1])
+
+
 def floor_mod(a: torch.Tensor, m: int) -> torch.Tensor:
     """`a % m` of an int tensor with Python's sign rule (in [0, m) for m > 0, also for negative a), spelled with a
     floor division: `%` lowers to StableHLO `remainder`, which takes the dividend's sign (upstream torch-mlir), and
@@ -186,8 +191,7 @@ class Attention(OpsUser, nn.Module):
         if self.par is None:
             for g, p in zip(groups, picks, strict=True):
                 if p is not None:
-                    sel = torch.zeros(g.scores.shape, dtype=torch.bool, device=g.scores.device).scatter_(-1, p[0], p[1])
-                    g.keep_entries(sel)
+                    g.keep_entries(_picked(g.scores, p))
             return
         cands = []
         for g, p in zip(groups, picks, strict=True):
@@ -272,9 +276,14 @@ class Attention(OpsUser, nn.Module):
         g.keys = torch.cat([g.keys, entries.to(g.keys.dtype)], 1)
         g.valid = torch.cat([g.valid, seen], 2)
         if self.indexer is not None and aux_q is not None:
-            ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
-            g.scores = self.ops.index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
+            g.scores = self._index_scores(cache, tables, nloc, aux_q)  # [B, T, E]
             g.visible, g.ids = visible, ids
+
+    def _index_scores(self, cache: LayerCache, tables: torch.Tensor, nloc: int, aux_q: tuple) -> torch.Tensor:
+        """The indexer's scores [B, T, E] of this rank's first `nloc` entries of each sequence (block tables
+        `tables` [B, nb]) for its queries and head weights `aux_q` ([B, T, Hi, Di], [B, T, Hi])."""
+        ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
+        return self.ops.index_score(aux_q[0], ikeys, aux_q[1])
 
     # -- static shapes: B sequences, one token each, in a compiled region ------------------------------------------
     def decode_static(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -406,13 +415,16 @@ class Attention(OpsUser, nn.Module):
     def decodes_natively(self, plan: StepPlan, cache: LayerCache) -> bool:
         """Whether this step is one the op table's native decode (`attn_decode`, `decode_layer`) may take, by the
         plan and the cache alone: the table has `attn_decode`, a decode-only step whose group is every row, one
-        rank, eager, the window ring and the entries held as values (--kv-cache-dtype auto), and no indexer
-        selection needed (`index_needed`)."""
-        if getattr(self.ops, "attn_decode_takes", None) is None or self.par is not None or plan.prefill \
-                or plan.dec_tokens is None or torch.compiler.is_compiling() or cache.win_store.fmt != "auto" \
-                or self.ratio and cache.cmp_store.fmt != "auto" or not self._decode_ix(plan, cache).all_rows:
-            return False
-        return self.indexer is None or not self.index_needed(max(s.start + s.n - 1 for s in plan.seqs))
+        rank, eager, and the window ring and the entries held as values (--kv-cache-dtype auto). A step where the
+        indexer selects (`selects`) takes `attn_decode` over its picks, not `decode_layer`."""
+        return getattr(self.ops, "attn_decode_takes", None) is not None and self.par is None and not plan.prefill \
+            and plan.dec_tokens is not None and not torch.compiler.is_compiling() \
+            and cache.win_store.fmt == "auto" and not (self.ratio and cache.cmp_store.fmt != "auto") \
+            and self._decode_ix(plan, cache).all_rows
+
+    def selects(self, plan: StepPlan) -> bool:
+        """Whether the indexer's top-k drops entries in this step (`index_needed` at the step's last position)."""
+        return self.indexer is not None and self.index_needed(max(s.start + s.n - 1 for s in plan.seqs))
 
     def native_decode(self, plan: StepPlan, cache: LayerCache, x: torch.Tensor) -> object | None:
         """The op table's `attn_decode` pack of this layer (`attn_decode_pack`) when `decode_native` runs this step
@@ -429,21 +441,26 @@ class Attention(OpsUser, nn.Module):
         """The block's attention half of a step `native_decode` allows (`pack`: what it returned): the mHC site's
         front, `forward`'s and the block's attention tail (wo_b, the mHC expand). x: the residual streams
         [B, n, dim]; `site()`: the rest of `ops.hc_pre`'s arguments (Block.site_args) -> the new streams. The front
-        is the op table's `attn_front` (one native call: hc_pre, attn_qkv and the compressors' projections) where it
-        takes it, else those ops one by one; then the state writes `_decode` makes (inside `attn_decode` where no
-        block closes, else `_decode_writes`), then `attn_decode` (one native call: the keys' gather, sparse_attn,
-        inverse RoPE, wo_a, wo_b, hc_expand)."""
+        is the op table's `attn_front` (one native call: hc_pre, attn_qkv and the compressors' projections, with the
+        indexer's weights_proj where it selects) where it takes it, else those ops one by one; then the state writes
+        `_decode` makes (inside `attn_decode` where no block closes, else `_decode_writes`); where the indexer
+        selects (`selects`), its queries, scores and top-k as `_entries` and `_select` make them; then
+        `attn_decode` (one native call: the keys' gather, sparse_attn over the picks, inverse RoPE, wo_a, wo_b,
+        hc_expand)."""
         cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [B, rd/2]
-        fpack = self.front_pack(site)
+        index = self.selects(plan)
+        fpack = self.front_pack(site, index)
         front = None if fpack is None else self.ops.attn_front(fpack, x, cos, sin)
         if front is None:
             h, post, comb = self.ops.hc_pre(x, *site())
             q, kv, qr = self._qkv(h, cos, sin)
-            aux = self._aux(h, qr, cos, sin, index=False)
+            aux = self._aux(h, qr, cos, sin, index=index)
         else:
             post, comb, q, kv, qr, *proj = front
             kv = self.ops.kv_quant(kv, self.rd)  # as `_qkv` (numerics: FP8 non-RoPE dims)
             aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
+            if index:  # the last projection: the indexer's weights_proj
+                aux["q"] = self.indexer.queries_from(proj[-1], qr, cos, sin)
         cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow = self.layer_inputs(plan, cache)
         writes = None
         if crow is None or kv.dtype is not torch.float32:  # a block closes: its pooling runs in Compressor.decode
@@ -451,18 +468,24 @@ class Attention(OpsUser, nn.Module):
         else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
             writes = (kv, ring_rows, *((*aux[key], crow[2 * i], crow[2 * i + 1])
                                        for i, key in enumerate(("c", "i")[:len(crow) // 2])))
+        keep = None
+        if index:  # `_select` of the decode group: this layer's picks among the entries [B, nloc]
+            scores = self._index_scores(cache, tables, nloc, tuple(t[:, None] for t in aux["q"]))  # [B, 1, E]
+            keep = _picked(scores, index_topk(scores, visible, self.indexer.topk, self.caps.bitcast))[:, 0]
         return self.ops.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
-                                    writes)
+                                    writes, keep)
 
-    def front_pack(self, site: Callable[[], tuple]) -> object | None:
+    def front_pack(self, site: Callable[[], tuple], index: bool = False) -> object | None:
         """This layer's pack of the op table's `attn_front` (made once; `site()`: the attention site's hc_pre
-        arguments after x), or None where the table has no such op."""
+        arguments after x; `index`: with the indexer's weights_proj after the compressors' projections, for the
+        steps where it selects), or None where the table has no such op."""
         make = getattr(self.ops, "attn_front_pack", None)
         if make is None:
             return None
-        return self.ops.native_pack(self, "front", lambda: make(
+        projs = tuple(lin for c in self._comps() for lin in (c.wkv, c.wgate))
+        return self.ops.native_pack(self, "front.index" if index else "front", lambda: make(
             site(), self.wq_a, self.q_norm.weight, self.wq_b, self.wkv, self.kv_norm.weight, self.n_heads, self.rd,
-            self.eps, tuple(lin for c in self._comps() for lin in (c.wkv, c.wgate))))
+            self.eps, projs + (self.indexer.weights_proj,) if index else projs))
 
     def layer_inputs(self, plan: StepPlan, cache: LayerCache) -> tuple | None:
         """The step's arguments of the op table's `decode_layer` / `attn_decode` for this layer: cos, sin, slots,

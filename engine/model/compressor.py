@@ -177,7 +177,11 @@ class Indexer(OpsUser, nn.Module):
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, Di] (RoPE on the trailing dims, no per-head norm) and head weights [T, Hi] fp32."""
+        return self.queries_from(self.weights_proj(x), qr, cos, sin)
+
+    def queries_from(self, wx: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`queries` with weights_proj(x) given (the host's attn_front makes it beside the compressors')."""
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
         q = self.ops.index_query_quant(self.ops.rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), self.rd))
-        w = self.ops.index_weights(self.weights_proj(x), self.weight_scale)
-        return q, w
+        return q, self.ops.index_weights(wx, self.weight_scale)
