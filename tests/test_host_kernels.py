@@ -927,6 +927,44 @@ def test_sparse_attn_with_logits_spread_far_apart_matches_reference(lib: H.HostL
     assert bool(((got - ref).abs() <= 2 * (2 * dot_err + (2 * n + 8) * U) * kmax).all())
 
 
+@pytest.mark.parametrize("overlap,prev,lead,w,m,c", [
+    (True, True, (3,), 1, 4, 16),  # the decode step's CSA pooling: one block per row, the block before as prev
+    (True, False, (2,), 3, 4, 8),  # a prefill chunk's first blocks: no block before block 0
+    (True, True, (), 5, 4, 32),
+    (False, False, (2,), 2, 16, 12),  # HCA
+    (False, False, (1,), 1, 128, 64)])
+def test_compress_pool_matches_reference(lib: H.HostLibrary, overlap: bool, prev: bool, lead: tuple[int, ...], w: int,
+                                         m: int, c: int) -> None:
+    g = torch.Generator().manual_seed(w * 100 + m + c)
+    kv, score = torch.randn(*lead, w, m, c, generator=g), torch.randn(*lead, w, m, c, generator=g) * 4
+    pk = ps = None
+    if prev:
+        pk, ps = torch.randn(*lead, m, c, generator=g), torch.randn(*lead, m, c, generator=g) * 4
+        ps[..., :2, :] = float("-inf")  # state rows never written since the slot's reset
+    n = 2 * m if overlap else m
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) if t is not None else None for t in (kv, score, pk, ps)]
+        dispatch.reset_counts()
+        got = H.compress_pool(args[0], args[1], overlap, args[2], args[3])
+        ref = R.compress_pool(args[0], args[1], overlap, args[2], args[3])
+        assert dispatch.counts() == {("host.compress_pool", "host"): 1}
+        assert got.shape == ref.shape and got.dtype == ref.dtype == torch.float32
+        # a convex combination of the slots' kv: each weight exp / sum within (n + 4) u of its exact value on either
+        # side (exp ~1 ulp, an n-term sum, a division), the n-term weighted sum within n u more
+        kmax = max(float(t.float().abs().max()) for t in (args[0], args[2]) if t is not None)
+        assert bool(((got - ref).abs() <= (4 * n + 16) * U * kmax).all())
+
+
+def test_compress_pool_declines_what_it_does_not_take() -> None:
+    """The reference, counted by reason: a block without its W dim, float64, autograd."""
+    kv = torch.randn(2, 1, 4, 8)
+    dispatch.reset_counts()
+    for args in ((kv[0, 0], kv[0, 0], False), (kv.double(), kv.double(), True), (kv.requires_grad_(), kv, False)):
+        assert torch.equal(H.compress_pool(*args), R.compress_pool(*args))
+    assert dispatch.fallbacks() == {("host.compress_pool", "shape"): 1, ("host.compress_pool", "dtype"): 1,
+                                    ("host.compress_pool", "autograd"): 1}
+
+
 @pytest.mark.parametrize("h,n,d", [(16, 140, 128), (5, 33, 16), (3, 17, 8), (2, 9, 24), (7, 64, 12)])
 def test_sparse_attn_heads_together_equal_each_head_alone(lib: H.HostLibrary, h: int, n: int, d: int) -> None:
     """The kernel takes a query row's heads `attn_heads` at a time (each key chunk loaded once for them): every head's

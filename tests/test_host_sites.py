@@ -27,15 +27,18 @@ from tests.test_host_kernels import cache_dir, lib  # noqa: F401  (fixtures)
 SITES = ("attn_front", "attn_decode_takes", "ffn_site_pack", "decode_layer")
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, without: tuple[str, ...]) -> tuple[list, list, dict]:
-    """Greedy decode of three prompts on the tiny model (stored FP8 / FP4 weights), host kernels, with the table's
+PROMPTS = [[5, 9, 13], [300, 2, 2, 41, 7, 8, 9, 10, 11, 12, 13], list(range(40, 66))]
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, without: tuple[str, ...], prompts: list[list[int]] = PROMPTS,
+         tokens: int = 14) -> tuple[list, list, dict]:
+    """Greedy decode of `prompts` on the tiny model (stored FP8 / FP4 weights), host kernels, with the table's
     `without` ops removed."""
-    prompts = [[5, 9, 13], [300, 2, 2, 41, 7, 8, 9, 10, 11, 12, 13], list(range(40, 66))]
     with monkeypatch.context() as m:
         for name in without:
             m.delitem(H.NATIVE_OPS, name)
         eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny", kernels="host", max_num_seqs=4))
-        out, logits = greedy_with_logits(eng, prompts, 14)
+        out, logits = greedy_with_logits(eng, prompts, tokens)
     return out, logits, dict(eng.runner.dispatcher.counts)
 
 
@@ -56,11 +59,27 @@ def test_the_decode_sites_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pyte
     out, logits, counts = _run(monkeypatch, ())
     ref_out, ref_logits, ref_counts = _run(monkeypatch, SITES)
     for key in ("host.decode_layer", "host.attn_front", "host.attn_decode", "host.attn_decode.select",
-                "host.ffn_site"):
+                "host.attn_decode.close", "host.ffn_site"):
         assert counts[(key, "host")] > 0 and (key, "host") not in ref_counts, key
-    # closing steps (a compressed block pools) and the indexer's steps run the three sites
+    # the indexer's steps run the three sites; blocks that close pool inside attn_decode (also in decode_layer)
     assert counts[("host.attn_front", "host")] > counts[("host.decode_layer", "host")]
     assert counts[("host.attn_decode", "host")] > counts[("host.attn_decode.select", "host")]
+    assert out == ref_out
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_blocks_closing_in_the_layer_call_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contexts short of the indexer's selection (positions < 19): every decode step runs each layer in one call,
+    the blocks that close pooled inside it (attn.c close_block) as Compressor.decode pools them op by op, CSA
+    (ratio 4, overlapping) and HCA (ratio 16); the first two sequences close their ratio-4 blocks in the same
+    steps (two rows pooled in one call, each at its own position), the third in others."""
+    prompts = [[5, 9, 13], [300, 2, 2, 41, 7, 8, 9], [7, 7, 1, 2, 3, 4]]
+    out, logits, counts = _run(monkeypatch, (), prompts, 11)
+    ref_out, ref_logits, ref_counts = _run(monkeypatch, SITES, prompts, 11)
+    assert counts[("host.attn_decode.close", "host")] > 0 and ("host.attn_decode.select", "host") not in counts
+    assert counts[("host.decode_layer", "host")] == counts[("host.attn_decode", "host")]  # every layer in one call
+    assert ("host.attn_decode.close", "host") not in ref_counts
     assert out == ref_out
     for a, b in zip(logits, ref_logits, strict=True):
         assert torch.equal(a, b)

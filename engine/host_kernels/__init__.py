@@ -43,9 +43,11 @@ A decode-only eager step runs each layer as one native call (`decode_layer`, lay
 `dk_decode_layer`) of three parts that also run alone: `attn_front` and `attn_decode` (attn_ops.py: the attention
 site's front; the state writes, keys, attention and tail) and `ffn_site` (step_ops.py: the MoE half). Each is the
 kernels above in the op-by-op order, so the same numbers bit for bit, and each takes a `Pack`: its static
-arguments, made once per layer (`packed`) and made again when a tensor they point into has moved. A step where a
-layer's indexer selects (contexts past index_topk x ratio) runs that layer's three parts, the indexer's queries,
-scores and top-k in torch between the first two and `attn_decode` over its picks (`keep`). Off under
+arguments, made once per layer (`packed`) and made again when a tensor they point into has moved. A compressed
+block that closes in the step pools inside `attn_decode` (the routine of the table's `compress_pool`). A step where
+a layer's indexer selects (contexts past index_topk x ratio) runs that layer's three parts, the indexer's queries,
+scores and top-k in torch between the first two and `attn_decode` over its picks (`keep`; a block closing there
+pools in torch first, as the scores read its entry). Off under
 `--numerics official` (engine/model/numerics.py), like `moe_ffn` and `attn_qkv_native`.
 
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
@@ -64,6 +66,7 @@ same way."""
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -416,6 +419,43 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     return o if q.dtype is torch.float32 else o.to(q.dtype)
 
 
+def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
+                       prev_score: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference.compress_pool` natively (attn.c dk_compress_pool: per channel, the slots' max, libm expf, the
+    softmax's weights, the weighted sum; the decode step's closing blocks in `dk_attn_decode` pool with the same
+    routine): kv, score [..., W, m, C], prev_kv / prev_score [..., m, C] or None -> [..., W, d] fp32."""
+    def ref():
+        return reference.compress_pool(kv, score, overlap, prev_kv, prev_score)
+
+    why = None
+    lead = tuple(kv.shape[:-3])
+    if kv.dim() < 3 or score.shape != kv.shape or (prev_kv is None) != (prev_score is None) \
+            or overlap and kv.shape[-1] % 2 or prev_kv is not None and overlap and (
+                tuple(prev_kv.shape) != (*lead, *kv.shape[-2:]) or prev_score.shape != prev_kv.shape):
+        why = "shape"
+    elif any(t is not None and (not t.is_cpu or t.dtype not in (torch.float32, torch.bfloat16))
+             for t in (kv, score, prev_kv, prev_score)):
+        why = "dtype"
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (kv, score, prev_kv, prev_score)):
+        why = "autograd"
+    elif kv.numel() == 0:
+        why = "empty"
+    if why is not None:
+        return dispatch.fallback("host.compress_pool", why, ref)
+    _count("host.compress_pool")
+    w, m, c = kv.shape[-3:]
+    n = math.prod(lead)
+    d = c // 2 if overlap else c
+    kf, sf = _f32(kv), _f32(score)
+    pk, ps = (_f32(prev_kv), _f32(prev_score)) if overlap and prev_kv is not None else (None, None)
+    out = torch.empty(*lead, w, d, dtype=F32)
+    if _native().lib.dk_compress_pool(kf.data_ptr(), sf.data_ptr(), pk.data_ptr() if pk is not None else None,
+                                      ps.data_ptr() if ps is not None else None, n, w, m, c, int(overlap),
+                                      out.data_ptr()) != 0:
+        raise MemoryError("host kernel compress_pool: out of memory")
+    return out
+
+
 def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
                       fmt: str | None) -> torch.Tensor:
     """The reference table's `stack_linear` (engine/model/ops.py) on the host's GEMMs, reading expert i's weight
@@ -615,6 +655,8 @@ hc_expand = _native_op("hc_expand", hc_expand_impl, lambda y, residual, post, co
 sparse_attn = _native_op("sparse_attn", sparse_attn_impl, lambda q, kv, valid, sink, scale: torch.empty_like(q))
 hc_pre = _native_op("hc_pre", hc_pre_impl, lambda x, fn, scale, base, norm_w, hc_mult, *_: (
     x.new_empty(x.shape[0], x.shape[2]), *_mixes_fake(x, fn, scale, base, hc_mult)[1:]))
+compress_pool = _native_op("compress_pool", compress_pool_impl, lambda kv, score, overlap, *_: kv.new_empty(
+    (*kv.shape[:-2], kv.shape[-1] // 2 if overlap else kv.shape[-1]), dtype=torch.float32))
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
@@ -625,10 +667,10 @@ from engine.host_kernels import attn_ops, layer_ops, step_ops  # noqa: E402  (th
 NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
     "hc_collapse": hc_collapse, "hc_expand": hc_expand, "hc_pre": hc_pre, "sparse_attn": sparse_attn,
-    "moe_ffn": moe_ffn, "rope_tail": attn_ops.rope_tail, "grouped_out_proj": attn_ops.grouped_out_proj,
-    "gate": step_ops.gate, "hc_head": step_ops.hc_head, "attn_qkv_native": attn_ops.attn_qkv_native,
-    "ffn_site": step_ops.ffn_site, "ffn_site_pack": step_ops.site_pack, "attn_front": attn_ops.attn_front,
-    "attn_front_pack": attn_ops.front_pack, "attn_decode": attn_ops.attn_decode,
+    "moe_ffn": moe_ffn, "compress_pool": compress_pool, "rope_tail": attn_ops.rope_tail,
+    "grouped_out_proj": attn_ops.grouped_out_proj, "gate": step_ops.gate, "hc_head": step_ops.hc_head,
+    "attn_qkv_native": attn_ops.attn_qkv_native, "ffn_site": step_ops.ffn_site, "ffn_site_pack": step_ops.site_pack,
+    "attn_front": attn_ops.attn_front, "attn_front_pack": attn_ops.front_pack, "attn_decode": attn_ops.attn_decode,
     "attn_decode_pack": attn_ops.decode_pack, "attn_decode_takes": attn_ops.attn_decode_takes, "native_pack": packed,
     "decode_layer": layer_ops.decode_layer, "decode_layer_pack": layer_ops.layer_pack}
 

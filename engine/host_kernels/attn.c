@@ -16,9 +16,10 @@
  *   dk_attn_decode  a decode-only step's attention after its state writes, through the block's attention tail
  *                   (engine/model/attention.py Attention._decode's keys, _attend and _out; engine/model/block.py's
  *                   attn_out_expand), fp32, B sequences of one token; with `new_kv` also the step's state writes
- *                   before it (Attention._decode_writes on a step where no compressed block closes):
+ *                   before it (Attention._decode_writes):
  *                ring[slots[b], ring_rows[b]] = new_kv[b]                                     (write_ring)
  *                st_kv_c[slots[b], row_c[b]] = kv_c[b]; st_score_c[...] = score_c[b] + ape_c[phase_c[b]]
+ *                pool_c[entry w of b] = close_block(the block w that row b closes)
  *                                                                   (Compressor.decode, each of the C compressors)
  *                keys_b [N, D] = ring[slots[b]] (wl rows) ++ pool entries 0..nloc-1 of block table b   N = wl + nloc
  *                valid_b [N]   = ring_valid[b] ++ (entry e < visible[b] and, with `keep`, keep[b, e])
@@ -30,9 +31,12 @@
  * kernels the op table runs one by one (dk_sparse_attn on all B rows, dk_rope_tail, dk_bf16_grouped_linear, gemm,
  * dk_hc_expand), so the result is that path's bit for bit. What it saves is the gathers' and concatenations' torch
  * ops and five op-table calls per layer and step. ring [S, wl, D], pool [NB, epb, D] (NULL when nloc is 0), tables
- * [B, nb] int64, keep [B, nloc] (NULL: every causal entry; else the indexer's picks, Attention._select), wo_a bf16 [G*R, H*D/G], wo_b [dim, G*R] in format fb; per compressor c, cptr[7c..7c+6] = kv_c,
- * score_c [B, W_c], st_kv_c, st_score_c [S, rows_c, W_c], ape_c [m, W_c], row_c, phase_c [B] int64 and cdim[2c..]
- * = W_c, rows_c. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
+ * [B, nb] int64, keep [B, nloc] (NULL: every causal entry; else the indexer's picks, Attention._select), wo_a bf16
+ * [G*R, H*D/G], wo_b [dim, G*R] in format fb; per compressor c, cptr[CPTR c..] and cdim[CDIM c..] as dk.h lists
+ * them, ceps[c] its norm's eps. The closing blocks pool with the routine the host table's compress_pool runs
+ * (dk_compress_pool), then dk_rms_norm and dk_rope_tail as Compressor.finish calls them, so the entries are the
+ * op-by-op path's bit for bit. Returns 0, -1 when out of memory, -2 for a block id outside the tables, else the
+ * first kernel's non-zero code.
  *
  *   dk_attn_front  the front of the attention half of a decode block (engine/model/attention.py
  *                  Attention.decode_native before its state writes), fp32:
@@ -44,21 +48,98 @@
  * for bit, without three op-table calls and P GEMV wrappers per layer and step. proj: the P outputs one after the
  * other. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
  *
- *   dk_decode_layer  a whole decode layer (engine/model/block.py Block.forward of a decode-only step whose state
- *                    writes need no pooling): dk_attn_front, then dk_attn_decode with the state writes (the
+ *   dk_decode_layer  a whole decode layer (engine/model/block.py Block.forward of a decode-only step whose indexer,
+ *                    if any, does not select): dk_attn_front, then dk_attn_decode with the state writes (the
  *                    compressors' kv and score are the front's projections 2c and 2c + 1), then dk_ffn_site, with
  *                    the static arguments of dk_layer (dk.h) and the step's own: x [B, n, dim] -> out; cos / sin
  *                    [B, rd/2]; slots, ring rows [B]; ring_valid [B, wl]; tables [B, nb]; nloc, visible [B];
- *                    crow: per compressor its state rows and phases [B]; hash_ids [B, K] or NULL. The same calls
+ *                    crow: per compressor six pointers (state rows, phases [B], closing rows, block ids [K_c],
+ *                    cos, sin [K_c, rd/2]), ck[c] = K_c; hash_ids [B, K] or NULL. The same calls
  *                    the three make one by one, so the same numbers bit for bit; what it saves is the Python
  *                    between them. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dk.h"
+
+/* out[c] = sum_j softmax_j(sc[j][c]) kv[j][c] over n slots (rows given by pointer; NULL: an absent slot, score -inf),
+ * per channel c < d: nki_kernels/reference.py compress_pool's softmax pooling, fp32, libm expf. One copy of the code
+ * (noinline) for dk_compress_pool and the decode step's closing blocks, so both give the same bits. */
+__attribute__((noinline)) static void pool_slots(const float *const *kv, const float *const *sc, int64_t n, int64_t d, float *out) {
+    for (int64_t c = 0; c < d; c++) {
+        float mx = -INFINITY, den = 0.0f, acc = 0.0f;
+        for (int64_t j = 0; j < n; j++)
+            if (sc[j] != NULL && sc[j][c] > mx) mx = sc[j][c];
+        for (int64_t j = 0; j < n; j++)
+            if (sc[j] != NULL) den += expf(sc[j][c] - mx);
+        for (int64_t j = 0; j < n; j++)
+            if (sc[j] != NULL) acc += kv[j][c] * (expf(sc[j][c] - mx) / den);
+        out[c] = acc;
+    }
+}
+
+/*   dk_compress_pool  nki_kernels/reference.py compress_pool: kv, score [N, W, m, C], prev_kv / prev_score [N, m, C]
+ *                     or NULL (CSA's block before block 0; NULL: absent) -> out [N, W, d], d = C / 2 (overlap) or C.
+ *                     Returns 0, -1 when out of memory. */
+int dk_compress_pool(const float *kv, const float *score, const float *prev_kv, const float *prev_score, int64_t N,
+                     int64_t W, int64_t m, int64_t C, int overlap, float *out) {
+    const int64_t d = overlap ? C / 2 : C, n = overlap ? 2 * m : m;
+    const float **kp = (const float **)malloc(sizeof(float *) * (size_t)(2 * n));
+    if (kp == NULL) return -1;
+    const float **sp = kp + n;
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t w = 0; w < W; w++) {
+            const float *bk = kv + ((i * W + w) * m) * C, *bs = score + ((i * W + w) * m) * C;
+            for (int64_t j = 0; j < m; j++) {
+                if (!overlap) {
+                    kp[j] = bk + j * C, sp[j] = bs + j * C;
+                    continue;
+                }
+                /* the first m slots: block w - 1's first-half channels (block 0: prev's, or absent) */
+                const float *pk = w ? bk - m * C : prev_kv != NULL ? prev_kv + (i * m) * C : NULL;
+                const float *ps = w ? bs - m * C : prev_score != NULL ? prev_score + (i * m) * C : NULL;
+                kp[j] = pk != NULL ? pk + j * C : NULL, sp[j] = ps != NULL ? ps + j * C : NULL;
+                kp[m + j] = bk + j * C + d, sp[m + j] = bs + j * C + d; /* block w's second-half channels */
+            }
+            pool_slots(kp, sp, n, d, out + (i * W + w) * d);
+        }
+    free(kp);
+    return 0;
+}
+
+/* Compressor.decode's closing block for one sequence: block w ends at state row `row` (its last token's), its m rows
+ * (CSA: with the m rows of the block before) pooled, then rms_norm with the compressor's norm, RoPE of the trailing
+ * rd dims at the block's first position (cs / sn: that position's row), written to dst. The same kernels as the
+ * op-by-op path's `finish` (dk_rms_norm, dk_rope_tail) on the same values. */
+static int close_block(const float *st_kv, const float *st_sc, int64_t rows, int64_t row, int64_t m, int64_t Wc,
+                       int64_t d, const float *norm_w, float eps, const float *cs, const float *sn, int64_t rd,
+                       float *dst) {
+    const int overlap = Wc == 2 * d;
+    const int64_t n = overlap ? 2 * m : m;
+    const float **kp = (const float **)malloc(sizeof(float *) * (size_t)(2 * n) + sizeof(float) * (size_t)d);
+    if (kp == NULL) return -1;
+    const float **sp = kp + n;
+    float *pooled = (float *)(sp + n);
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t r = ((row - (m - 1) + j) % rows + rows) % rows;
+        if (overlap) {
+            const int64_t rp = ((row - (2 * m - 1) + j) % rows + rows) % rows;
+            kp[j] = st_kv + rp * Wc, sp[j] = st_sc + rp * Wc;
+            kp[m + j] = st_kv + r * Wc + d, sp[m + j] = st_sc + r * Wc + d;
+        } else {
+            kp[j] = st_kv + r * Wc, sp[j] = st_sc + r * Wc;
+        }
+    }
+    pool_slots(kp, sp, n, d, pooled);
+    int rc = dk_rms_norm(pooled, norm_w, pooled, 1, d, eps, 1);
+    if (!rc) rc = dk_rope_tail(pooled, cs, sn, dst, 1, 1, d, rd, 0);
+    free(kp);
+    return rc;
+}
 
 int dk_attn_qkv(const float *x, int64_t T, int64_t dim, int fa, const uint8_t *wa, const uint8_t *sa,
                 const float *q_norm, int64_t Q, int fb, const uint8_t *wb, const uint8_t *sb, int64_t H, int64_t D,
@@ -81,21 +162,35 @@ int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring,
                    const float *sink, float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a, int64_t G,
                    int64_t R, int fb, const uint8_t *wb, const uint8_t *sb, int64_t dim, const float *x, int64_t n,
                    const float *post, const float *comb, float *out, const float *new_kv, const int64_t *ring_rows,
-                   int64_t C, const void *const *cptr, const int64_t *cdim, int nt) {
+                   int64_t C, const void *const *cptr, const int64_t *cdim, const float *ceps, int nt) {
     if (nloc > nb * epb) return -2;
     if (new_kv != NULL) {
         for (int64_t b = 0; b < B; b++)
             memcpy(ring + (slots[b] * wl + ring_rows[b]) * D, new_kv + b * D, sizeof(float) * (size_t)D);
         for (int64_t c = 0; c < C; c++) {
-            const float *kv_c = (const float *)cptr[7 * c], *sc_c = (const float *)cptr[7 * c + 1],
-                        *ape = (const float *)cptr[7 * c + 4];
-            float *st_kv = (float *)cptr[7 * c + 2], *st_sc = (float *)cptr[7 * c + 3];
-            const int64_t *row = (const int64_t *)cptr[7 * c + 5], *phase = (const int64_t *)cptr[7 * c + 6];
-            const int64_t W = cdim[2 * c], rows = cdim[2 * c + 1];
+            const void *const *cp = cptr + CPTR * c;
+            const int64_t *cd = cdim + CDIM * c;
+            const float *kv_c = (const float *)cp[0], *sc_c = (const float *)cp[1], *ape = (const float *)cp[4];
+            float *st_kv = (float *)cp[2], *st_sc = (float *)cp[3];
+            const int64_t *row = (const int64_t *)cp[5], *phase = (const int64_t *)cp[6];
+            const int64_t W = cd[0], rows = cd[1];
             for (int64_t b = 0; b < B; b++) {
                 const int64_t at = (slots[b] * rows + row[b]) * W;
                 memcpy(st_kv + at, kv_c + b * W, sizeof(float) * (size_t)W);
                 for (int64_t i = 0; i < W; i++) st_sc[at + i] = sc_c[b * W + i] + ape[phase[b] * W + i];
+            }
+            /* the blocks that close: their entries into the compressor's pool (Compressor.decode's pooling) */
+            const int64_t K = cd[2], epb = cd[3], m = cd[4], d = cd[5];
+            const int64_t *idx = (const int64_t *)cp[7], *blk = (const int64_t *)cp[8];
+            const float *ccs = (const float *)cp[9], *csn = (const float *)cp[10], *norm_w = (const float *)cp[11];
+            float *cpool = (float *)cp[12];
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t b = idx[k], u = blk[k];
+                if (b < 0 || b >= B || u < 0 || u / epb >= nb) return -2;
+                float *dst = cpool + (tables[b * nb + u / epb] * epb + u % epb) * d;
+                int rc = close_block(st_kv + slots[b] * rows * W, st_sc + slots[b] * rows * W, rows, row[b], m, W, d,
+                                     norm_w, ceps[c], ccs + k * (rd / 2), csn + k * (rd / 2), rd, dst);
+                if (rc) return rc;
             }
         }
     }
@@ -152,7 +247,7 @@ int dk_attn_front(const float *x, int64_t T, int64_t n, int64_t dim, const float
 
 int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, const float *cs, const float *sn,
                     const int64_t *slots, const int64_t *ring_rows, const uint8_t *ring_valid, const int64_t *tables,
-                    int64_t nb, int64_t nloc, const int64_t *visible, const int64_t *const *crow,
+                    int64_t nb, int64_t nloc, const int64_t *visible, const void *const *crow, const int64_t *ck,
                     const int64_t *hash_ids, int nt) {
     const int64_t n = L->n, dim = L->dim;
     int64_t proj_n = 0;
@@ -166,20 +261,24 @@ int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, co
                            (int)L->fa, L->wa, L->sa, L->q_norm, L->Q, (int)L->fb, L->wb, L->sb, L->H, L->D, (int)L->fk,
                            L->wk, L->sk, L->kv_norm, cs, sn, L->rd, L->eps, L->P, L->pf, L->pw, L->ps, L->pn, post,
                            comb, qr, q, kv, proj, nt);
-    const void *cptr[14];
-    int64_t cdim[4];
+    const void *cptr[2 * CPTR];
+    int64_t cdim[2 * CDIM];
     for (int64_t c = 0; c < L->C && c < 2; c++) {
         int64_t off = 0;
         for (int64_t i = 0; i < 2 * c; i++) off += B * L->pn[i];
-        cptr[7 * c] = proj + off, cptr[7 * c + 1] = proj + off + B * L->pn[2 * c];
-        cptr[7 * c + 2] = L->states[c][0], cptr[7 * c + 3] = L->states[c][1], cptr[7 * c + 4] = L->states[c][2];
-        cptr[7 * c + 5] = crow[2 * c], cptr[7 * c + 6] = crow[2 * c + 1];
-        cdim[2 * c] = L->W[c], cdim[2 * c + 1] = L->rows[c];
+        const void **cp = cptr + CPTR * c;
+        const void *const *cr = crow + 6 * c; /* state rows, phases, closing rows, block ids, cos, sin */
+        cp[0] = proj + off, cp[1] = proj + off + B * L->pn[2 * c];
+        cp[2] = L->states[c][0], cp[3] = L->states[c][1], cp[4] = L->states[c][2];
+        for (int i = 0; i < 6; i++) cp[5 + i] = cr[i];
+        cp[11] = L->states[c][3], cp[12] = L->states[c][4];
+        int64_t *cd = cdim + CDIM * c;
+        cd[0] = L->W[c], cd[1] = L->rows[c], cd[2] = ck[c], cd[3] = L->cepb[c], cd[4] = L->cm[c], cd[5] = L->cd[c];
     }
     if (!rc)
         rc = dk_attn_decode(q, B, L->H, L->D, L->ring, L->wl, slots, ring_valid, nloc ? L->pool : NULL, L->epb, tables,
                             nb, nloc, visible, NULL, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo, L->wo,
-                            L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, nt);
+                            L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, L->ceps, nt);
     if (!rc)
         rc = dk_ffn_site(x2, B, n, dim, L->f_fn, L->f_scale, L->f_base, L->iters, L->hc_eps, L->norm_eps, L->f_norm,
                          L->gate_w, L->E, L->bias, hash_ids, L->K, L->route_scale, L->I, L->limit, L->e_lo, L->e_n,
@@ -204,6 +303,7 @@ int64_t dk_layer_layout(int64_t *out, int64_t cap) {
         offsetof(dk_layer, epb), offsetof(dk_layer, sink), offsetof(dk_layer, wo_a), offsetof(dk_layer, G),
         offsetof(dk_layer, R), offsetof(dk_layer, fo), offsetof(dk_layer, wo), offsetof(dk_layer, so),
         offsetof(dk_layer, C), offsetof(dk_layer, states), offsetof(dk_layer, W), offsetof(dk_layer, rows),
+        offsetof(dk_layer, cepb), offsetof(dk_layer, cm), offsetof(dk_layer, cd), offsetof(dk_layer, ceps),
         offsetof(dk_layer, f_fn), offsetof(dk_layer, f_scale), offsetof(dk_layer, f_base), offsetof(dk_layer, f_norm),
         offsetof(dk_layer, gate_w), offsetof(dk_layer, E), offsetof(dk_layer, bias), offsetof(dk_layer, K),
         offsetof(dk_layer, route_scale), offsetof(dk_layer, limit), offsetof(dk_layer, I), offsetof(dk_layer, e_lo),

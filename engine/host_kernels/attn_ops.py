@@ -219,20 +219,24 @@ def attn_front(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 _DECODE_KEYS = ("host.attn_decode", "host.sparse_attn", "host.rope_tail", "host.grouped_out_proj", "host.hc_expand")
 _SELECT_KEY = (("host.attn_decode.select", hk.EXECUTOR),)  # attn_decode over the indexer's picks
+CLOSE_KEY = (("host.attn_decode.close", hk.EXECUTOR),)  # attn_decode pooling the blocks that close
 
 
 def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, groups: int, wo_b: torch.nn.Module,
-                win_kv: torch.Tensor, cmp_pool: torch.Tensor | None,
-                states: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]) -> hk.Pack:
+                win_kv: torch.Tensor, cmp_pool: torch.Tensor | None, states: tuple[tuple, ...]) -> hk.Pack:
     """`attn_decode`'s pack for one layer and its cache: the sink, wo_a (bf16) and wo_b, the window ring [S, wl, D]
-    and the entry pool [NB, epb, D] (None: no compressor), and per compressor its state kv and score [S, rows, W]
-    and ape [m, W] (the state writes `attn_decode` can make), all fp32 CPU tensors as --kv-cache-dtype auto holds
+    and the entry pool [NB, epb, D] (None: no compressor), and per compressor (the state writes and the closing
+    blocks' pooling `attn_decode` can make) its state kv and score [S, rows, W], ape [m, W], its norm's weight [d],
+    its entry pool [NB, epb, d], its ratio m and its norm's eps; the tensors fp32 CPU as --kv-cache-dtype auto holds
     them; args None where the kernels do not take them."""
-    keep = (sink, wo_a, win_kv, cmp_pool, *hk.held(wo_b), *(t for st in states for t in st))
+    tensors = tuple(t for st in states for t in st[:5])
+    keep = (sink, wo_a, win_kv, cmp_pool, *hk.held(wo_b), *tensors)
     gb = _gemm_args(wo_b)
-    if gb is None or not hk.fp32_cpu(sink, win_kv, *(t for st in states for t in st)) or cmp_pool is not None \
+    if gb is None or not hk.fp32_cpu(sink, win_kv, *tensors) or cmp_pool is not None \
             and not hk.fp32_cpu(cmp_pool) or wo_a.dtype is not torch.bfloat16 or not wo_a.is_contiguous() \
-            or wo_a.shape[0] % groups or wo_b.in_features != wo_a.shape[0]:
+            or wo_a.shape[0] % groups or wo_b.in_features != wo_a.shape[0] \
+            or any(st[3].shape != st[4].shape[2:] or st[0].shape[2] not in (st[4].shape[2], 2 * st[4].shape[2])
+                   or st[2].shape[0] != st[5] for st in states):
         return hk.Pack(None, keep)
     h, d = sink.shape[0], win_kv.shape[2]
     if wo_a.shape[1] * groups != h * d:
@@ -242,10 +246,24 @@ def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, g
         pool=cmp_pool.data_ptr() if cmp_pool is not None else None,
         epb=cmp_pool.shape[1] if cmp_pool is not None else 1,
         wo=(wo_a.data_ptr(), groups, wo_a.shape[0] // groups, *gb[:3], wo_b.out_features),
-        states=[(st_kv.data_ptr(), st_score.data_ptr(), ape.data_ptr(), st_kv.shape[2], st_kv.shape[1])
-                for st_kv, st_score, ape in states],
+        states=[(st_kv.data_ptr(), st_score.data_ptr(), ape.data_ptr(), st_kv.shape[2], st_kv.shape[1],
+                 norm_w.data_ptr(), pool.data_ptr(), pool.shape[1], m, pool.shape[2], eps)
+                for st_kv, st_score, ape, norm_w, pool, m, eps in states],
         limit_keys=("mhc", "sparse_attn", "linear", gb[3]),
         keys=tuple((k, hk.EXECUTOR) for k in (*_DECODE_KEYS, f"host.{gb[3]}"))), keep)
+
+
+def comp_args(states: list[tuple], kv: list[int], score: list[int], step: list[list[int]],
+              closing: list[int]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+    """dk_attn_decode's per-compressor arrays (dk.h CPTR / CDIM order) from the pack's `states` and the step's
+    pointers: the projections kv and score, `step` (state rows, phases, closing rows, block ids, cos, sin) and the
+    closing block counts -> (cptr, cdim, ceps)."""
+    n = len(states)
+    cptr = (ctypes.c_void_p * max(1, 13 * n))(*[p for st, k, sc, dyn in zip(states, kv, score, step, strict=True)
+                                                for p in (k, sc, *st[:3], *dyn, *st[5:7])])
+    cdim = (ctypes.c_int64 * max(1, 6 * n))(*[v for st, k in zip(states, closing, strict=True)
+                                             for v in (st[3], st[4], k, *st[7:10])])
+    return cptr, cdim, (ctypes.c_float * max(1, n))(*[st[10] for st in states])
 
 
 def attn_decode_takes(pack: hk.Pack, b: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -268,8 +286,10 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
     [B, n, dim] fp32. q [B, H, D]; the window ring read at slots [B] with ring_valid [B, (1,) wl] bool; entries
     0..nloc-1 of each sequence through tables [B, nb], seen while their id < visible [B, (1)]; cos / sin [B, rd/2];
     x [B, n, dim], post [B, n], comb [B, n, n]. The caller checked `attn_decode_takes`. `writes`: the step's state
-    writes first (a step where no compressed block closes): (kv [B, D] and its ring rows [B] int64, then per
-    compressor of the pack (kv_c, score_c [B, W] fp32, state rows, phases [B] int64)); None: already written.
+    writes first: (kv [B, D] and its ring rows [B] int64, then per compressor of the pack (kv_c, score_c [B, W]
+    fp32, state rows, phases [B] int64, the rows whose block closes [K] int64, those blocks' ids [K] int64 and
+    RoPE's cos, sin [K, rd/2] at their first positions): the blocks that close pooled into their pools as
+    `Compressor.decode` pools them); None: already written.
     `keep`: the indexer's picks among the entries [B, nloc] bool (Attention._select), None: every causal entry."""
     a = pack.args
     b = q.shape[0]
@@ -281,15 +301,17 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
     vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
     n, dim = x.shape[1], x.shape[2]
     out = torch.empty(b, n, dim, dtype=hk.F32)
-    new_kv = ring_rows = cptr = cdim = None
+    new_kv = ring_rows = cptr = cdim = ceps = None
     n_comp = 0
     if writes is not None:
         new_kv, ring_rows = writes[0].contiguous(), writes[1].contiguous()
         dyn = [[u.contiguous() for u in c] for c in writes[2:]]  # alive until the call returns
         n_comp = len(dyn)
-        cptr = (ctypes.c_void_p * max(1, 7 * n_comp))(*[p for c, st in zip(dyn, a.states, strict=True) for p in (
-            c[0].data_ptr(), c[1].data_ptr(), *st[:3], c[2].data_ptr(), c[3].data_ptr())])
-        cdim = (ctypes.c_int64 * max(1, 2 * n_comp))(*[v for st in a.states for v in st[3:]])
+        closing = [c[4].numel() for c in dyn]
+        cptr, cdim, ceps = comp_args(a.states, [c[0].data_ptr() for c in dyn], [c[1].data_ptr() for c in dyn],
+                                     [[u.data_ptr() for u in c[2:]] for c in dyn], closing)
+        if any(closing):
+            hk._count_each(CLOSE_KEY)
     rc = hk._native().lib.dk_attn_decode(
         qf.data_ptr(), b, a.h, a.d, a.ring, a.wl, sl.data_ptr(), rv.data_ptr(), a.pool if nloc else None, a.epb,
         tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None,
@@ -297,7 +319,7 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), a.rd, *a.wo[:-1], dim, x.data_ptr(), n,
         post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(),
         new_kv.data_ptr() if new_kv is not None else None, ring_rows.data_ptr() if ring_rows is not None else None,
-        n_comp, cptr, cdim, torch.get_num_threads())
+        n_comp, cptr, cdim, ceps, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"host kernel attn_decode: error {rc} for q [{b}, {a.h}, {a.d}] over {a.wl} + {nloc} keys")
     return out

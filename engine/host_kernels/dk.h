@@ -76,8 +76,9 @@ typedef struct {
     int64_t G, R, fo;
     const uint8_t *wo, *so;
     int64_t C;
-    void *states[2][3]; /* per compressor: state kv, state score, ape */
-    int64_t W[2], rows[2];
+    void *states[2][5]; /* per compressor: state kv, state score, ape, its norm's weight, its entry pool */
+    int64_t W[2], rows[2], cepb[2], cm[2], cd[2]; /* state width, rows; pool entries per block, ratio, entry dim */
+    float ceps[2];                                /* its norm's eps */
     /* the MoE half */
     const float *f_fn, *f_scale, *f_base, *f_norm;
     const uint16_t *gate_w;
@@ -92,6 +93,12 @@ typedef struct {
     /* both halves */
     int64_t n, dim;
 } dk_layer;
+
+/* dk_attn_decode's per-compressor arguments: CPTR pointers (kv, score [B, W]; state kv, score [S, rows, W]; ape
+ * [m, W]; state rows, phases [B]; the closing blocks' rows in the step [K], their block ids [K], cos, sin [K, rd/2]
+ * at their first positions; the norm's weight [d]; the entry pool [NB, epb, d]) and CDIM integers (W, rows, K, epb,
+ * m, d). engine/host_kernels/attn_ops.py packs them in this order. */
+enum { CPTR = 13, CDIM = 6 };
 
 static inline int gemm(int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
                        int64_t K, int nt) {

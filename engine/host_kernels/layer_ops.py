@@ -5,7 +5,7 @@ site's mHC front, q / kv, the compressors' projections), `dk_attn_decode` with t
 built from the three sites' packs. The same kernels in the same order as the three calls one by one (and they as
 the ops one by one), so the same numbers bit for bit; what it saves is the Python between them, ~1 ms a layer on a
 Zen-1-class core. engine/model/block.py `Block.forward` takes it on decode-only steps where every part would run
-natively and no compressed block of the layer closes (pooling stays in `Compressor.decode`).
+natively and the layer's indexer does not select (its top-k runs between the attention's two parts).
 
     op             native when                                                      dispatch key
     decode_layer   the three sites' packs all have arguments (attn_front_pack,       "host.decode_layer" (+ each
@@ -22,6 +22,7 @@ import types
 import torch
 
 from engine import host_kernels as hk
+from engine.host_kernels import attn_ops
 from engine.host_kernels.step_ops import _SITE_COUNTS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -36,7 +37,8 @@ class DkLayer(ctypes.Structure):
         ("sb", _P), ("H", _I), ("D", _I), ("fk", _I), ("wk", _P), ("sk", _P), ("kv_norm", _P), ("rd", _I),
         ("eps", _F), ("scale", _F), ("P", _I), ("pf", _P), ("pw", _P), ("ps", _P), ("pn", _P),
         ("ring", _P), ("wl", _I), ("pool", _P), ("epb", _I), ("sink", _P), ("wo_a", _P), ("G", _I), ("R", _I),
-        ("fo", _I), ("wo", _P), ("so", _P), ("C", _I), ("states", _P * 6), ("W", _I * 2), ("rows", _I * 2),
+        ("fo", _I), ("wo", _P), ("so", _P), ("C", _I), ("states", _P * 10), ("W", _I * 2), ("rows", _I * 2),
+        ("cepb", _I * 2), ("cm", _I * 2), ("cd", _I * 2), ("ceps", _F * 2),
         ("f_fn", _P), ("f_scale", _P), ("f_base", _P), ("f_norm", _P), ("gate_w", _P), ("E", _I), ("bias", _P),
         ("K", _I), ("route_scale", _F), ("limit", _F), ("I", _I), ("e_lo", _I), ("e_n", _I), ("fmt_r", _I),
         ("r", _P), ("fmt_s", _I), ("s", _P), ("n", _I), ("dim", _I)]
@@ -77,13 +79,18 @@ def layer_pack(front: hk.Pack | None, decode: hk.Pack | None, site: hk.Pack | No
     wo_a, groups, r, fo, wo, so, _ = da.wo
     ffn, ffn_scale, ffn_base, _, _, _, ffn_norm, gate_w, e, bias = sa.head
     topk, route_scale, inter, limit, e_lo, e_n, fmt_r, ptrs_r, fmt_s, ptrs_s = sa.tail
-    st = [p for kv, sc, ape, _, _ in da.states for p in (kv, sc, ape)] + [None] * (6 - 3 * len(da.states))
-    dims = [v for *_, w, rows in da.states for v in (w, rows)] + [0] * (4 - 2 * len(da.states))
+    pad = 2 - len(da.states)
+    st = [p for kv, sc, ape, _, _, norm, pool, *_ in da.states for p in (kv, sc, ape, norm, pool)] + [None] * 5 * pad
+
+    def per_comp(i: int, t: type = _I) -> ctypes.Array:  # field i of each compressor's state tuple
+        return (t * 2)(*[c[i] for c in da.states], *[0] * pad)
+
     layer = DkLayer(
         fn, scale, base, iters, hc_eps, norm_eps, norm_w, f_a, wa, s_a or None, q_norm, ql, f_b, wb, s_b or None,
         heads, hd, f_k, wk, s_k or None, kv_norm, rd, eps, da.scale, k, ctypes.addressof(pf), ctypes.addressof(pw),
         ctypes.addressof(ps), ctypes.addressof(pn), da.ring, da.wl, da.pool, da.epb, da.sink, wo_a, groups, r, fo, wo,
-        so or None, len(da.states), (_P * 6)(*st), (_I * 2)(*dims[0::2]), (_I * 2)(*dims[1::2]), ffn, ffn_scale,
+        so or None, len(da.states), (_P * 10)(*st), per_comp(3), per_comp(4), per_comp(7), per_comp(8), per_comp(9),
+        per_comp(10, _F), ffn, ffn_scale,
         ffn_base, ffn_norm, gate_w, e, bias, topk, route_scale, limit, inter, e_lo, e_n, fmt_r,
         ctypes.addressof(ptrs_r), fmt_s, ctypes.addressof(ptrs_s) if ptrs_s is not None else None, fa.n, fa.dim)
     return hk.Pack(types.SimpleNamespace(
@@ -95,29 +102,33 @@ def layer_pack(front: hk.Pack | None, decode: hk.Pack | None, site: hk.Pack | No
 
 def decode_layer(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  ring_rows: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int,
-                 visible: torch.Tensor | None, crow: tuple[torch.Tensor, ...],
+                 visible: torch.Tensor | None, crow: tuple[tuple[torch.Tensor, ...], ...],
                  hash_ids: torch.Tensor | None) -> torch.Tensor | None:
     """attn.c `dk_decode_layer` with `layer_pack`'s static arguments: x the residual streams [B, n, dim] -> the
     layer's output streams, or None where it does not take this call (nothing counted, no state written: the
     caller runs the layer's sites). cos / sin [B, rd/2]; slots, ring_rows [B] int64; ring_valid [B, (1,) wl] bool;
-    tables [B, nb]; entries 0..nloc-1 seen while their id < visible [B, (1)]; crow: each compressor's state rows
-    and phases [B] int64 (2 per compressor); hash_ids [B, K] int64 for a hash layer."""
+    tables [B, nb]; entries 0..nloc-1 seen while their id < visible [B, (1)]; crow: per compressor its state rows
+    and phases [B] int64, the rows whose block closes [K] int64, those blocks' ids [K] int64 and RoPE's cos, sin
+    [K, rd/2] at their first positions (attn_ops.attn_decode's `writes`); hash_ids [B, K] int64 for a hash layer."""
     a = pack.args
     b = None if a is None else hk.step_rows(a, x, cos, sin)
-    if b is None or len(crow) != 2 * a.n_comp \
+    if b is None or len(crow) != a.n_comp \
             or a.hashed != (hash_ids is not None) or hash_ids is not None and (
                 hash_ids.dtype is not torch.int64 or tuple(hash_ids.shape) != (b, a.topk)):
         return None
     hk._count_each(a.keys)
     sl, rr, rv, tb = slots.contiguous(), ring_rows.contiguous(), ring_valid.contiguous(), tables.contiguous()
     vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
-    rows = [t.contiguous() for t in crow]
+    rows = [t.contiguous() for c in crow for t in c]  # alive until the call returns
     cptr = (_P * max(1, len(rows)))(*[t.data_ptr() for t in rows])
+    ck = (_I * max(1, len(crow)))(*[c[2].numel() for c in crow])
+    if any(ck):
+        hk._count_each(attn_ops.CLOSE_KEY)
     h = hash_ids.contiguous() if hash_ids is not None else None
     out = torch.empty(b, a.n, a.dim, dtype=hk.F32)
     rc = hk._native().lib.dk_decode_layer(
         a.ref, x.data_ptr(), out.data_ptr(), b, cos.data_ptr(), sin.data_ptr(), sl.data_ptr(), rr.data_ptr(),
-        rv.data_ptr(), tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, cptr,
+        rv.data_ptr(), tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, cptr, ck,
         h.data_ptr() if h is not None else None, torch.get_num_threads())
     if rc == -3:
         raise ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})")

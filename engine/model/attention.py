@@ -36,6 +36,10 @@ def global_topk(cands: torch.Tensor, k: int, bitcast: bool = True) -> torch.Tens
     return gid.gather(-1, top).masked_fill(pad.gather(-1, top), -1).long()
 
 
+_NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
+             torch.empty(0, 1))  # a compressor's closing blocks on a step where none closes (`layer_inputs`)
+
+
 def _picked(scores: torch.Tensor, pick: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The entries `index_topk`'s `pick` (order, valid) keeps, as a mask shaped like `scores` [B, T, E]."""
     return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, pick[0], pick[1])
@@ -403,9 +407,9 @@ class Attention(OpsUser, nn.Module):
     def decode_pack(self, cache: LayerCache) -> object:
         """This layer's pack of the op table's `attn_decode` for `cache` (the table's `native_pack`: made once)."""
         def build() -> object:
-            states = [(cache.cmp_kv, cache.cmp_score, self.compressor.ape)] if self.ratio else []
-            if self.indexer is not None:
-                states.append((cache.idx_kv, cache.idx_score, self.indexer.compressor.ape))
+            stores = ((cache.cmp_kv, cache.cmp_score, cache.cmp_pool), (cache.idx_kv, cache.idx_score, cache.idx_pool))
+            states = [(*st[:2], c.ape, c.norm.weight, st[2], c.ratio, c.eps)
+                      for c, st in zip(self._comps(), stores, strict=False)]
             return self.ops.attn_decode_pack(self.attn_sink, self.scale, self.rd, self.wo_a.weight, self.cfg.o_groups,
                                              self.wo_b, cache.win_kv, cache.cmp_pool if self.ratio else None,
                                              tuple(states))
@@ -443,7 +447,8 @@ class Attention(OpsUser, nn.Module):
         [B, n, dim]; `site()`: the rest of `ops.hc_pre`'s arguments (Block.site_args) -> the new streams. The front
         is the op table's `attn_front` (one native call: hc_pre, attn_qkv and the compressors' projections, with the
         indexer's weights_proj where it selects) where it takes it, else those ops one by one; then the state writes
-        `_decode` makes (inside `attn_decode` where no block closes, else `_decode_writes`); where the indexer
+        `_decode` makes (inside `attn_decode`, closing blocks pooled there too, except where the indexer selects
+        and a block closes: `_decode_writes`, as the scores read the new entry); where the indexer
         selects (`selects`), its queries, scores and top-k as `_entries` and `_select` make them; then
         `attn_decode` (one native call: the keys' gather, sparse_attn over the picks, inverse RoPE, wo_a, wo_b,
         hc_expand)."""
@@ -461,13 +466,12 @@ class Attention(OpsUser, nn.Module):
             aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
             if index:  # the last projection: the indexer's weights_proj
                 aux["q"] = self.indexer.queries_from(proj[-1], qr, cos, sin)
-        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow = self.layer_inputs(plan, cache)
+        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self.layer_inputs(plan, cache)
         writes = None
-        if crow is None or kv.dtype is not torch.float32:  # a block closes: its pooling runs in Compressor.decode
+        if index and closes or kv.dtype is not torch.float32:  # the indexer scores the entry a closing block makes
             self._decode_writes(kv, aux, plan, cache)
         else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
-            writes = (kv, ring_rows, *((*aux[key], crow[2 * i], crow[2 * i + 1])
-                                       for i, key in enumerate(("c", "i")[:len(crow) // 2])))
+            writes = (kv, ring_rows, *((*aux[key], *c) for key, c in zip(("c", "i"), crow, strict=False)))
         keep = None
         if index:  # `_select` of the decode group: this layer's picks among the entries [B, nloc]
             scores = self._index_scores(cache, tables, nloc, tuple(t[:, None] for t in aux["q"]))  # [B, 1, E]
@@ -489,11 +493,11 @@ class Attention(OpsUser, nn.Module):
 
     def layer_inputs(self, plan: StepPlan, cache: LayerCache) -> tuple | None:
         """The step's arguments of the op table's `decode_layer` / `attn_decode` for this layer: cos, sin, slots,
-        ring rows, ring valid, tables, entry count, visible counts and each compressor's state rows and phases
-        (that last None where a compressed block of the layer closes in the step: its pooling runs in
-        `Compressor.decode`); None where the step is not one the native decode takes (`decodes_natively`). Made
-        once a step for every layer of the same kind (ratio, indexer, RoPE table, ring and state sizes:
-        `StepPlan.shared`)."""
+        ring rows, ring valid, tables, entry count, visible counts, then per compressor its state rows and phases
+        and its closing blocks (their rows of the step, block ids, RoPE's cos and sin at their first positions:
+        `Compressor.decode_index`), and whether any block closes; None where the step is not one the native
+        decode takes (`decodes_natively`). Made once a step for every layer of the same kind (ratio, indexer, RoPE
+        table, ring and state sizes: `StepPlan.shared`)."""
         if self.par is not None or cache.win_store.fmt != "auto" or self.ratio and cache.cmp_store.fmt != "auto":
             return None
         states = (cache.cmp_kv, cache.idx_kv)[:len(self._comps())]
@@ -505,18 +509,22 @@ class Attention(OpsUser, nn.Module):
         if not self.decodes_natively(plan, cache):  # one rank, every row: the ring is written row for row
             return None
         ix = self._decode_ix(plan, cache)
-        crow: list | None = []
+        crow, closes = [], False
         for comp, st_kv in zip(self._comps(), states, strict=True):
             rows, phase, closing = self._cmp_index(plan, st_kv, comp)
-            crow = None if crow is None or closing is not None else [*crow, rows, phase]
+            if closing is None:
+                crow.append((rows, phase, *_NO_BLOCK))
+            else:
+                crow.append((rows, phase, closing[0], closing[2], *closing[4]))
+                closes = True
         cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
         nloc, visible = 0, None
         if self.ratio:
             visible, found = plan.shared(("entries", self.ratio, self.rank, self.cp),
                                          lambda: self._visible(plan.dec_pos))
             nloc = found[0] if found is not None else 0
-        return (cos, sin, plan.dec_slots, ix.ring_write[1], ix.valid, plan.dec_tables, nloc, visible,
-                None if crow is None else tuple(crow))
+        return (cos, sin, plan.dec_slots, ix.ring_write[1], ix.valid, plan.dec_tables, nloc, visible, tuple(crow),
+                closes)
 
     def _visible(self, pos: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids`."""

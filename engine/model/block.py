@@ -95,12 +95,11 @@ class Block(OpsUser, nn.Module):
         """The whole layer through the op table's `decode_layer` (the host's: attn_front, attn_decode with the
         state writes and ffn_site in one native call, bit for bit the three one by one), or None (nothing done)
         where it does not take this step: no such op (`--numerics official` has none: engine/model/numerics.py), a
-        step the attention's native decode does not take, a site without native arguments, a compressed block of
-        this layer closing (`Attention.layer_inputs`), or the indexer selecting (`Attention.selects`: the halves
-        run, the attention's over the indexer's picks)."""
+        step the attention's native decode does not take, a site without native arguments, or the indexer
+        selecting (`Attention.selects`: the halves run, the attention's over the indexer's picks)."""
         op = getattr(self.ops, "decode_layer", None)
         dyn = None if op is None else self.attn.layer_inputs(plan, lc)
-        if dyn is None or dyn[-1] is None or self.attn.selects(plan):
+        if dyn is None or self.attn.selects(plan):
             return None
 
         def build() -> object:  # the three sites' packs (each made again if stale), then the layer's from them
@@ -111,7 +110,8 @@ class Block(OpsUser, nn.Module):
                                               self.attn.decode_pack(lc), site)
 
         g = self.ffn.gate
-        return op(self.ops.native_pack(self, "layer", build, lc), x, *dyn, g.tid2eid[input_ids] if g.hash else None)
+        return op(self.ops.native_pack(self, "layer", build, lc), x, *dyn[:-1],
+                  g.tid2eid[input_ids] if g.hash else None)
 
 
 class MTPBlock(Block):

@@ -95,13 +95,15 @@ class Compressor(OpsUser, nn.Module):
                      rope: Rope) -> tuple:
         """What `decode` derives from the step's positions alone, the same for every layer of this ratio and state
         size (a decode step makes it once: `StepPlan.shared`): (state rows [B], pos % m [B], closing), closing None
-        when no block closes, else (their slots, block ids w, block tables, rope's (cos, sin) at w * m)."""
+        when no block closes, else (their rows of the step, slots, block ids w, block tables, rope's (cos, sin) at
+        w * m)."""
         m = self.ratio
         closing = ((pos + 1) % m == 0).nonzero().flatten()
         if closing.numel() == 0:
             return self._state_rows(pos, rows), pos % m, None
         w = pos[closing] // m
-        return self._state_rows(pos, rows), pos % m, (slots[closing], w, tables[closing], rope.cos_sin(w * m))
+        return self._state_rows(pos, rows), pos % m, (closing, slots[closing], w, tables[closing],
+                                                      rope.cos_sin(w * m))
 
     def decode(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, index: tuple, st_kv: torch.Tensor,
                st_score: torch.Tensor, pool: torch.Tensor, dtype: torch.dtype) -> None:
@@ -112,7 +114,7 @@ class Compressor(OpsUser, nn.Module):
         st_score[slots, row] = score + self.ape[phase]
         if closing is None:
             return
-        slots_c, w, tables_c, cos_sin = closing
+        _, slots_c, w, tables_c, cos_sin = closing
         pooled = self._pool(st_kv, st_score, slots_c, w)
         self._store(self.finish(pooled, w * self.ratio, None, dtype, cos_sin), w, pool, tables_c)
 
