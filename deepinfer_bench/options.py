@@ -171,7 +171,11 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (*USER_ERRORS, GoldenError, RankFailed) as e:
-        if get_envs().DEEPINFER_TRACEBACK:
+        try:
+            traceback = get_envs().DEEPINFER_TRACEBACK
+        except ValueError:  # a malformed DEEPINFER_* flag (most likely the very error reported here)
+            traceback = False
+        if traceback:
             raise
         from rich.markup import escape
 

@@ -48,3 +48,16 @@ def test_graph_hash_tracks_only_graph_flags() -> None:
     base = read_envs({})
     assert read_envs({"DEEPINFER_NEURON_REGION_TIMING": "1"}).graph_hash() == base.graph_hash()
     assert read_envs({"DEEPINFER_NEURON_GRAPH_MODE": "layer"}).graph_hash() != base.graph_hash()
+
+
+@pytest.mark.parametrize("value", ["bogus", ""])
+def test_a_malformed_flag_is_one_line_at_the_cli(value: str, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """A bad DEEPINFER_* value (empty too) stops a command with exit 2 and one line naming the flag, not a
+    traceback: the error handler itself reads the flags (DEEPINFER_TRACEBACK) and once raised again there."""
+    from tests.cli import run_main
+
+    monkeypatch.setenv("DEEPINFER_HOST_SIMD", value)
+    code, _, err = run_main(["golden", "--out", "unused"], capsys)
+    assert code == 2
+    assert f"DEEPINFER_HOST_SIMD={value!r}: expected one of" in err and "Traceback" not in err
