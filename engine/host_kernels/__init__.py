@@ -25,6 +25,9 @@ hundreds of microseconds as chains of torch ops (on the tiny model they were ~45
 `hc_mixes`, `hc_collapse`, `hc_expand` (mHC), `rms_norm` and `sparse_attn` (keys "host.<op>"), native for CPU
 fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (counted by reason, as above); `hc_pre`
 (the front of an mHC site: hc_mixes, hc_collapse, rms_norm) runs those three native calls from one wrapper.
+`compress_pool` (attn.c `dk_compress_pool`, key "host.compress_pool"): the compressors' softmax pooling, per channel
+with libm's expf, for CPU fp32 / bf16 blocks of any count (the reference's results within (4n + 16) u max|kv| for
+n slots: tests/test_host_kernels.py), else the reference.
 
 `attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
 held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>", and `attn_qkv_native`, the attention's front (the op
