@@ -69,7 +69,8 @@
 /* out[c] = sum_j softmax_j(sc[j][c]) kv[j][c] over n slots (rows given by pointer; NULL: an absent slot, score -inf),
  * per channel c < d: nki_kernels/reference.py compress_pool's softmax pooling, fp32, libm expf. One copy of the code
  * (noinline) for dk_compress_pool and the decode step's closing blocks, so both give the same bits. */
-__attribute__((noinline)) static void pool_slots(const float *const *kv, const float *const *sc, int64_t n, int64_t d, float *out) {
+__attribute__((noinline)) static void pool_slots(const float *const *kv, const float *const *sc, int64_t n, int64_t d,
+                                                 float *out) {
     for (int64_t c = 0; c < d; c++) {
         float mx = -INFINITY, den = 0.0f, acc = 0.0f;
         for (int64_t j = 0; j < n; j++)
@@ -159,10 +160,11 @@ int dk_attn_qkv(const float *x, int64_t T, int64_t dim, int fa, const uint8_t *w
 int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring, int64_t wl,
                    const int64_t *slots, const uint8_t *ring_valid, const float *pool, int64_t epb,
                    const int64_t *tables, int64_t nb, int64_t nloc, const int64_t *visible, const uint8_t *keep,
-                   const float *sink, float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a, int64_t G,
-                   int64_t R, int fb, const uint8_t *wb, const uint8_t *sb, int64_t dim, const float *x, int64_t n,
-                   const float *post, const float *comb, float *out, const float *new_kv, const int64_t *ring_rows,
-                   int64_t C, const void *const *cptr, const int64_t *cdim, const float *ceps, int nt) {
+                   const float *sink, float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a,
+                   int64_t G, int64_t R, int fb, const uint8_t *wb, const uint8_t *sb, int64_t dim, const float *x,
+                   int64_t n, const float *post, const float *comb, float *out, const float *new_kv,
+                   const int64_t *ring_rows, int64_t C, const void *const *cptr, const int64_t *cdim, const float *ceps,
+                   int nt) {
     if (nloc > nb * epb) return -2;
     if (new_kv != NULL) {
         for (int64_t b = 0; b < B; b++)
@@ -277,8 +279,8 @@ int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, co
     }
     if (!rc)
         rc = dk_attn_decode(q, B, L->H, L->D, L->ring, L->wl, slots, ring_valid, nloc ? L->pool : NULL, L->epb, tables,
-                            nb, nloc, visible, NULL, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo, L->wo,
-                            L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, L->ceps, nt);
+                            nb, nloc, visible, NULL, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo,
+                            L->wo, L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, L->ceps, nt);
     if (!rc)
         rc = dk_ffn_site(x2, B, n, dim, L->f_fn, L->f_scale, L->f_base, L->iters, L->hc_eps, L->norm_eps, L->f_norm,
                          L->gate_w, L->E, L->bias, hash_ids, L->K, L->route_scale, L->I, L->limit, L->e_lo, L->e_n,
