@@ -158,6 +158,16 @@ async def read_stream(client: httpx.AsyncClient, url: str, body: dict, first: as
     return seen
 
 
+async def engine_holds(client: httpx.AsyncClient, base: str, n: int) -> None:
+    """Return once the server's engine holds n requests (running + waiting, from GET /metrics)."""
+    names = ("deepinfer:num_requests_running", "deepinfer:num_requests_waiting")
+    while True:
+        text = (await client.get(f"{base}/metrics")).text
+        if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(names)) >= n:
+            return
+        await asyncio.sleep(0.02)
+
+
 def completion(prompt: list[int], max_tokens: int, stream: bool) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream}
 
@@ -176,6 +186,9 @@ def test_drain_lets_open_requests_finish() -> None:
                        for i in range(2)]
             whole = asyncio.create_task(c.post(url, json=completion([9, 8, 7], 40, False)))
             await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 30)
+            # the non-streamed request inside the engine too before the signal (a request the server has not read
+            # yet is refused by the drain, as it should be: on a loaded box it once was still in flight)
+            await asyncio.wait_for(engine_holds(c, srv.base, 3), 30)
             t0 = time.monotonic()
             srv.proc.send_signal(signal.SIGINT)
             refused_after = None
