@@ -52,12 +52,19 @@ def test_graph_hash_tracks_only_graph_flags() -> None:
 
 @pytest.mark.parametrize("value", ["bogus", ""])
 def test_a_malformed_flag_is_one_line_at_the_cli(value: str, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture) -> None:
+                                                 capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """A bad DEEPINFER_* value (empty too) stops a command with exit 2 and one line naming the flag, not a
-    traceback: the error handler itself reads the flags (DEEPINFER_TRACEBACK) and once raised again there."""
+    traceback: the error handler itself reads the flags (DEEPINFER_TRACEBACK) and once raised again there.
+    The flags are read once a process (`get_envs` caches them): the cache is cleared around the call."""
+    from engine.envs import get_envs
     from tests.cli import run_main
 
     monkeypatch.setenv("DEEPINFER_HOST_SIMD", value)
-    code, _, err = run_main(["golden", "--out", "unused"], capsys)
+    get_envs.cache_clear()
+    try:
+        code, _, err = run_main(["golden", "--out", str(tmp_path)], capsys)
+    finally:
+        monkeypatch.delenv("DEEPINFER_HOST_SIMD")
+        get_envs.cache_clear()
     assert code == 2
     assert f"DEEPINFER_HOST_SIMD={value!r}: expected one of" in err and "Traceback" not in err
