@@ -955,6 +955,32 @@ def test_compress_pool_matches_reference(lib: H.HostLibrary, overlap: bool, prev
         assert bool(((got - ref).abs() <= (4 * n + 16) * U * kmax).all())
 
 
+@pytest.mark.parametrize("b,hi,di,n", [(1, 32, 128, 275), (3, 6, 24, 17), (2, 5, 13, 1)])
+def test_index_score_matches_reference(lib: H.HostLibrary, b: int, hi: int, di: int, n: int) -> None:
+    g = torch.Generator().manual_seed(hi * 1000 + n)
+    q, keys, w = torch.randn(b, 1, hi, di, generator=g), torch.randn(b, n, di, generator=g), torch.randn(b, 1, hi)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) for t in (q, keys, w)]
+        dispatch.reset_counts()
+        got, ref = H.index_score(*args), R.index_score(*args)
+        assert dispatch.counts() == {("host.index_score", "host"): 1}
+        assert got.shape == ref.shape == (b, 1, n) and got.dtype == ref.dtype == torch.float32
+        # each head's dot within 2 Di u sum|q||k| of the other order (ReLU adds none), the Hi-term weighted sum
+        # within 2 Hi u more: both times |w|
+        qa, ka, wa = (t.float().abs() for t in args)
+        dots = torch.einsum("bthd,bnd->bthn", qa, ka)
+        tol = 2 * (di + hi + 2) * U * torch.einsum("bthn,bth->btn", dots, wa)
+        assert bool(((got - ref).abs() <= tol).all())
+
+
+def test_index_score_runs_prefill_rows_on_the_reference() -> None:
+    """Chunks (T > 1) keep the reference's one batched matmul; counted by reason."""
+    q, keys, w = torch.randn(1, 3, 4, 8), torch.randn(1, 5, 8), torch.randn(1, 3, 4)
+    dispatch.reset_counts()
+    assert torch.equal(H.index_score(q, keys, w), R.index_score(q, keys, w))
+    assert dispatch.fallbacks() == {("host.index_score", "T > 1"): 1}
+
+
 def test_compress_pool_declines_what_it_does_not_take() -> None:
     """The reference, counted by reason: a block without its W dim, float64, autograd."""
     kv = torch.randn(2, 1, 4, 8)

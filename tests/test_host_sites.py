@@ -137,6 +137,61 @@ def test_attn_decode_is_its_ops_in_a_row(nloc: int, fmt_b: str | None, select: b
     assert got.dtype is torch.float32 and torch.equal(got, want)
 
 
+@pytest.mark.usefixtures("lib")  # every build this CPU runs
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("topk", [3, 8, 64])
+def test_attn_decode_picks_as_the_indexer_ops_do(topk: int, ties: bool) -> None:
+    """`attn_decode` with `index` (the indexer's queries and weights): it scores the indexer pool's entries with the
+    host table's `index_score` routine and keeps the top-k as `index_topk` orders them (score, then lower entry
+    first; -0.0 as 0.0), then attends over them: the op-by-op composition's output bit for bit. Entries with equal
+    keys (tied scores) and all-zero keys (scores of +-0), sequences with fewer visible entries than k; `ties`:
+    every score one of 0, 1, 2 (one head reading one key element), so the k-th pick falls among equal scores."""
+    from engine.model.attention import _picked
+    from nki_kernels.reference import index_topk
+
+    host = ops_for("host")
+    g = torch.Generator().manual_seed(topk)
+    b, h, d, wl, epb, n_hc, dim, groups, r, rd, hi, di, nloc = 3, 4, 64, 8, 4, 4, 96, 2, 16, 32, 6, 24, 21
+    q, x = torch.randn(b, h, d, generator=g), torch.randn(b, n_hc, dim, generator=g)
+    ring, pool = torch.randn(5, wl, d, generator=g), torch.randn(12, epb, d, generator=g)
+    ipool = torch.randn(12, epb, di, generator=g)
+    ipool[3, 1] = ipool[5, 2] = ipool[7, 0]  # tied scores
+    ipool[2, :2] = 0  # scores of +-0
+    slots, tables = torch.tensor([3, 0, 4]), torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(b)])
+    ring_valid = torch.rand(b, 1, wl, generator=g) < 0.7
+    visible = torch.tensor([[nloc], [nloc - 3], [2]])
+    sink, (cos, sin) = torch.randn(h, generator=g), (lambda a: (a.cos(), a.sin()))(torch.rand(b, rd // 2) * 50)
+    wo_a = (torch.randn(groups * r, h * d // groups, generator=g) / 8).bfloat16()
+    wo_b = Linear(groups * r, dim)
+    wo_b.ops = host
+    wo_b.weight = torch.nn.Parameter((torch.randn(dim, groups * r, generator=g) / 6).bfloat16(), requires_grad=False)
+    post, comb = torch.rand(b, n_hc, generator=g), torch.rand(b, n_hc, n_hc, generator=g)
+    iq, iw = torch.randn(b, hi, di, generator=g), torch.randn(b, hi, generator=g)
+    if ties:
+        iq, iw = torch.zeros(b, hi, di), torch.zeros(b, hi)
+        iq[:, 0, 0], iw[:, 0] = 1.0, 1.0
+        ipool[..., 0] = torch.randint(0, 3, (12, epb), generator=g).float()
+    states = tuple((torch.zeros(5, 8, 2 * w), torch.zeros(5, 8, 2 * w), torch.zeros(4, 2 * w), torch.ones(w), pl, 4,
+                    1e-6) for w, pl in ((d, pool), (di, ipool)))
+
+    scores = host.index_score(iq[:, None], ipool[tables].flatten(1, 2)[:, :nloc], iw[:, None])  # [B, 1, E]
+    keep = _picked(scores, index_topk(scores, visible, topk))
+    entries = pool[tables].flatten(1, 2)[:, :nloc]
+    seen = torch.arange(nloc).view(1, 1, -1) < visible.unsqueeze(-1)
+    valid = torch.cat([ring_valid, seen & keep], 2)
+    o = host.sparse_attn(q[:, None], torch.cat([ring[slots], entries], 1), valid, sink, 0.125)[:, 0]
+    y = host.grouped_out_proj(host.rope_tail(o, cos[:, None], sin[:, None], rd, True).reshape(b, -1), wo_a, groups)
+    want = host.hc_expand(wo_b(y), x, post, comb)
+    pack = A.decode_pack(sink, 0.125, rd, wo_a, groups, wo_b, ring, pool, states)
+    assert A.attn_decode_takes(pack, b, x, cos, sin)
+    dispatch.reset_counts()
+    got = A.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
+                        index=(iq, iw, topk))
+    assert dispatch.counts()[("host.attn_decode.select", "host")] == 1
+    assert torch.equal(got, want)
+    assert bool((keep.sum(-1) == visible.clamp(max=topk)).all())  # k picks, or every visible entry
+
+
 def test_attn_decode_takes_only_what_its_kernels_take() -> None:
     g = torch.Generator().manual_seed(1)
     x, sink, ring, pool = torch.randn(2, 4, 96), torch.randn(4), torch.randn(3, 8, 64), torch.randn(4, 4, 64)

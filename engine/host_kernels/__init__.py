@@ -27,7 +27,9 @@ fp32 / bf16 inputs of at most max_m("mhc") token rows, else the reference (count
 (the front of an mHC site: hc_mixes, hc_collapse, rms_norm) runs those three native calls from one wrapper.
 `compress_pool` (attn.c `dk_compress_pool`, key "host.compress_pool"): the compressors' softmax pooling, per channel
 with libm's expf, for CPU fp32 / bf16 blocks of any count (the reference's results within (4n + 16) u max|kv| for
-n slots: tests/test_host_kernels.py), else the reference.
+n slots: tests/test_host_kernels.py), else the reference. `index_score` (attn.c `dk_index_score`, key
+"host.index_score"): the indexer's scores of decode rows (T = 1), four keys by 16 heads at a time in registers;
+chunks run the reference's batched matmul.
 
 `attn_ops.py` holds the attention tail's `rope_tail` (mhc.c, bitwise the reference) and `grouped_out_proj` (wo_a
 held as bf16 on the bf16 GEMV, gemv.c), keys "host.<op>", and `attn_qkv_native`, the attention's front (the op
@@ -48,9 +50,9 @@ site's front; the state writes, keys, attention and tail) and `ffn_site` (step_o
 kernels above in the op-by-op order, so the same numbers bit for bit, and each takes a `Pack`: its static
 arguments, made once per layer (`packed`) and made again when a tensor they point into has moved. A compressed
 block that closes in the step pools inside `attn_decode` (the routine of the table's `compress_pool`). A step where
-a layer's indexer selects (contexts past index_topk x ratio) runs that layer's three parts, the indexer's queries,
-scores and top-k in torch between the first two and `attn_decode` over its picks (`keep`; a block closing there
-pools in torch first, as the scores read its entry). Off under
+a layer's indexer selects (contexts past index_topk x ratio) runs that layer's three parts: the indexer's queries
+in torch between the first two, its scores and top-k inside `attn_decode` (after the state writes: a block that
+closes is scored). Off under
 `--numerics official` (engine/model/numerics.py), like `moe_ffn` and `attn_qkv_native`.
 
 Build (engine/host_kernels/build.py): on first use the best variant this CPU runs (avx512-vbmi > avx512 > avx2 >
@@ -459,6 +461,42 @@ def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, pre
     return out
 
 
+def index_score_impl(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`reference.index_score` natively for decode rows (attn.c dk_index_score: per entry, every head's dot in one
+    pass over the key, the weighted ReLU sum in head order; the routine dk_attn_decode selects with): q [B, 1, Hi,
+    Di], keys [B, N, Di], weights [B, 1, Hi] -> [B, 1, N] fp32. Prefill chunks (T > 1) run the reference (one batched
+    matmul there)."""
+    def ref():
+        return reference.index_score(q, keys, weights)
+
+    why = None
+    if q.dim() != 4 or keys.dim() != 3 or weights.dim() != 3:
+        why = "shape"
+    else:
+        b, t, hi, di = q.shape
+        if t != 1:
+            why = "T > 1"
+        elif keys.shape[0] != b or keys.shape[2] != di or tuple(weights.shape) != (b, t, hi):
+            why = "shape"
+        elif any(not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) for x in (q, keys, weights)):
+            why = "dtype"
+        elif torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, weights)):
+            why = "autograd"
+        elif keys.shape[1] == 0 or q.numel() == 0:
+            why = "empty"
+    if why is not None:
+        return dispatch.fallback("host.index_score", why, ref)
+    _count("host.index_score")
+    n = keys.shape[1]
+    qT = q.float().transpose(-1, -2).contiguous()  # [B, 1, Di, Hi]
+    kf, wf = _f32(keys), _f32(weights)
+    out = torch.empty(b, t, n, dtype=F32)
+    if _native().lib.dk_index_score(qT.data_ptr(), kf.data_ptr(), wf.data_ptr(), b, t, n, hi, di,
+                                    out.data_ptr()) != 0:
+        raise MemoryError("host kernel index_score: out of memory")
+    return out
+
+
 def stack_linear_impl(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor | None, i: torch.Tensor,
                       fmt: str | None) -> torch.Tensor:
     """The reference table's `stack_linear` (engine/model/ops.py) on the host's GEMMs, reading expert i's weight
@@ -660,6 +698,8 @@ hc_pre = _native_op("hc_pre", hc_pre_impl, lambda x, fn, scale, base, norm_w, hc
     x.new_empty(x.shape[0], x.shape[2]), *_mixes_fake(x, fn, scale, base, hc_mult)[1:]))
 compress_pool = _native_op("compress_pool", compress_pool_impl, lambda kv, score, overlap, *_: kv.new_empty(
     (*kv.shape[:-2], kv.shape[-1] // 2 if overlap else kv.shape[-1]), dtype=torch.float32))
+index_score = _native_op("index_score", index_score_impl,
+                         lambda q, keys, weights: q.new_empty(*q.shape[:2], keys.shape[1], dtype=torch.float32))
 stack_linear = _native_op("stack_linear", stack_linear_impl,
                           lambda x, stack, scales, i, fmt: x.new_empty((*x.shape[:-1], stack.shape[1])))
 
@@ -670,7 +710,7 @@ from engine.host_kernels import attn_ops, layer_ops, step_ops  # noqa: E402  (th
 NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "linear": linear, "fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "hc_mixes": hc_mixes, "rms_norm": rms_norm,
     "hc_collapse": hc_collapse, "hc_expand": hc_expand, "hc_pre": hc_pre, "sparse_attn": sparse_attn,
-    "moe_ffn": moe_ffn, "compress_pool": compress_pool, "rope_tail": attn_ops.rope_tail,
+    "moe_ffn": moe_ffn, "compress_pool": compress_pool, "index_score": index_score, "rope_tail": attn_ops.rope_tail,
     "grouped_out_proj": attn_ops.grouped_out_proj, "gate": step_ops.gate, "hc_head": step_ops.hc_head,
     "attn_qkv_native": attn_ops.attn_qkv_native, "ffn_site": step_ops.ffn_site, "ffn_site_pack": step_ops.site_pack,
     "attn_front": attn_ops.attn_front, "attn_front_pack": attn_ops.front_pack, "attn_decode": attn_ops.attn_decode,

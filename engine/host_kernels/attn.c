@@ -22,7 +22,9 @@
  *                pool_c[entry w of b] = close_block(the block w that row b closes)
  *                                                                   (Compressor.decode, each of the C compressors)
  *                keys_b [N, D] = ring[slots[b]] (wl rows) ++ pool entries 0..nloc-1 of block table b   N = wl + nloc
- *                valid_b [N]   = ring_valid[b] ++ (entry e < visible[b] and, with `keep`, keep[b, e])
+ *                picks_b [nloc] = with iqT: the top-k of index_score(iqT[b], iw[b], ipool entries of b)
+ *                                 among the entries e < visible[b] (Attention._entries, _select)
+ *                valid_b [N]   = ring_valid[b] ++ (entry e < visible[b] and, with `keep` / iqT, their pick)
  *                o [B, H, D]   = sparse_attn(q, keys, valid, sink, scale)
  *                y [B, G*R]    = grouped wo_a (rope_tail(o, cos, sin, rd, inverse))
  *                out [B, n, d] = hc_expand(wo_b y, x, post, comb)
@@ -31,12 +33,14 @@
  * kernels the op table runs one by one (dk_sparse_attn on all B rows, dk_rope_tail, dk_bf16_grouped_linear, gemm,
  * dk_hc_expand), so the result is that path's bit for bit. What it saves is the gathers' and concatenations' torch
  * ops and five op-table calls per layer and step. ring [S, wl, D], pool [NB, epb, D] (NULL when nloc is 0), tables
- * [B, nb] int64, keep [B, nloc] (NULL: every causal entry; else the indexer's picks, Attention._select), wo_a bf16
- * [G*R, H*D/G], wo_b [dim, G*R] in format fb; per compressor c, cptr[CPTR c..] and cdim[CDIM c..] as dk.h lists
- * them, ceps[c] its norm's eps. The closing blocks pool with the routine the host table's compress_pool runs
- * (dk_compress_pool), then dk_rms_norm and dk_rope_tail as Compressor.finish calls them, so the entries are the
- * op-by-op path's bit for bit. Returns 0, -1 when out of memory, -2 for a block id outside the tables, else the
- * first kernel's non-zero code.
+ * [B, nb] int64, keep [B, nloc] (NULL: every causal entry; else the indexer's picks, Attention._select); iqT
+ * [B, Di, Hi] (NULL: no selection here), iw [B, Hi]: the indexer's queries (transposed) and head weights, scored
+ * against its pool ipool [NB, iepb, Di] with the host table's index_score routine and picked by index_topk's order
+ * (order_key), top-k `topk`, after the state writes; wo_a bf16 [G*R, H*D/G], wo_b [dim, G*R] in format fb; per
+ * compressor c, cptr[CPTR c..] and cdim[CDIM c..] as dk.h lists them, ceps[c] its norm's eps. The closing blocks
+ * pool with the routine the host table's compress_pool runs (dk_compress_pool), then dk_rms_norm and dk_rope_tail as
+ * Compressor.finish calls them, so the entries are the op-by-op path's bit for bit. Returns 0, -1 when out of
+ * memory, -2 for a block id outside the tables, else the first kernel's non-zero code.
  *
  *   dk_attn_front  the front of the attention half of a decode block (engine/model/attention.py
  *                  Attention.decode_native before its state writes), fp32:
@@ -81,6 +85,110 @@ __attribute__((noinline)) static void pool_slots(const float *const *kv, const f
             if (sc[j] != NULL) acc += kv[j][c] * (expf(sc[j][c] - mx) / den);
         out[c] = acc;
     }
+}
+
+/* The lightning indexer's scores of one query row over n keys (rows by pointer): s[e] = sum_h w[h] relu(q[h] . k_e),
+ * fp32 (nki_kernels/reference.py index_score). qT [Di, Hi]: the row's queries transposed, so one key element meets
+ * IS_H heads in one contiguous run. Four keys x IS_H heads at a time in registers (gcc / clang vector types: one
+ * zmm, two ymm or four xmm per accumulator, whatever the build); each head's dot is one chain over d, in d order;
+ * the weighted ReLU sum in head order. Heads not a multiple of IS_H take the scalar loop. One copy (noinline) for
+ * dk_index_score and dk_attn_decode's selection: the same bits. */
+enum { IS_H = 16 };
+typedef float is_vec __attribute__((vector_size(4 * IS_H)));
+
+__attribute__((noinline)) static void index_scores_row(const float *restrict qT, const float *restrict w,
+                                                      const float *const *keys, int64_t n, int64_t Hi, int64_t Di,
+                                                      float *restrict s) {
+    for (int64_t e0 = 0; e0 < n; e0 += 4) {
+        const float *k[4];
+        for (int j = 0; j < 4; j++) k[j] = keys[e0 + j < n ? e0 + j : n - 1]; /* past n: the last, discarded */
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (Hi % IS_H == 0) {
+            for (int64_t h0 = 0; h0 < Hi; h0 += IS_H) {
+                is_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t d = 0; d < Di; d++) {
+                    is_vec q;
+                    memcpy(&q, qT + d * Hi + h0, sizeof q);
+                    a0 += q * k[0][d], a1 += q * k[1][d], a2 += q * k[2][d], a3 += q * k[3][d];
+                }
+                const is_vec *acc[4] = {&a0, &a1, &a2, &a3};
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < IS_H; l++) t[j] += w[h0 + l] * ((*acc[j])[l] < 0.0f ? 0.0f : (*acc[j])[l]);
+            }
+        } else {
+            for (int j = 0; j < 4; j++)
+                for (int64_t h = 0; h < Hi; h++) {
+                    float a = 0.0f;
+                    for (int64_t d = 0; d < Di; d++) a += qT[d * Hi + h] * k[j][d];
+                    t[j] += w[h] * (a < 0.0f ? 0.0f : a);
+                }
+        }
+        for (int j = 0; j < 4 && e0 + j < n; j++) s[e0 + j] = t[j];
+    }
+}
+
+/*   dk_index_score  nki_kernels/reference.py index_score: qT [R, Di, Hi] (each query row's heads transposed), keys
+ *                   [B, N, Di] (query row r reads batch r / T), w [R, Hi] -> s [R, N], R = B * T. Returns 0, -1 when
+ *                   out of memory. */
+int dk_index_score(const float *qT, const float *keys, const float *w, int64_t B, int64_t T, int64_t N, int64_t Hi,
+                   int64_t Di, float *s) {
+    const float **kp = (const float **)malloc(sizeof(float *) * (size_t)(N > 0 ? N : 1));
+    if (kp == NULL) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t e = 0; e < N; e++) kp[e] = keys + (b * N + e) * Di;
+        for (int64_t t = 0; t < T; t++)
+            index_scores_row(qT + (b * T + t) * Di * Hi, w + (b * T + t) * Hi, kp, N, Hi, Di, s + (b * T + t) * N);
+    }
+    free(kp);
+    return 0;
+}
+
+/* reference.py order_key of (score s, entry e): descending keys order as (score descending, then e ascending); -0.0
+ * counts as 0.0; the score's bits made monotonic take the high 32 bits. */
+static inline int64_t order_key(float s, int64_t e) {
+    if (s == 0.0f) s = 0.0f;
+    int32_t bits;
+    memcpy(&bits, &s, sizeof bits);
+    const int64_t mono = bits < 0 ? -((int64_t)1 << 31) - 1 - (int64_t)bits : (int64_t)bits;
+    return mono * ((int64_t)1 << 32) + (((int64_t)1 << 32) - 1 - e);
+}
+
+/* The k-th largest of a[0..n) (distinct values; a is reordered), 1 <= k <= n: quickselect. */
+static int64_t kth_largest(int64_t *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1; /* index in descending order */
+    while (lo < hi) {
+        const int64_t pivot = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const int64_t t = a[i];
+                a[i] = a[j], a[j] = t;
+                i++, j--;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+/* reference.py index_topk + the mask attention.py `_picked` makes of it, for one query row: keep[e] = entry e is
+ * among the min(k, n) largest order_key(score, e) (entries e >= vis scored -inf) and e < vis. keys: n int64 of
+ * scratch. The same selection as the torch top-k for the same scores, ties and -0.0 included. */
+static void index_keep(const float *s, int64_t n, int64_t vis, int64_t k, int64_t *keys, uint8_t *keep) {
+    for (int64_t e = 0; e < n; e++) keys[e] = order_key(e < vis ? s[e] : -INFINITY, e);
+    const int64_t kk = k < n ? k : n;
+    if (kk == n) {
+        for (int64_t e = 0; e < n; e++) keep[e] = e < vis;
+        return;
+    }
+    int64_t *copy = keys + n;
+    memcpy(copy, keys, sizeof(int64_t) * (size_t)n);
+    const int64_t thr = kth_largest(copy, n, kk);
+    for (int64_t e = 0; e < n; e++) keep[e] = e < vis && keys[e] >= thr;
 }
 
 /*   dk_compress_pool  nki_kernels/reference.py compress_pool: kv, score [N, W, m, C], prev_kv / prev_score [N, m, C]
@@ -160,11 +268,12 @@ int dk_attn_qkv(const float *x, int64_t T, int64_t dim, int fa, const uint8_t *w
 int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring, int64_t wl,
                    const int64_t *slots, const uint8_t *ring_valid, const float *pool, int64_t epb,
                    const int64_t *tables, int64_t nb, int64_t nloc, const int64_t *visible, const uint8_t *keep,
-                   const float *sink, float scale, const float *cs, const float *sn, int64_t rd, const uint16_t *wo_a,
-                   int64_t G, int64_t R, int fb, const uint8_t *wb, const uint8_t *sb, int64_t dim, const float *x,
-                   int64_t n, const float *post, const float *comb, float *out, const float *new_kv,
-                   const int64_t *ring_rows, int64_t C, const void *const *cptr, const int64_t *cdim, const float *ceps,
-                   int nt) {
+                   const float *iqT, const float *iw, const float *ipool, int64_t iepb, int64_t Hi, int64_t Di,
+                   int64_t topk, const float *sink, float scale, const float *cs, const float *sn, int64_t rd,
+                   const uint16_t *wo_a, int64_t G, int64_t R, int fb, const uint8_t *wb, const uint8_t *sb,
+                   int64_t dim, const float *x, int64_t n, const float *post, const float *comb, float *out,
+                   const float *new_kv, const int64_t *ring_rows, int64_t C, const void *const *cptr,
+                   const int64_t *cdim, const float *ceps, int nt) {
     if (nloc > nb * epb) return -2;
     if (new_kv != NULL) {
         for (int64_t b = 0; b < B; b++)
@@ -196,12 +305,28 @@ int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring,
             }
         }
     }
+    uint8_t *picks = NULL;
+    if (iqT != NULL && nloc > 0) { /* the indexer's picks (Attention._entries' scores, _select's top-k) */
+        if ((nloc - 1) / iepb >= nb) return -2;
+        picks = (uint8_t *)malloc((size_t)(B * nloc) + sizeof(float) * (size_t)nloc +
+                                  sizeof(int64_t) * (size_t)(2 * nloc) + sizeof(float *) * (size_t)nloc + 64);
+        if (picks == NULL) return -1;
+        const float **kp = (const float **)(((uintptr_t)(picks + B * nloc) + 15) & ~(uintptr_t)15);
+        int64_t *okeys = (int64_t *)(kp + nloc);
+        float *sc = (float *)(okeys + 2 * nloc);
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t e = 0; e < nloc; e++) kp[e] = ipool + (tables[b * nb + e / iepb] * iepb + e % iepb) * Di;
+            index_scores_row(iqT + b * Di * Hi, iw + b * Hi, kp, nloc, Hi, Di, sc);
+            index_keep(sc, nloc, visible[b], topk, okeys, picks + b * nloc);
+        }
+        keep = picks;
+    }
     const int64_t N = wl + nloc, threads = nt > 0 ? nt : 1, scratch_n = threads * 2 * dk_attn_heads_per_pass() * N;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(B * N * D + scratch_n + 2 * B * H * D + B * G * R +
                                                           B * dim) + 64);
     uint8_t *valid = (uint8_t *)malloc((size_t)(B * N) + 1);
     if (buf == NULL || valid == NULL) {
-        free(buf), free(valid);
+        free(buf), free(valid), free(picks);
         return -1;
     }
     float *keys = buf, *scratch = keys + B * N * D, *o = scratch + scratch_n, *o2 = o + B * H * D, *y = o2 + B * H * D,
@@ -220,7 +345,7 @@ int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring,
     if (!rc) rc = dk_bf16_grouped_linear(o2, wo_a, y, B, G, R, H * D / G, nt);
     if (!rc) rc = gemm(fb, y, wb, sb, z, B, dim, G * R, nt);
     if (!rc) rc = dk_hc_expand(z, x, post, comb, out, B, n, dim, nt);
-    free(buf), free(valid);
+    free(buf), free(valid), free(picks);
     return rc;
 }
 
@@ -279,8 +404,9 @@ int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, co
     }
     if (!rc)
         rc = dk_attn_decode(q, B, L->H, L->D, L->ring, L->wl, slots, ring_valid, nloc ? L->pool : NULL, L->epb, tables,
-                            nb, nloc, visible, NULL, L->sink, L->scale, cs, sn, L->rd, L->wo_a, L->G, L->R, (int)L->fo,
-                            L->wo, L->so, dim, x, n, post, comb, x2, kv, ring_rows, L->C, cptr, cdim, L->ceps, nt);
+                            nb, nloc, visible, NULL, NULL, NULL, NULL, 1, 0, 0, 0, L->sink, L->scale, cs, sn, L->rd,
+                            L->wo_a, L->G, L->R, (int)L->fo, L->wo, L->so, dim, x, n, post, comb, x2, kv, ring_rows,
+                            L->C, cptr, cdim, L->ceps, nt);
     if (!rc)
         rc = dk_ffn_site(x2, B, n, dim, L->f_fn, L->f_scale, L->f_base, L->iters, L->hc_eps, L->norm_eps, L->f_norm,
                          L->gate_w, L->E, L->bias, hash_ids, L->K, L->route_scale, L->I, L->limit, L->e_lo, L->e_n,

@@ -281,7 +281,7 @@ def attn_decode_takes(pack: hk.Pack, b: int, x: torch.Tensor, cos: torch.Tensor,
 def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor,
                 nloc: int, visible: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
                 post: torch.Tensor, comb: torch.Tensor, writes: tuple | None = None,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, index: tuple | None = None) -> torch.Tensor:
     """attn.c `dk_attn_decode` (module docstring) with `decode_pack`'s static arguments -> the block's new streams
     [B, n, dim] fp32. q [B, H, D]; the window ring read at slots [B] with ring_valid [B, (1,) wl] bool; entries
     0..nloc-1 of each sequence through tables [B, nb], seen while their id < visible [B, (1)]; cos / sin [B, rd/2];
@@ -290,13 +290,28 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
     fp32, state rows, phases [B] int64, the rows whose block closes [K] int64, those blocks' ids [K] int64 and
     RoPE's cos, sin [K, rd/2] at their first positions): the blocks that close pooled into their pools as
     `Compressor.decode` pools them); None: already written.
-    `keep`: the indexer's picks among the entries [B, nloc] bool (Attention._select), None: every causal entry."""
+    `keep`: the indexer's picks among the entries [B, nloc] bool (Attention._select), None: every causal entry.
+    `index`: the indexer's queries [B, Hi, Di] and head weights [B, Hi] fp32 and its top-k, for attn_decode to
+    score the entries of the pack's second compressor's pool and pick them itself (after the state writes, as
+    Attention._entries and _select do; the host table's `index_score` is the same routine)."""
     a = pack.args
     b = q.shape[0]
-    hk._count_each(a.keys if keep is None else a.keys + _SELECT_KEY)
+    hk._count_each(a.keys if keep is None and index is None else a.keys + _SELECT_KEY)
     kp = keep.contiguous() if keep is not None and nloc else None
     if kp is not None and (kp.dtype is not torch.bool or tuple(kp.shape) != (b, nloc)):
         raise ValueError(f"attn_decode: keep must be bool [{b}, {nloc}], got {kp.dtype} {tuple(kp.shape)}")
+    iqt = iw = None
+    ipool, iepb, hi, di, topk = None, 1, 0, 0, 0
+    if index is not None and nloc:
+        iq, w, topk = index
+        hi, di = iq.shape[1], iq.shape[2]
+        if len(a.states) != 2 or iq.dtype is not torch.float32 or tuple(iq.shape) != (b, hi, a.states[1][9]) \
+                or w.dtype is not torch.float32 or tuple(w.shape) != (b, hi):
+            raise ValueError(f"attn_decode: index queries [{b}, Hi, {a.states[1][9] if len(a.states) == 2 else '-'}]"
+                             f" and weights [{b}, Hi] fp32 for a pack with the indexer's pool, got {tuple(iq.shape)}, "
+                             f"{tuple(w.shape)}")
+        iqt, iw = iq.transpose(1, 2).contiguous(), w.contiguous()  # [B, Di, Hi]: dk_index_score's layout
+        ipool, iepb = a.states[1][6], a.states[1][7]
     qf, sl, rv, tb = q.contiguous(), slots.contiguous(), ring_valid.contiguous(), tables.contiguous()
     vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
     n, dim = x.shape[1], x.shape[2]
@@ -315,7 +330,8 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
     rc = hk._native().lib.dk_attn_decode(
         qf.data_ptr(), b, a.h, a.d, a.ring, a.wl, sl.data_ptr(), rv.data_ptr(), a.pool if nloc else None, a.epb,
         tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None,
-        kp.data_ptr() if kp is not None else None, a.sink, a.scale,
+        kp.data_ptr() if kp is not None else None, iqt.data_ptr() if iqt is not None else None,
+        iw.data_ptr() if iw is not None else None, ipool, iepb, hi, di, topk, a.sink, a.scale,
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), a.rd, *a.wo[:-1], dim, x.data_ptr(), n,
         post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(),
         new_kv.data_ptr() if new_kv is not None else None, ring_rows.data_ptr() if ring_rows is not None else None,

@@ -312,8 +312,10 @@ class HostLibrary:
         lib.dk_hc_head.argtypes = [p, p, p, p, p, i64, i64, i64, f32, f32, i32]
         lib.dk_attn_qkv.argtypes = [p, i64, i64, i32, p, p, p, i64, i32, p, p, i64, i64, i32, p, p, p, p, p, i64, f32,
                                     p, p, p, i32]
-        lib.dk_attn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64, p, p, p, f32, p, p, i64,
-                                       p, i64, i64, i32, p, p, i64, p, i64, p, p, p, p, p, i64, p, p, p, i32]
+        lib.dk_attn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, p, i64, i64,
+                                       i64, i64, p, f32, p, p, i64, p, i64, i64, i32, p, p, i64, p, i64, p, p, p, p, p,
+                                       i64, p, p, p, i32]
+        lib.dk_index_score.argtypes = [p, p, p, i64, i64, i64, i64, i64, p]
         lib.dk_attn_front.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, i32, p, p, p, i64, i32, p, p, i64,
                                       i64, i32, p, p, p, p, p, i64, f32, i64, p, p, p, p, p, p, p, p, p, p, i32]
         lib.dk_decode_layer.argtypes = [p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, p, i32]
@@ -331,7 +333,7 @@ class HostLibrary:
                   lib.dk_hc_mixes, lib.dk_rms_norm, lib.dk_hc_collapse, lib.dk_hc_pre, lib.dk_hc_expand,
                   lib.dk_sparse_attn, lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route,
                   lib.dk_hc_head, lib.dk_attn_qkv, lib.dk_ffn_site, lib.dk_attn_decode, lib.dk_attn_front,
-                  lib.dk_decode_layer, lib.dk_compress_pool):
+                  lib.dk_decode_layer, lib.dk_compress_pool, lib.dk_index_score):
             f.restype = i32
         from engine.host_kernels.layer_ops import layout_mismatch
 

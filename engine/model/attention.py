@@ -280,14 +280,9 @@ class Attention(OpsUser, nn.Module):
         g.keys = torch.cat([g.keys, entries.to(g.keys.dtype)], 1)
         g.valid = torch.cat([g.valid, seen], 2)
         if self.indexer is not None and aux_q is not None:
-            g.scores = self._index_scores(cache, tables, nloc, aux_q)  # [B, T, E]
+            ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
+            g.scores = self.ops.index_score(aux_q[0], ikeys, aux_q[1])  # [B, T, E]
             g.visible, g.ids = visible, ids
-
-    def _index_scores(self, cache: LayerCache, tables: torch.Tensor, nloc: int, aux_q: tuple) -> torch.Tensor:
-        """The indexer's scores [B, T, E] of this rank's first `nloc` entries of each sequence (block tables
-        `tables` [B, nb]) for its queries and head weights `aux_q` ([B, T, Hi, Di], [B, T, Hi])."""
-        ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
-        return self.ops.index_score(aux_q[0], ikeys, aux_q[1])
 
     # -- static shapes: B sequences, one token each, in a compiled region ------------------------------------------
     def decode_static(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -447,10 +442,9 @@ class Attention(OpsUser, nn.Module):
         [B, n, dim]; `site()`: the rest of `ops.hc_pre`'s arguments (Block.site_args) -> the new streams. The front
         is the op table's `attn_front` (one native call: hc_pre, attn_qkv and the compressors' projections, with the
         indexer's weights_proj where it selects) where it takes it, else those ops one by one; then the state writes
-        `_decode` makes (inside `attn_decode`, closing blocks pooled there too, except where the indexer selects
-        and a block closes: `_decode_writes`, as the scores read the new entry); where the indexer
-        selects (`selects`), its queries, scores and top-k as `_entries` and `_select` make them; then
-        `attn_decode` (one native call: the keys' gather, sparse_attn over the picks, inverse RoPE, wo_a, wo_b,
+        `_decode` makes (inside `attn_decode`, closing blocks pooled there too); where the indexer selects
+        (`selects`), its queries; then `attn_decode` (one native call: the indexer's scores and top-k as `_entries`
+        and `_select` make them, the keys' gather, sparse_attn over the picks, inverse RoPE, wo_a, wo_b,
         hc_expand)."""
         cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [B, rd/2]
         index = self.selects(plan)
@@ -466,18 +460,16 @@ class Attention(OpsUser, nn.Module):
             aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
             if index:  # the last projection: the indexer's weights_proj
                 aux["q"] = self.indexer.queries_from(proj[-1], qr, cos, sin)
-        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self.layer_inputs(plan, cache)
+        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, _ = self.layer_inputs(plan, cache)
         writes = None
-        if index and closes or kv.dtype is not torch.float32:  # the indexer scores the entry a closing block makes
+        if kv.dtype is not torch.float32:
             self._decode_writes(kv, aux, plan, cache)
         else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
             writes = (kv, ring_rows, *((*aux[key], *c) for key, c in zip(("c", "i"), crow, strict=False)))
-        keep = None
-        if index:  # `_select` of the decode group: this layer's picks among the entries [B, nloc]
-            scores = self._index_scores(cache, tables, nloc, tuple(t[:, None] for t in aux["q"]))  # [B, 1, E]
-            keep = _picked(scores, index_topk(scores, visible, self.indexer.topk, self.caps.bitcast))[:, 0]
+        # where the indexer selects, attn_decode scores the entries and picks them after the writes (`_entries`,
+        # `_select`: the table's index_score and index_topk's order)
         return self.ops.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
-                                    writes, keep)
+                                    writes, index=(*aux["q"], self.indexer.topk) if index else None)
 
     def front_pack(self, site: Callable[[], tuple], index: bool = False) -> object | None:
         """This layer's pack of the op table's `attn_front` (made once; `site()`: the attention site's hc_pre
