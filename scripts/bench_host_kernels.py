@@ -203,6 +203,12 @@ def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
         y, w = torch.randn(m, d, generator=g), torch.randn(d, generator=g)
         q, kv = torch.randn(1, m, heads, hd, generator=g), torch.randn(1, keys, hd, generator=g)
         valid, sink = torch.rand(1, m, keys, generator=g) < 0.9, torch.randn(heads, generator=g)
+        # a decode step's closing CSA block per row (m = 4, 2 x 128 channels, the block before as prev), and the
+        # indexer's scores of a row over 275 entries (32 x 128 heads: mid at ctx 1100)
+        ckv, csc = torch.randn(m, 1, 4, 2 * hd, generator=g), torch.randn(m, 1, 4, 2 * hd, generator=g)
+        pkv, psc = torch.randn(m, 4, 2 * hd, generator=g), torch.randn(m, 4, 2 * hd, generator=g)
+        iq, ik, iw = torch.randn(m, 1, 32, hd, generator=g), torch.randn(m, 275, hd, generator=g), \
+            torch.randn(m, 1, 32, generator=g)
         cases = {
             "hc_mixes": (f"x [{m},{n},{d}]", lambda mod, *a: mod.hc_mixes(*a),
                          (x, fn, scale, base, n, 20, 1e-6, 1e-6)),
@@ -211,14 +217,18 @@ def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
             "hc_expand": (f"x [{m},{n},{d}]", lambda mod, *a: mod.hc_expand(*a), (y, x, post, comb)),
             "sparse_attn": (f"q [1,{m},{heads},{hd}] kv {keys}", lambda mod, *a: mod.sparse_attn(*a),
                             (q, kv, valid, sink, hd**-0.5)),
+            "compress_pool": (f"kv [{m},1,4,{2 * hd}] + prev", lambda mod, *a: mod.compress_pool(*a),
+                              (ckv, csc, True, pkv, psc)),
+            "index_score": (f"q [{m},1,32,{hd}] k 275", lambda mod, *a: mod.index_score(*a), (iq, ik, iw)),
         }
         for op, (shape, call, args) in cases.items():
             fns: dict[str, Callable[[int], object]] = {"reference": lambda i, c=call, a=args: c(R, *a)}
             for b in libs:
                 fns[b] = lambda i, c=call, a=args: c(H, *a)
             key = "sparse_attn" if op == "sparse_attn" else "mhc"
+            native = {b: op in ("compress_pool", "index_score") or m <= limits[libs[b].variant][key] for b in libs}
             print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0, burst), None, list(libs),
-                       {b: m <= limits[libs[b].variant][key] for b in libs}), flush=True)
+                       native), flush=True)
 
 
 def main() -> None:
@@ -228,7 +238,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--builds", default="all", help="comma-separated builds to time (all: every one this CPU runs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--small-ops", action="store_true", help="also time the per-token ops of mhc.c")
+    ap.add_argument("--small-ops", action="store_true",
+                    help="also time the per-token ops (mhc.c; attn.c's compress_pool and index_score)")
     ap.add_argument("--warm", action="store_true", help="one weight copy (cache-resident where it fits)")
     ap.add_argument("--burst", type=int, default=8, help="calls in a row per impl and round, timed together")
     ap.add_argument("--fp8-codes", default="random", choices=["random", "checkpoint"],

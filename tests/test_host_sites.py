@@ -31,12 +31,14 @@ PROMPTS = [[5, 9, 13], [300, 2, 2, 41, 7, 8, 9, 10, 11, 12, 13], list(range(40, 
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, without: tuple[str, ...], prompts: list[list[int]] = PROMPTS,
-         tokens: int = 14) -> tuple[list, list, dict]:
+         tokens: int = 14, limits: dict[str, int] | None = None) -> tuple[list, list, dict]:
     """Greedy decode of `prompts` on the tiny model (stored FP8 / FP4 weights), host kernels, with the table's
-    `without` ops removed."""
+    `without` ops removed and the build's row `limits` (MAX_M) changed."""
     with monkeypatch.context() as m:
         for name in without:
             m.delitem(H.NATIVE_OPS, name)
+        for key, value in (limits or {}).items():
+            m.setitem(H.MAX_M[H._native().variant], key, value)
         eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny", kernels="host", max_num_seqs=4))
         out, logits = greedy_with_logits(eng, prompts, tokens)
     return out, logits, dict(eng.runner.dispatcher.counts)
@@ -52,15 +54,21 @@ def test_the_layer_in_one_call_gives_the_three_sites_logits_bit_for_bit(monkeypa
         assert torch.equal(a, b)
 
 
-def test_the_decode_sites_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("limits", [None, {"index": 1, "pool": 0}])
+def test_the_decode_sites_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                               limits: dict[str, int] | None) -> None:
     """Three sequences past the window (16) and through compressed blocks closing at ratios 4 and 16; the CSA
     layers' indexer starts selecting at position 19 (top-k 4 of ratio-4 entries), where those layers run the
-    halves, the attention's `attn_decode` over the indexer's picks, for the rest of the run."""
-    out, logits, counts = _run(monkeypatch, ())
-    ref_out, ref_logits, ref_counts = _run(monkeypatch, SITES)
+    halves, the attention's `attn_decode` over the indexer's picks, for the rest of the run. `limits`: more rows
+    than the table's index_score and compress_pool take (as on an AVX2 or portable build): the picks made in torch
+    and the closing blocks pooled op by op, in both runs alike."""
+    out, logits, counts = _run(monkeypatch, (), limits=limits)
+    ref_out, ref_logits, ref_counts = _run(monkeypatch, SITES, limits=limits)
     for key in ("host.decode_layer", "host.attn_front", "host.attn_decode", "host.attn_decode.select",
-                "host.attn_decode.close", "host.ffn_site"):
+                *(("host.attn_decode.close",) if limits is None else ()), "host.ffn_site"):
         assert counts[(key, "host")] > 0 and (key, "host") not in ref_counts, key
+    if limits is not None:
+        assert ("host.attn_decode.close", "host") not in counts and ("host.compress_pool", "host") not in counts
     # the indexer's steps run the three sites; blocks that close pool inside attn_decode (also in decode_layer)
     assert counts[("host.attn_front", "host")] > counts[("host.decode_layer", "host")]
     assert counts[("host.attn_decode", "host")] > counts[("host.attn_decode.select", "host")]
@@ -174,7 +182,7 @@ def test_attn_decode_picks_as_the_indexer_ops_do(topk: int, ties: bool) -> None:
     states = tuple((torch.zeros(5, 8, 2 * w), torch.zeros(5, 8, 2 * w), torch.zeros(4, 2 * w), torch.ones(w), pl, 4,
                     1e-6) for w, pl in ((d, pool), (di, ipool)))
 
-    scores = host.index_score(iq[:, None], ipool[tables].flatten(1, 2)[:, :nloc], iw[:, None])  # [B, 1, E]
+    scores = H.index_score_native(iq[:, None], ipool[tables].flatten(1, 2)[:, :nloc], iw[:, None])  # [B, 1, E]
     keep = _picked(scores, index_topk(scores, visible, topk))
     entries = pool[tables].flatten(1, 2)[:, :nloc]
     seen = torch.arange(nloc).view(1, 1, -1) < visible.unsqueeze(-1)

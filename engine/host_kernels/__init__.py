@@ -103,10 +103,16 @@ __all__ = ["MAX_M", "NATIVE_OPS", "VARIANTS", "HostKernelError", "HostLibrary", 
 #   1.05-1.08x at 32-64, 1.01x at 128 (avx512-vbmi alike), hence sparse_attn <= 64.
 # * portable (no AVX2): 1.7-8x at M = 1, but head 0.81x and FP8 0.44-2.2x at 4, FP4 6.9x at 4 and 0.6x at 16,
 #   sparse_attn 0.93-1.08x at 1 (0: never native) and 0.45x at 4; the other small ops 1.5-3x up to 64.
-_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64}
+# * "pool" (compress_pool: rows = pooled entries) and "index" (index_score: decode rows), 2026-12-05 on the Zen 4
+#   box, one thread, the mid shapes (a CSA block of 2 x 4 slots x 128 channels; 32 heads x 128 over 275 entries):
+#   compress_pool 1.6-1.7x at 1, 1.2-1.4x at 2, 0.9-1.0x at 4, 0.7-0.8x at 8 in every build (libm's expf, one
+#   channel at a time), hence pool <= 2; index_score avx512-vbmi 1.53x at 1, 1.15-1.34x at 2-8, avx2 1.02x at 1 and
+#   0.73-0.87x at 2-8, portable 0.30-0.59x, hence index <= 8 / 1 / 0. The decode step takes the same limits
+#   (`decode_limits`), so its native path and the ops one by one stay the same numbers.
+_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64},
-         "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0}}
+         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 1},
+         "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0, "pool": 2, "index": 0}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 F32 = torch.float32  # every output buffer the native code writes is allocated with this dtype, never the default
 # one (torch.set_default_dtype(torch.bfloat16), as DeepSeek's own inference code sets it, would hand the kernels
@@ -424,6 +430,9 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     return o if q.dtype is torch.float32 else o.to(q.dtype)
 
 
+POOL_SLOTS = 512  # attn.c: the most slots one pooled entry takes (V4: 2 x 4 for CSA, 128 for HCA)
+
+
 def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
                        prev_score: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.compress_pool` natively (attn.c dk_compress_pool: per channel, the slots' max, libm expf, the
@@ -435,7 +444,8 @@ def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, pre
     why = None
     lead = tuple(kv.shape[:-3])
     if kv.dim() < 3 or score.shape != kv.shape or (prev_kv is None) != (prev_score is None) \
-            or overlap and kv.shape[-1] % 2 or prev_kv is not None and overlap and (
+            or overlap and kv.shape[-1] % 2 or kv.shape[-2] * (2 if overlap else 1) > POOL_SLOTS \
+            or prev_kv is not None and overlap and (
                 tuple(prev_kv.shape) != (*lead, *kv.shape[-2:]) or prev_score.shape != prev_kv.shape):
         why = "shape"
     elif any(t is not None and (not t.is_cpu or t.dtype not in (torch.float32, torch.bfloat16))
@@ -445,6 +455,8 @@ def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, pre
         why = "autograd"
     elif kv.numel() == 0:
         why = "empty"
+    elif math.prod(kv.shape[:-2]) > (limit := max_m("pool")):
+        why = f"M > {limit}"
     if why is not None:
         return dispatch.fallback("host.compress_pool", why, ref)
     _count("host.compress_pool")
@@ -484,11 +496,20 @@ def index_score_impl(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor)
             why = "autograd"
         elif keys.shape[1] == 0 or q.numel() == 0:
             why = "empty"
+        elif b > (limit := max_m("index")):
+            why = f"M > {limit}"
     if why is not None:
         return dispatch.fallback("host.index_score", why, ref)
     _count("host.index_score")
+    return index_score_native(q, keys, weights)
+
+
+def index_score_native(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """dk_index_score itself, whatever the row limit (`index_score_impl` checked the rest): the scores
+    `attn_decode` picks by."""
+    b, t, hi, di = q.shape
     n = keys.shape[1]
-    qT = q.float().transpose(-1, -2).contiguous()  # [B, 1, Di, Hi]
+    qT = q.float().transpose(-1, -2).contiguous()  # [B, T, Di, Hi]
     kf, wf = _f32(keys), _f32(weights)
     out = torch.empty(b, t, n, dtype=F32)
     if _native().lib.dk_index_score(qT.data_ptr(), kf.data_ptr(), wf.data_ptr(), b, t, n, hi, di,
@@ -715,7 +736,8 @@ NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "attn_qkv_native": attn_ops.attn_qkv_native, "ffn_site": step_ops.ffn_site, "ffn_site_pack": step_ops.site_pack,
     "attn_front": attn_ops.attn_front, "attn_front_pack": attn_ops.front_pack, "attn_decode": attn_ops.attn_decode,
     "attn_decode_pack": attn_ops.decode_pack, "attn_decode_takes": attn_ops.attn_decode_takes, "native_pack": packed,
-    "decode_layer": layer_ops.decode_layer, "decode_layer_pack": layer_ops.layer_pack}
+    "decode_layer": layer_ops.decode_layer, "decode_layer_pack": layer_ops.layer_pack,
+    "decode_limits": lambda: (max_m("pool"), max_m("index"))}
 
 
 def ensure_loaded() -> HostLibrary:

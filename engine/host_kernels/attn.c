@@ -70,30 +70,41 @@
 
 #include "dk.h"
 
+enum { POOL_SLOTS = 512 }; /* the most slots a pooled entry takes: 2m for CSA, m for HCA (V4: m = 4 and 128) */
+
 /* out[c] = sum_j softmax_j(sc[j][c]) kv[j][c] over n slots (rows given by pointer; NULL: an absent slot, score -inf),
  * per channel c < d: nki_kernels/reference.py compress_pool's softmax pooling, fp32, libm expf. One copy of the code
  * (noinline) for dk_compress_pool and the decode step's closing blocks, so both give the same bits. */
 __attribute__((noinline)) static void pool_slots(const float *const *kv, const float *const *sc, int64_t n, int64_t d,
                                                  float *out) {
+    float e[POOL_SLOTS];
     for (int64_t c = 0; c < d; c++) {
         float mx = -INFINITY, den = 0.0f, acc = 0.0f;
         for (int64_t j = 0; j < n; j++)
             if (sc[j] != NULL && sc[j][c] > mx) mx = sc[j][c];
+        for (int64_t j = 0; j < n; j++) {
+            e[j] = sc[j] != NULL ? expf(sc[j][c] - mx) : 0.0f; /* each exp once (n <= POOL_SLOTS: the callers) */
+            den += e[j];
+        }
         for (int64_t j = 0; j < n; j++)
-            if (sc[j] != NULL) den += expf(sc[j][c] - mx);
-        for (int64_t j = 0; j < n; j++)
-            if (sc[j] != NULL) acc += kv[j][c] * (expf(sc[j][c] - mx) / den);
+            if (sc[j] != NULL) acc += kv[j][c] * (e[j] / den);
         out[c] = acc;
     }
 }
 
 /* The lightning indexer's scores of one query row over n keys (rows by pointer): s[e] = sum_h w[h] relu(q[h] . k_e),
  * fp32 (nki_kernels/reference.py index_score). qT [Di, Hi]: the row's queries transposed, so one key element meets
- * IS_H heads in one contiguous run. Four keys x IS_H heads at a time in registers (gcc / clang vector types: one
- * zmm, two ymm or four xmm per accumulator, whatever the build); each head's dot is one chain over d, in d order;
+ * IS_H heads in one contiguous run. Four keys x IS_H heads at a time in registers (gcc / clang vector types of the
+ * build's register width: 16 heads on AVX-512, 8 on AVX2, 4 otherwise); each head's dot is one chain over d, in d order;
  * the weighted ReLU sum in head order. Heads not a multiple of IS_H take the scalar loop. One copy (noinline) for
  * dk_index_score and dk_attn_decode's selection: the same bits. */
-enum { IS_H = 16 };
+#if defined(__AVX512F__)
+enum { IS_H = 16 }; /* one accumulator: one register of the build */
+#elif defined(__AVX2__)
+enum { IS_H = 8 };
+#else
+enum { IS_H = 4 };
+#endif
 typedef float is_vec __attribute__((vector_size(4 * IS_H)));
 
 __attribute__((noinline)) static void index_scores_row(const float *restrict qT, const float *restrict w,
@@ -197,6 +208,7 @@ static void index_keep(const float *s, int64_t n, int64_t vis, int64_t k, int64_
 int dk_compress_pool(const float *kv, const float *score, const float *prev_kv, const float *prev_score, int64_t N,
                      int64_t W, int64_t m, int64_t C, int overlap, float *out) {
     const int64_t d = overlap ? C / 2 : C, n = overlap ? 2 * m : m;
+    if (n > POOL_SLOTS) return -2;
     const float **kp = (const float **)malloc(sizeof(float *) * (size_t)(2 * n));
     if (kp == NULL) return -1;
     const float **sp = kp + n;
@@ -229,6 +241,7 @@ static int close_block(const float *st_kv, const float *st_sc, int64_t rows, int
                        float *dst) {
     const int overlap = Wc == 2 * d;
     const int64_t n = overlap ? 2 * m : m;
+    if (n > POOL_SLOTS) return -2;
     const float **kp = (const float **)malloc(sizeof(float *) * (size_t)(2 * n) + sizeof(float) * (size_t)d);
     if (kp == NULL) return -1;
     const float **sp = kp + n;

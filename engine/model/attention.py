@@ -460,16 +460,24 @@ class Attention(OpsUser, nn.Module):
             aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
             if index:  # the last projection: the indexer's weights_proj
                 aux["q"] = self.indexer.queries_from(proj[-1], qr, cos, sin)
-        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, _ = self.layer_inputs(plan, cache)
+        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self.layer_inputs(plan, cache)
+        pool_max, index_max = self.ops.decode_limits()  # the rows the table's compress_pool / index_score take
+        native_index = index and len(plan.seqs) <= index_max
         writes = None
-        if kv.dtype is not torch.float32:
+        if kv.dtype is not torch.float32 or any(c[2].numel() > pool_max for c in crow) \
+                or index and not native_index and closes:  # (the scores below read a closing block's entry)
             self._decode_writes(kv, aux, plan, cache)
         else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
             writes = (kv, ring_rows, *((*aux[key], *c) for key, c in zip(("c", "i"), crow, strict=False)))
-        # where the indexer selects, attn_decode scores the entries and picks them after the writes (`_entries`,
-        # `_select`: the table's index_score and index_topk's order)
+        keep = None
+        if index and not native_index:  # `_entries` and `_select` of the decode group: the picks [B, nloc]
+            ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
+            scores = self.ops.index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
+            keep = _picked(scores, index_topk(scores, visible, self.indexer.topk, self.caps.bitcast))[:, 0]
+        # else, where the indexer selects, attn_decode scores the entries and picks them after the writes (the
+        # table's index_score routine, index_topk's order)
         return self.ops.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
-                                    writes, index=(*aux["q"], self.indexer.topk) if index else None)
+                                    writes, keep, (*aux["q"], self.indexer.topk) if native_index else None)
 
     def front_pack(self, site: Callable[[], tuple], index: bool = False) -> object | None:
         """This layer's pack of the op table's `attn_front` (made once; `site()`: the attention site's hc_pre

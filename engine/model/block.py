@@ -99,8 +99,9 @@ class Block(OpsUser, nn.Module):
         selecting (`Attention.selects`: the halves run, the attention's over the indexer's picks)."""
         op = getattr(self.ops, "decode_layer", None)
         dyn = None if op is None else self.attn.layer_inputs(plan, lc)
-        if dyn is None or self.attn.selects(plan):
-            return None
+        if dyn is None or self.attn.selects(plan) \
+                or any(c[2].numel() > self.ops.decode_limits()[0] for c in dyn[-2]):  # more closing rows than
+            return None  # the table's compress_pool takes: the halves run, pooling op by op
 
         def build() -> object:  # the three sites' packs (each made again if stale), then the layer's from them
             site = self.ffn.site_pack(lambda: self.site_args("ffn"))
