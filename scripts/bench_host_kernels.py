@@ -225,10 +225,9 @@ def _small_ops(ms: list[int], libs: dict[str, H.HostLibrary], repeats: int,
             fns: dict[str, Callable[[int], object]] = {"reference": lambda i, c=call, a=args: c(R, *a)}
             for b in libs:
                 fns[b] = lambda i, c=call, a=args: c(H, *a)
-            key = "sparse_attn" if op == "sparse_attn" else "mhc"
-            native = {b: op in ("compress_pool", "index_score") or m <= limits[libs[b].variant][key] for b in libs}
+            key = {"sparse_attn": "sparse_attn", "compress_pool": "pool", "index_score": "index"}.get(op, "mhc")
             print(_row(f"{op:<12} {shape:<22} {m:>3}", _timed(fns, libs, repeats, 3.0, burst), None, list(libs),
-                       native), flush=True)
+                       {b: m <= limits[libs[b].variant][key] for b in libs}), flush=True)
 
 
 def main() -> None:
