@@ -430,9 +430,6 @@ def sparse_attn_impl(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     return o if q.dtype is torch.float32 else o.to(q.dtype)
 
 
-POOL_SLOTS = 512  # attn.c: the most slots one pooled entry takes (V4: 2 x 4 for CSA, 128 for HCA)
-
-
 def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
                        prev_score: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.compress_pool` natively (attn.c dk_compress_pool: per channel, the slots' max, libm expf, the
@@ -444,7 +441,7 @@ def compress_pool_impl(kv: torch.Tensor, score: torch.Tensor, overlap: bool, pre
     why = None
     lead = tuple(kv.shape[:-3])
     if kv.dim() < 3 or score.shape != kv.shape or (prev_kv is None) != (prev_score is None) \
-            or overlap and kv.shape[-1] % 2 or kv.shape[-2] * (2 if overlap else 1) > POOL_SLOTS \
+            or overlap and kv.shape[-1] % 2 or kv.shape[-2] * (2 if overlap else 1) > _native().pool_slots \
             or prev_kv is not None and overlap and (
                 tuple(prev_kv.shape) != (*lead, *kv.shape[-2:]) or prev_score.shape != prev_kv.shape):
         why = "shape"

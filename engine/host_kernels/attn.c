@@ -71,6 +71,7 @@
 #include "dk.h"
 
 enum { POOL_SLOTS = 512 }; /* the most slots a pooled entry takes: 2m for CSA, m for HCA (V4: m = 4 and 128) */
+int dk_pool_slots(void) { return POOL_SLOTS; } /* engine/host_kernels/build.py HostLibrary.pool_slots */
 
 /* out[c] = sum_j softmax_j(sc[j][c]) kv[j][c] over n slots (rows given by pointer; NULL: an absent slot, score -inf),
  * per channel c < d: nki_kernels/reference.py compress_pool's softmax pooling, fp32, libm expf. One copy of the code
@@ -95,9 +96,9 @@ __attribute__((noinline)) static void pool_slots(const float *const *kv, const f
 /* The lightning indexer's scores of one query row over n keys (rows by pointer): s[e] = sum_h w[h] relu(q[h] . k_e),
  * fp32 (nki_kernels/reference.py index_score). qT [Di, Hi]: the row's queries transposed, so one key element meets
  * IS_H heads in one contiguous run. Four keys x IS_H heads at a time in registers (gcc / clang vector types of the
- * build's register width: 16 heads on AVX-512, 8 on AVX2, 4 otherwise); each head's dot is one chain over d, in d order;
- * the weighted ReLU sum in head order. Heads not a multiple of IS_H take the scalar loop. One copy (noinline) for
- * dk_index_score and dk_attn_decode's selection: the same bits. */
+ * build's register width: 16 heads on AVX-512, 8 on AVX2, 4 otherwise); each head's dot is one chain over d, in d
+ * order; the weighted ReLU sum in head order. Heads not a multiple of IS_H take the scalar loop. One copy
+ * (noinline) for dk_index_score and dk_attn_decode's selection: the same bits. */
 #if defined(__AVX512F__)
 enum { IS_H = 16 }; /* one accumulator: one register of the build */
 #elif defined(__AVX2__)

@@ -236,7 +236,7 @@ def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, g
             and not hk.fp32_cpu(cmp_pool) or wo_a.dtype is not torch.bfloat16 or not wo_a.is_contiguous() \
             or wo_a.shape[0] % groups or wo_b.in_features != wo_a.shape[0] \
             or any(st[3].shape != st[4].shape[2:] or st[0].shape[2] not in (st[4].shape[2], 2 * st[4].shape[2])
-                   or st[2].shape[0] != st[5] or st[5] * st[0].shape[2] // st[4].shape[2] > hk.POOL_SLOTS
+                   or st[2].shape[0] != st[5] or st[5] * st[0].shape[2] // st[4].shape[2] > hk._native().pool_slots
                    for st in states):
         return hk.Pack(None, keep)
     h, d = sink.shape[0], win_kv.shape[2]

@@ -326,6 +326,7 @@ class HostLibrary:
                                     i64, i32, p, i32, p, p, i32]
         lib.dk_parallel.restype = i32
         lib.dk_attn_heads_per_pass.restype = i32
+        lib.dk_pool_slots.restype = i32
         lib.dk_fp8_decode.argtypes = [i32]
         lib.dk_fp8_decode.restype = i32
         lib.dk_subnormal_cost.restype = ctypes.c_double
@@ -345,6 +346,7 @@ class HostLibrary:
         self.subnormal_cost = float(lib.dk_subnormal_cost())
         self.parallel = bool(lib.dk_parallel())  # False: every kernel runs on the calling thread (clang)
         self.attn_heads = lib.dk_attn_heads_per_pass()  # sparse_attn's heads per pass: scratch 2 * this * N floats
+        self.pool_slots = lib.dk_pool_slots()  # the most slots compress_pool and the closing blocks pool
 
     def set_fp8_decoder(self, name: str) -> None:
         """Make the avx2 build use FP8 decoder `name` (FP8_DECODERS; for tests: each must be exact here, whichever
