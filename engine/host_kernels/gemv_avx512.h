@@ -21,17 +21,13 @@ static inline __m512 fp8_dec16(__m512i v) {
 }
 #endif
 
-/* Weight elements [k0, k0 + 64) of one row, decoded (and scaled) into w[4] in the PERM order. */
+/* Weight elements [k0, k0 + 64) of one row, decoded (and scaled) into w[4] in the PERM order: from the row itself
+ * (src NULL) or from `src`, a zero-padded copy of a last partial chunk (chunk_copy). */
 static inline __attribute__((always_inline)) void
-decode(const int fmt, const uint8_t *wrow, const uint8_t *srow, int64_t k0, int64_t K, __m512 w[4]) {
+decode(const int fmt, const uint8_t *wrow, const uint8_t *srow, int64_t k0, int64_t K, __m512 w[4],
+       const uint8_t *src) {
     const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
-    uint8_t tail[128] __attribute__((aligned(64)));
-    const uint8_t *src = wrow + chunk_off(fmt, k0);
-    if (k0 + 64 > K) { /* last partial chunk: zero codes beyond K (x is zero there too) */
-        memset(tail, 0, sizeof tail);
-        memcpy(tail, src, (size_t)(row_bytes(fmt, K) - chunk_off(fmt, k0)));
-        src = tail;
-    }
+    if (src == NULL) src = wrow + chunk_off(fmt, k0);
     if (fmt == FMT_BF16) {
         __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 64);
         w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
@@ -75,11 +71,36 @@ decode(const int fmt, const uint8_t *wrow, const uint8_t *srow, int64_t k0, int6
     }
 }
 
-/* MT x rows against NT weight rows (NA accumulators per output): y[m * N + yo[r]] for m < MT, r < NT. Each x vector is
- * loaded once into a register and feeds NT FMAs (the empty asm keeps gcc from re-loading it per row as a memory
- * operand: with one load per FMA the loop is load-bound). Tile shapes measured on Zen 4 (a C sweep of MT x NT x NA):
- * M = 1: one row, four accumulators (memory-bound); M > 1: row pairs, x tiles of up to 4 (1.3-1.6x the FMA rate of
- * one row at a time). */
+/* A row's last partial chunk [k0, K) zero-padded into tail[128] (x is zero beyond K too) */
+static inline const uint8_t *chunk_copy(const int fmt, const uint8_t *wrow, int64_t k0, int64_t K, uint8_t *tail) {
+    memset(tail, 0, 128);
+    memcpy(tail, wrow + chunk_off(fmt, k0), (size_t)(row_bytes(fmt, K) - chunk_off(fmt, k0)));
+    return tail;
+}
+
+/* One chunk [k0, k0 + 64) of `tile`: NT weight rows decoded (from src[r]: NULL, the row itself, else a zero-padded
+ * copy of its last partial chunk), each x vector loaded once into a register and fed to NT FMAs (the empty asm keeps
+ * gcc from re-loading it per row as a memory operand: with one load per FMA the loop is load-bound). */
+#define TILE_CHUNK(src)                                                                                                \
+    do {                                                                                                               \
+        __m512 w[NT_TILE][4];                                                                                          \
+        _Pragma("GCC unroll 2") for (int r = 0; r < NT; r++) decode(fmt, wr[r], sr[r], k0, K, w[r], src);            \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {   \
+            __m512 xv = _mm512_loadu_ps(xp + m * kp + k0 + 16 * q);                                                    \
+            __asm__("" : "+v"(xv));                                                                                    \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NT; r++) acc[m][r][q % NA] =                                 \
+                _mm512_fmadd_ps(xv, w[r][q], acc[m][r][q % NA]);                                                       \
+        }                                                                                                              \
+    } while (0)
+
+/* MT x rows against NT weight rows (NA accumulators per output): y[m * N + yo[r]] for m < MT, r < NT. Tile shapes
+ * measured on Zen 4 (a C sweep of MT x NT x NA): M = 1: one row, four accumulators (memory-bound); M > 1: row pairs,
+ * x tiles of up to 4 (1.3-1.6x the FMA rate of one row at a time). Up to 2 x rows the whole chunks run in a loop of
+ * their own and a last partial chunk after it, from a zero-padded copy: with the copy's branch inside the loop gcc
+ * kept every decoded vector in memory as well (a store each). Zen 4, one thread, cold, paired runs of a C harness:
+ * bf16 8192 x 1024 0.75-0.88x the time at one x row and 0.80-0.87x at two, FP8 1024 x 1024 and 4096 x 1024 at one
+ * 0.93-0.95x. From 3 x rows (compute-bound) the same split measured 1.03-1.27x slower (FP8, FP4, bf16 at M = 3, 4, 8),
+ * so those tiles keep the branch in the loop. */
 static inline __attribute__((always_inline)) void
 tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, int64_t kp,
      const uint8_t *const *wr, const uint8_t *const *sr, int64_t K, float *y, int64_t N, const int64_t *yo) {
@@ -90,24 +111,23 @@ tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, i
         for (int r = 0; r < NT; r++)
 #pragma GCC unroll 4
             for (int a = 0; a < NA; a++) acc[m][r][a] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        __m512 w[NT_TILE][4];
-        if (MT >= 4) /* TILE_PREFETCH */
+    if (MT <= 2) {
+        int64_t k0 = 0;
+        for (; k0 + 64 <= K; k0 += 64) TILE_CHUNK(NULL);
+        if (k0 < K) {
+            uint8_t tail[NT_TILE][128] __attribute__((aligned(64)));
+            TILE_CHUNK(chunk_copy(fmt, wr[r], k0, K, tail[r]));
+        }
+    } else {
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            uint8_t tail[NT_TILE][128] __attribute__((aligned(64)));
+            if (MT >= 4) /* TILE_PREFETCH */
 #pragma GCC unroll 2
-            for (int r = 0; r < NT; r++)
-                for (int l = 0; l < (fmt == FMT_BF16 ? 2 : 1); l++)
-                    _mm_prefetch((const char *)wr[r] + chunk_off(fmt, k0) + TILE_PREFETCH + 64 * l, _MM_HINT_T0);
-#pragma GCC unroll 2
-        for (int r = 0; r < NT; r++) decode(fmt, wr[r], sr[r], k0, K, w[r]);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-#pragma GCC unroll 8
-            for (int m = 0; m < MT; m++) {
-                __m512 xv = _mm512_loadu_ps(xp + m * kp + k0 + 16 * q);
-                __asm__("" : "+v"(xv));
-#pragma GCC unroll 2
-                for (int r = 0; r < NT; r++) acc[m][r][q % NA] = _mm512_fmadd_ps(xv, w[r][q], acc[m][r][q % NA]);
-            }
+                for (int r = 0; r < NT; r++)
+                    for (int l = 0; l < (fmt == FMT_BF16 ? 2 : 1); l++)
+                        _mm_prefetch((const char *)wr[r] + chunk_off(fmt, k0) + TILE_PREFETCH + 64 * l, _MM_HINT_T0);
+            TILE_CHUNK(k0 + 64 <= K ? NULL : chunk_copy(fmt, wr[r], k0, K, tail[r]));
+        }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MT; m++)
@@ -119,6 +139,7 @@ tile(const int fmt, const int MT, const int NT, const int NA, const float *xp, i
             y[m * N + yo[r]] = _mm512_reduce_add_ps(t);
         }
 }
+#undef TILE_CHUNK
 
 /* FP8, one x row, x pre-scaled (fp8_prescale): weight rows n and n + half, which lie in different 128-row scale
  * blocks, each against its own scaled copy of x (x0, x1): two sequential weight streams, as bf16 and FP4 read at
@@ -134,18 +155,27 @@ static inline void tile_fp8x2(const float *x0, const float *x1, const uint8_t *w
     __m512 a0[4], a1[4];
 #pragma GCC unroll 4
     for (int q = 0; q < 4; q++) a0[q] = a1[q] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        __m512 u[4], v[4];
+#define FP8X2_CHUNK(s0, s1)                                                                                            \
+    do {                                                                                                               \
+        __m512 u[4], v[4];                                                                                             \
+        decode(FMT_FP8X, w0, NULL, k0, K, u, s0);                                                                      \
+        decode(FMT_FP8X, w1, NULL, k0, K, v, s1);                                                                      \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) {                                                          \
+            a0[q] = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k0 + 16 * q), u[q], a0[q]);                                   \
+            a1[q] = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k0 + 16 * q), v[q], a1[q]);                                   \
+        }                                                                                                              \
+    } while (0)
+    int64_t k0 = 0;
+    for (; k0 + 64 <= K; k0 += 64) { /* whole chunks, then the partial one (as in `tile`) */
         _mm_prefetch((const char *)w0 + k0 + FP8_PREFETCH, _MM_HINT_T0);
         _mm_prefetch((const char *)w1 + k0 + FP8_PREFETCH, _MM_HINT_T0);
-        decode(FMT_FP8X, w0, NULL, k0, K, u);
-        decode(FMT_FP8X, w1, NULL, k0, K, v);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++) {
-            a0[q] = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k0 + 16 * q), u[q], a0[q]);
-            a1[q] = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k0 + 16 * q), v[q], a1[q]);
-        }
+        FP8X2_CHUNK(NULL, NULL);
     }
+    if (k0 < K) {
+        uint8_t t0[128] __attribute__((aligned(64))), t1[128] __attribute__((aligned(64)));
+        FP8X2_CHUNK(chunk_copy(FMT_FP8X, w0, k0, K, t0), chunk_copy(FMT_FP8X, w1, k0, K, t1));
+    }
+#undef FP8X2_CHUNK
     __m512 t0 = a0[0], t1 = a1[0];
 #pragma GCC unroll 3
     for (int q = 1; q < 4; q++) t0 = _mm512_add_ps(t0, a0[q]), t1 = _mm512_add_ps(t1, a1[q]);
@@ -204,8 +234,11 @@ tile_fp4dw(const int MT, const int NT, const float *xp, int64_t kp, const uint8_
     }
     for (int64_t k0 = k128; k0 < K; k0 += 64) {
         __m512 w[NT_TILE][4];
+        uint8_t tail[NT_TILE][128] __attribute__((aligned(64)));
 #pragma GCC unroll 2
-        for (int r = 0; r < NT; r++) decode(FMT_FP4, wr[r], sr[r], k0, K, w[r]);
+        for (int r = 0; r < NT; r++)
+            decode(FMT_FP4, wr[r], sr[r], k0, K, w[r],
+                   k0 + 64 <= K ? NULL : chunk_copy(FMT_FP4, wr[r], k0, K, tail[r]));
 #pragma GCC unroll 4
         for (int q = 0; q < 4; q++)
 #pragma GCC unroll 3
