@@ -93,7 +93,8 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if greedy:
             # torch.argmax returns the first maximal index: lowest-index tie-break, exact.
-            ids = logits[greedy].argmax(dim=-1).tolist()  # [Bg]
+            rows = logits if len(greedy) == B else logits[greedy]  # every row greedy: no gathered copy
+            ids = rows.argmax(dim=-1).tolist()  # [Bg]
             for i, t in zip(greedy, ids, strict=True):
                 out[i] = int(t)
         if sampled:
