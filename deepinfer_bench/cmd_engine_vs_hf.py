@@ -33,7 +33,8 @@ def engine_vs_hf_cmd(
     out: Annotated[Path, typer.Option()] = DEFAULT_OUT_DIR,
 ) -> None:
     """Decode (batch 1 and batch B) and prefill speed of the engine against HF transformers on the same weights,
-    interleaved in one run; weight bytes read per decode step, achieved GB/s and the machine's memory roof."""
+    interleaved in one run; weight bytes read per decode step, achieved GB/s and the machine's memory roof; the
+    step's GEMM multiply-adds against the rate an fp32 GEMM reaches here (the compute roof)."""
     from deepinfer_bench.engine_vs_hf import run_engine_vs_hf, targets, workload
     from engine.choices import GraphMode, Kernels
 
@@ -57,7 +58,8 @@ def engine_vs_hf_cmd(
                                        kernels_also=also)
     render_df(df, f"decode: deepinfer vs HF transformers ({config.model.dtype}, same weights, same run; memory "
                   f"roof {ratios['memory_bandwidth_gb_s']:.1f} GB/s: the best of {ratios['memory_probes']:.0f} copy "
-                  f"probes through the run, the lowest {ratios['memory_bandwidth_min_gb_s']:.1f})")
+                  f"probes through the run, the lowest {ratios['memory_bandwidth_min_gb_s']:.1f}; GEMM roof "
+                  f"{ratios['gemm_rate_g_s']:.1f} G multiply-adds/s, fp32 torch.mm)")
     if len(pre):
         render_df(pre, f"prefill: TTFT of one {prefill_len}-token prompt")
     render_df(targets(ratios, modes, batches, prefill_len, also), "targets")

@@ -12,7 +12,10 @@ Measured, interleaved (engine, HF, engine, HF, ...; medians), with the same torc
   `--weights stored`; HF's at its dtype; routed experts: min(local experts, B x K) per layer, the embedding B rows),
   the achieved GB/s they imply, and the machine's own read bandwidth from copy probes run in this process (before
   the timings and after each repeat; the roof is the best of them, their spread is reported: on a shared VM one
-  probe read anywhere from 10.5 to 16.3 GB/s), so the table says how close each side is to the memory roof.
+  probe read anywhere from 10.5 to 16.3 GB/s), so the table says how close each side is to the memory roof;
+* multiply-adds: those of a decode step's weight GEMMs (`engine_step_fmas`), the rate they imply, and the rate an
+  fp32 GEMM reaches here with the same thread count (`gemm_rate_g_s`, BLAS: the compute roof), so a row that is
+  compute-bound (a batch, or a kernel whose decode costs more than its bytes) shows it beside the memory roof.
 The engine runs `config` (its dtype, weights, kernels, moe); HF runs the dequantised weights at the same dtype.
 """
 
@@ -32,7 +35,7 @@ from engine.profiling import quantiles
 
 COLUMNS = ["system", "kernels", "weights", "dtype", "batch_size", "prompt_len", "decode_steps", "ms_per_step_p50",
            "ms_per_step_p90", "ms_per_token_p50", "decode_tok_s", "weight_bytes_per_step", "achieved_gb_s",
-           "roof_fraction"]
+           "roof_fraction", "gemm_fmas_per_step", "achieved_gfma_s", "gemm_fraction"]
 PREFILL_COLUMNS = ["system", "prompt_len", "repeats", "ttft_ms_p50", "ttft_ms_p90", "prefill_tok_s"]
 # Targets of issue 24 (host decode at the memory roof), the default command on the mid bench model, fp32, 1 thread:
 TARGET_B1_RATIO = 0.25  # engine batch-1 ms/token <= 0.25 x HF fp32's
@@ -54,6 +57,46 @@ def memory_bandwidth_gb_s(mib: int = 1024, repeats: int = 3) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best / 1e9
+
+
+def gemm_rate_g_s(n: int = 1024, repeats: int = 3) -> float:
+    """Multiply-adds per second (G/s) an fp32 GEMM reaches in this process: the best of `repeats` n x n x n torch.mm
+    with the current torch thread count (BLAS: within a few percent of the cores' FMA peak), the compute roof a
+    decode step's GEMMs are measured against."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return n ** 3 / best / 1e9
+
+
+def engine_step_fmas(cfg: Any, model: Any, batch: int, last_pos: int | None = None) -> int:
+    """Multiply-adds of the weight GEMMs of one decode step of `batch` tokens, from the model's logical shapes (a
+    stored FP8 / FP4 weight counts its dequantised elements): per token every 2-D weight of the main layers and the
+    head once (projections, compressors, the mHC mixes, the gate), n_activated_experts routed experts per layer; not
+    the embedding (a row gather) nor the attention's score and value products (they grow with the context, not with
+    the weights). With `last_pos`, the indexer's query weights skipped where `engine_read_bytes` skips them."""
+    from engine.loader import expected_tensors, expert_of
+
+    skip = () if last_pos is None else tuple(
+        f"layers.{i}.attn.indexer.{w}." for i, layer in enumerate(model.layers)
+        if layer.attn.indexer is not None and not layer.attn.index_needed(last_pos) for w in ("wq_b", "weights_proj"))
+    dense = expert = 0
+    for name, shape in expected_tensors(cfg, include_mtp=False).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if len(shape) != 2 or name == "embed.weight" or name.startswith(skip) or not (
+                leaf == "weight" or leaf.startswith("hc_") and leaf.endswith("_fn")):
+            continue
+        ex = expert_of(name)
+        if ex is None:
+            dense += shape[0] * shape[1]
+        elif ex[0] == 0:
+            expert += shape[0] * shape[1]  # expert 0's w1, w2, w3 of every layer: a token runs K such per layer
+    return batch * (dense + cfg.n_activated_experts * expert)
 
 
 def roof_summary(probes: list[float]) -> dict[str, float]:
@@ -166,6 +209,7 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
     cfg = config.model.config
     dtype = parse_dtype(config.model.dtype)
     probes = [memory_bandwidth_gb_s()]
+    gemm = [gemm_rate_g_s()]
     hf = build_hf_model(cfg, load_weights(config, stored=False), dtype=dtype)
     state = load_weights(config)
     variants = {mode: config.replace(graph_mode=mode) for mode in graph_modes}
@@ -194,8 +238,9 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
             ttft.setdefault(f"deepinfer[{first}]", []).append(_engine_ttft(engines[first], prefill_len, r))
             ttft.setdefault("hf-transformers", []).append(_hf_ttft(hf, prefill_len, r, cfg.vocab_size))
         probes.append(memory_bandwidth_gb_s())
-    roof = roof_summary(probes)
-    bandwidth = roof["memory_bandwidth_gb_s"]
+    gemm.append(gemm_rate_g_s())
+    roof = roof_summary(probes) | {"gemm_rate_g_s": max(gemm)}
+    bandwidth, rate = roof["memory_bandwidth_gb_s"], max(gemm)
     model = next(iter(engines.values())).runner.model
     rows = []
     for (system, b), times in samples.items():
@@ -203,12 +248,14 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
         is_hf = system.startswith("hf")
         nbytes = hf_read_bytes(cfg, dtype.itemsize, b) if is_hf else engine_read_bytes(model, b, prompt_len + steps)
         gbs = nbytes / p50 / 1e9
+        fmas = engine_step_fmas(cfg, model, b, prompt_len + steps)  # HF runs the same GEMMs
         kernels = "-" if is_hf else str(variants[system.removeprefix("deepinfer[").removesuffix("]")].kernels)
         rows.append({"system": system, "kernels": kernels, "weights": "dequant" if is_hf else str(config.model.weights),
                      "dtype": str(dtype).removeprefix("torch."), "batch_size": b, "prompt_len": prompt_len,
                      "decode_steps": len(times), "ms_per_step_p50": p50 * 1e3, "ms_per_step_p90": p90 * 1e3,
                      "ms_per_token_p50": p50 * 1e3 / b, "decode_tok_s": b / p50, "weight_bytes_per_step": nbytes,
-                     "achieved_gb_s": gbs, "roof_fraction": gbs / bandwidth})
+                     "achieved_gb_s": gbs, "roof_fraction": gbs / bandwidth, "gemm_fmas_per_step": fmas,
+                     "achieved_gfma_s": fmas / p50 / 1e9, "gemm_fraction": fmas / p50 / 1e9 / rate})
     df = pd.DataFrame(rows, columns=COLUMNS)
     pre = pd.DataFrame([{"system": s, "prompt_len": prefill_len, "repeats": len(v),
                          "ttft_ms_p50": quantiles(v, 50)[0] * 1e3, "ttft_ms_p90": quantiles(v, 90)[0] * 1e3,
@@ -235,6 +282,9 @@ def run_engine_vs_hf(config: Any, *, prompt_len: int = 64, steps: int = 64, batc
             # the same ratio were batch b to stream its weight bytes (each distinct expert once) at batch 1's GB/s
             ratios[f"{label}:b{b}_bytes_bound"] = float(
                 b * e1.weight_bytes_per_step / row(label, b).weight_bytes_per_step)
+            # the most it can be: batch b's multiply-adds at the GEMM probe's rate against batch 1's measured step
+            ratios[f"{label}:b{b}_gemm_bound"] = float(
+                b * e1.ms_per_step_p50 / 1e3 / (row(label, b).gemm_fmas_per_step / (rate * 1e9)))
         ratios[f"{label}:b1_ms_per_token_over_eager"] = float(
             e1.ms_per_token_p50 / row(graph_modes[0], 1).ms_per_token_p50)
     if len(pre) == 2:
@@ -266,6 +316,11 @@ def targets(ratios: dict[str, float], graph_modes: tuple[str, ...], batch: int |
             if bound is not None:  # above it, batch b must read its bytes faster than batch 1 does
                 rows.append({"engine": label, "measure": f"  the same at batch-1's GB/s ({b} x batch-1 bytes / "
                              f"batch-{b} bytes)", "value": bound, "target": "-", "met": "-"})
+            bound = ratios.get(f"{label}:b{b}_gemm_bound")
+            if bound is not None:  # no kernel gets above it: batch b's multiply-adds at the GEMM probe's rate
+                rows.append({"engine": label, "measure": f"  the most it can be at the GEMM probe's rate ({b} x "
+                             f"batch-1 step / batch-{b} multiply-adds at that rate)", "value": bound, "target": "-",
+                             "met": "-"})
         if label != graph_modes[0]:
             v = ratios[f"{label}:b1_ms_per_token_over_eager"]
             rows.append({"engine": label, "measure": f"batch-1 ms/token, {label} / {graph_modes[0]}", "value": v,

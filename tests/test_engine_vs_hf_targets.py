@@ -1,8 +1,13 @@
 """`deepinfer bench engine-vs-hf`'s targets table: issue 24's targets (batch-1 <= 0.25 x HF, >= 50 % of the memory
-roof, batch 8 >= 4 x batch 1) judged from a run's ratios (the run itself is a benchmark, not a test)."""
+roof, batch 8 >= 4 x batch 1) judged from a run's ratios (the run itself is a benchmark, not a test), and the
+counts the run divides by (a step's GEMM multiply-adds)."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+import engine
 from deepinfer_bench import engine_vs_hf as E
 
 
@@ -42,3 +47,42 @@ def test_the_roof_is_the_best_copy_probe_of_the_run_with_its_spread() -> None:
     assert r == {"memory_bandwidth_gb_s": 14.5, "memory_bandwidth_min_gb_s": 10.5, "memory_probes": 3.0}
     assert E.roof_summary([12.0]) == {"memory_bandwidth_gb_s": 12.0, "memory_bandwidth_min_gb_s": 12.0,
                                       "memory_probes": 1.0}
+
+
+def test_the_batch_ratio_at_the_gemm_rate_is_reported_after_the_bytes_one() -> None:
+    """Batch 8 does 8 x batch 1's multiply-adds: the run reports the most the batch ratio can be with batch 8's
+    multiply-adds at the GEMM probe's rate against batch 1's measured step (8 x t1 / (fmas_8 / rate)): below the
+    target, no kernel meets it at this batch-1 speed."""
+    r = _ratios(0.24, 0.51, 1.5, 2.5) | {"eager:b8_bytes_bound": 2.9, "eager:b8_gemm_bound": 8 * 6.0 / 11.7}
+    df = E.targets(r, ("eager",), (2, 8), 0)
+    i = list(df.measure).index("batch-8 tok/s / batch-1 tok/s (engine)")
+    assert df.measure[i + 2] == ("  the most it can be at the GEMM probe's rate (8 x batch-1 step / batch-8 "
+                                 "multiply-adds at that rate)")
+    assert abs(df.value[i + 2] - 4.1026) < 1e-3 and df.met[i + 2] == "-"
+
+
+@pytest.mark.parametrize("batch,prompt_len", [(1, 16), (3, 40)])
+def test_step_multiply_adds_are_what_torch_counts_in_a_reference_step(batch: int, prompt_len: int) -> None:
+    """engine_step_fmas against torch's FLOP counter over one decode step of the tiny model on the reference kernels
+    (every weight GEMM an aten.mm there) plus wo_a, which the reference runs as a batched product next to the
+    attention's own (per token o_groups blocks of o_lora_rank x n_heads * head_dim / o_groups). Prompt 16: the
+    indexer's top-k keeps every entry (its query weights skipped); prompt 40: it selects (counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from deepinfer_bench.batch_run import random_prompts
+    from deepinfer_bench.golden import GOLDEN_DIR
+    from engine.config import EngineConfig
+    from engine.sampler import SamplingParams
+
+    eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny", kernels="reference", max_num_seqs=4))
+    cfg = eng.model_config
+    for p in random_prompts(cfg.vocab_size, batch, prompt_len, 0):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()  # prefill and the first token
+    eng.step()  # the first decode step: positions prompt_len
+    counter = FlopCounterMode(display=False)
+    with counter:
+        eng.step()  # positions prompt_len + 1
+    mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm] // 2
+    wo_a = cfg.n_layers * cfg.o_lora_rank * cfg.n_heads * cfg.head_dim  # o_groups x o_lora_rank x (nh*hd / groups)
+    assert E.engine_step_fmas(cfg, eng.runner.model, batch, prompt_len + 1) == mm + batch * wo_a
