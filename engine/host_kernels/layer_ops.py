@@ -23,7 +23,7 @@ import torch
 
 from engine import host_kernels as hk
 from engine.host_kernels import attn_ops
-from engine.host_kernels.step_ops import _SITE_COUNTS
+from engine.host_kernels.step_ops import _SITE_COUNTS, hash_ids_fit
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -112,9 +112,7 @@ def decode_layer(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     [K, rd/2] at their first positions (attn_ops.attn_decode's `writes`); hash_ids [B, K] int64 for a hash layer."""
     a = pack.args
     b = None if a is None else hk.step_rows(a, x, cos, sin)
-    if b is None or len(crow) != a.n_comp \
-            or a.hashed != (hash_ids is not None) or hash_ids is not None and (
-                hash_ids.dtype is not torch.int64 or tuple(hash_ids.shape) != (b, a.topk)):
+    if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, hash_ids, b):
         return None
     hk._count_each(a.keys)
     sl, rr, rv, tb = slots.contiguous(), ring_rows.contiguous(), ring_valid.contiguous(), tables.contiguous()

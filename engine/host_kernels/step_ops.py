@@ -115,6 +115,14 @@ def site_pack(site: tuple, gate_weight: torch.Tensor, topk: int, route_scale: fl
               hk._FMT_CODE[shared[0]] if shared is not None else 0, ptrs[1] if shared is not None else None)), keep)
 
 
+def hash_ids_fit(a: object, hash_ids: torch.Tensor | None, t: int) -> bool:
+    """Whether `hash_ids` is what a pack with the router arguments `a` (hashed, topk) takes for t token rows: int64
+    CPU [t, topk] for a hash layer, None for a scored one."""
+    if hash_ids is None:
+        return not a.hashed
+    return a.hashed and hash_ids.dtype is torch.int64 and tuple(hash_ids.shape) == (t, a.topk) and hash_ids.is_cpu
+
+
 def ffn_site(pack: hk.Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """The MoE half of a decode block (`Block.hc_site("ffn")`: ops hc_pre, gate, moe_ffn, hc_expand) as one native
     call (moe.c `dk_ffn_site`) with `site_pack`'s static arguments -> the new residual streams [T, n, D] fp32; None
@@ -126,8 +134,7 @@ def ffn_site(pack: hk.Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = Non
     t = x.shape[0] if x.dim() == 3 else 0
     if not hk.rows_ok(x, (t, a.n, a.d), min(hk.max_m(k) for k in a.limit_keys)):
         return None
-    if a.hashed != (hash_ids is not None) or hash_ids is not None and (
-            hash_ids.dtype is not torch.int64 or tuple(hash_ids.shape) != (t, a.topk) or not hash_ids.is_cpu):
+    if not hash_ids_fit(a, hash_ids, t):
         return None
     hk._count_each(_SITE_COUNTS)
     h = hash_ids.contiguous() if hash_ids is not None else None

@@ -161,9 +161,9 @@ class Attention(OpsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
         """x [T, dim] (attn_norm applied) -> [T, G*o_lora] (before wo_b)."""
-        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [T, rd/2]
+        cos, sin = self._cos_sin(plan)  # [T, rd/2]
         q, kv, qr = self._qkv(x, cos, sin)
-        aux = self._aux(x, qr, cos, sin, self.index_needed(max(s.start + s.n - 1 for s in plan.seqs)))
+        aux = self._aux(x, qr, cos, sin, self.selects(plan))
         groups = []
         if plan.dec_tokens is not None:
             groups.append(self._decode(q, kv, aux, plan, cache))
@@ -369,7 +369,7 @@ class Attention(OpsUser, nn.Module):
             aux_q = None
             if self.indexer is not None and "q" in aux:
                 aux_q = (ix.pick(aux["q"][0])[:, None], ix.pick(aux["q"][1])[:, None])
-            visible, ids = plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(plan.dec_pos))
+            visible, ids = self._step_entries(plan)
             self._entries(g, cache, plan.dec_tables, visible, aux_q, ids)
         return g
 
@@ -423,7 +423,7 @@ class Attention(OpsUser, nn.Module):
 
     def selects(self, plan: StepPlan) -> bool:
         """Whether the indexer's top-k drops entries in this step (`index_needed` at the step's last position)."""
-        return self.indexer is not None and self.index_needed(max(s.start + s.n - 1 for s in plan.seqs))
+        return self.index_needed(max(s.start + s.n - 1 for s in plan.seqs))
 
     def native_decode(self, plan: StepPlan, cache: LayerCache, x: torch.Tensor) -> object | None:
         """The op table's `attn_decode` pack of this layer (`attn_decode_pack`) when `decode_native` runs this step
@@ -432,7 +432,7 @@ class Attention(OpsUser, nn.Module):
         if not self.decodes_natively(plan, cache):
             return None
         pack = self.decode_pack(cache)
-        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
+        cos, sin = self._cos_sin(plan)
         return pack if self.ops.attn_decode_takes(pack, len(plan.seqs), x, cos, sin) else None
 
     def decode_native(self, x: torch.Tensor, site: Callable[[], tuple], plan: StepPlan, cache: LayerCache,
@@ -446,7 +446,7 @@ class Attention(OpsUser, nn.Module):
         (`selects`), its queries; then `attn_decode` (one native call: the indexer's scores and top-k as `_entries`
         and `_select` make them, the keys' gather, sparse_attn over the picks, inverse RoPE, wo_a, wo_b,
         hc_expand)."""
-        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))  # [B, rd/2]
+        cos, sin = self._cos_sin(plan)  # [B, rd/2]
         index = self.selects(plan)
         fpack = self.front_pack(site, index)
         front = None if fpack is None else self.ops.attn_front(fpack, x, cos, sin)
@@ -461,10 +461,9 @@ class Attention(OpsUser, nn.Module):
             if index:  # the last projection: the indexer's weights_proj
                 aux["q"] = self.indexer.queries_from(proj[-1], qr, cos, sin)
         cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self.layer_inputs(plan, cache)
-        pool_max, index_max = self.ops.decode_limits()  # the rows the table's compress_pool / index_score take
-        native_index = index and len(plan.seqs) <= index_max
+        native_index = index and len(plan.seqs) <= self.ops.decode_limits()[1]  # the rows index_score takes
         writes = None
-        if kv.dtype is not torch.float32 or any(c[2].numel() > pool_max for c in crow) \
+        if kv.dtype is not torch.float32 or self.closing_over_limit(crow) \
                 or index and not native_index and closes:  # (the scores below read a closing block's entry)
             self._decode_writes(kv, aux, plan, cache)
         else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
@@ -517,14 +516,27 @@ class Attention(OpsUser, nn.Module):
             else:
                 crow.append((rows, phase, closing[0], closing[2], *closing[4]))
                 closes = True
-        cos, sin = plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
+        cos, sin = self._cos_sin(plan)
         nloc, visible = 0, None
         if self.ratio:
-            visible, found = plan.shared(("entries", self.ratio, self.rank, self.cp),
-                                         lambda: self._visible(plan.dec_pos))
+            visible, found = self._step_entries(plan)
             nloc = found[0] if found is not None else 0
         return (cos, sin, plan.dec_slots, ix.ring_write[1], ix.valid, plan.dec_tables, nloc, visible, tuple(crow),
                 closes)
+
+    def _cos_sin(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos / sin [T, rd/2] at the step's positions, made once a step for every layer of this table."""
+        return plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
+
+    def _step_entries(self, plan: StepPlan) -> tuple[torch.Tensor, tuple | None]:
+        """`_visible` of the step's decode positions, made once a step for every layer of this ratio and rank."""
+        return plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(plan.dec_pos))
+
+    def closing_over_limit(self, crow: tuple) -> bool:
+        """Whether a compressor of `layer_inputs`' `crow` closes more blocks this step than the op table's
+        compress_pool takes natively (`decode_limits`): then those blocks pool op by op (`_decode_writes`)."""
+        pool_max = self.ops.decode_limits()[0]
+        return any(c[2].numel() > pool_max for c in crow)
 
     def _visible(self, pos: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids`."""

@@ -101,9 +101,8 @@ class Block(OpsUser, nn.Module):
         dyn = None if op is None else self.attn.layer_inputs(plan, lc)
         if dyn is None or self.attn.selects(plan):
             return None
-        pool_max = self.ops.decode_limits()[0]
-        if dyn[-1] and any(c[2].numel() > pool_max for c in dyn[-2]):  # more closing rows than the table's
-            return None  # compress_pool takes: the halves run, those blocks pooled op by op
+        if dyn[-1] and self.attn.closing_over_limit(dyn[-2]):  # the halves run, those blocks pooled op by op
+            return None
 
         def build() -> object:  # the three sites' packs (each made again if stale), then the layer's from them
             site = self.ffn.site_pack(lambda: self.site_args("ffn"))
