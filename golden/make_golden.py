@@ -82,7 +82,7 @@ def run_reference(tiny_dir: Path = TINY_DIR) -> tuple[list[dict], dict[str, torc
     """Run every prompt of `PROMPTS` through the HF reference: (json entries, golden tensors)."""
     from tokenizers import Tokenizer
 
-    from deepinfer_bench.reference import build_hf_model, hf_greedy
+    from deepinfer_bench.bench.hf_reference import build_hf_model, hf_greedy
     from engine.backends.host import setup_host_process
 
     setup_host_process()  # the engine's reproducible host math (MKL CNR mode, fixed threads) for the reference too

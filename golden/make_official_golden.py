@@ -16,7 +16,7 @@ config.json that ModelArgs has; max_batch_size 1), the checkpoint converted as `
 dequantised to bf16, FP4 experts viewed as float4_e2m1fn_x2), `load_state_dict(strict=False)` (only the MTP block's
 shared embed/head are absent), then per prompt a fresh model: one prefill forward from position 0, then one token per
 forward, greedy (`argmax` of the fp32 logits), no EOS stop. Recorded per prompt: prompt ids, generated ids and the
-fp32 logits each token was chosen from, in the format `deepinfer_bench.golden.load_golden` reads.
+fp32 logits each token was chosen from, in the format `deepinfer_bench.bench.golden.load_golden` reads.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def ste_params(model: torch.nn.Module, formats: dict[str, str]) -> dict[str, tor
 
 def build(cfg: ModelConfig, seed: int):
     """HF model holding make_tiny_model's draw for `seed` (mtp.* drawn too but HF drops it) -> (model, all weights)."""
-    from deepinfer_bench.reference import build_hf_model
+    from deepinfer_bench.bench.hf_reference import build_hf_model
 
     weights = tiny_weights(cfg, seed)
     return build_hf_model(cfg, weights), weights
@@ -236,7 +236,7 @@ def report(model, lang: Language, n_docs: int = 24, seed: int = SEED + 7) -> dic
 
 def continuations(model, lang: Language, prompts: list[list[int]], new: int = 32) -> list[dict]:
     """Greedy continuations (HF, no cache) of `prompts`: how many generated tokens follow a chain rule."""
-    from deepinfer_bench.reference import hf_greedy
+    from deepinfer_bench.bench.hf_reference import hf_greedy
 
     out = []
     for p in prompts:
@@ -265,7 +265,7 @@ def main() -> None:
     cfg, t0 = SPEC_CONFIG, time.time()
     lang = Language(args.seed)
     if args.eval:
-        from deepinfer_bench.reference import build_hf_model
+        from deepinfer_bench.bench.hf_reference import build_hf_model
         from engine.loader import load_checkpoint
 
         model = build_hf_model(cfg, load_checkpoint(args.out, cfg, dtype=torch.float32))

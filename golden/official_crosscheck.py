@@ -54,7 +54,7 @@ VARIANTS = (
 
 
 def _hf(model_dir: Path, cfg: ModelConfig):
-    from deepinfer_bench.reference import build_hf_model
+    from deepinfer_bench.bench.hf_reference import build_hf_model
     from engine.loader import load_checkpoint
 
     return build_hf_model(cfg, load_checkpoint(model_dir, cfg, dtype=torch.float32), dtype=torch.float32)
@@ -76,7 +76,7 @@ def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
 
 
 def cross_check(module, model_dir: Path, out_dir: Path) -> dict:
-    from deepinfer_bench.reference import hf_greedy
+    from deepinfer_bench.bench.hf_reference import hf_greedy
 
     cfg = ModelConfig.from_json(Path(model_dir) / "config.json")
     hf = _hf(model_dir, cfg)

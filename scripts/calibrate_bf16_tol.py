@@ -1,5 +1,5 @@
 """How far the independent HF reference's OWN bf16 run lands from its fp32 golden logits, per golden prompt: the
-yardstick of `deepinfer golden --dtype bfloat16`'s tolerance (deepinfer_bench/golden.py BF16_LOGIT_TOL).
+yardstick of `deepinfer golden --dtype bfloat16`'s tolerance (deepinfer_bench/bench/golden.py BF16_LOGIT_TOL).
 
     python scripts/calibrate_bf16_tol.py     # needs the `reference` extra; ~1 min on 2 cores
 
@@ -16,8 +16,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deepinfer_bench.golden import GOLDEN_DIR, load_golden  # noqa: E402
-from deepinfer_bench.reference import build_hf_model  # noqa: E402
+from deepinfer_bench.bench.golden import GOLDEN_DIR, load_golden  # noqa: E402
+from deepinfer_bench.bench.hf_reference import build_hf_model  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 

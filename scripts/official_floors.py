@@ -1,4 +1,4 @@
-"""The floors behind deepinfer_bench/golden.py OFFICIAL_TOL: how close other valid implementations of the official
+"""The floors behind deepinfer_bench/bench/golden.py OFFICIAL_TOL: how close other valid implementations of the official
 numerics come to the official goldens, teacher-forced on the goldens' tokens (456 steps).
 
     python scripts/official_floors.py --official-src DeepSeek-V4-Pro-code/inference   # ~10 min, 1 thread
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from deepinfer_bench.golden import forced_with_logits, golden_config, load_golden  # noqa: E402
+from deepinfer_bench.bench.golden import forced_with_logits, golden_config, load_golden  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from golden import make_official_golden as mog  # noqa: E402
 from golden import official_kernels  # noqa: E402

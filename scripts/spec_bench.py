@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Decode speed with and without speculative decoding, interleaved (a benchmark command, not a test): tokens per
 target step and decode ms per output token, per model and batch size, through the engine's own step
-(`deepinfer_bench.batch_run.run_batch`, the driver of every timing command).
+(`deepinfer_bench.bench.batch_run.run_batch`, the driver of every timing command).
 
     nice -n 10 python scripts/spec_bench.py                                   # tiny-spec and mid, batch 1 and 8
     python scripts/spec_bench.py --models golden/tiny-spec --batches 1 --ks 1,2,3 --repeats 3
@@ -52,7 +52,7 @@ def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int,
 
 
 def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
-    from deepinfer_bench.batch_run import run_batch
+    from deepinfer_bench.bench.batch_run import run_batch
 
     acc0 = list(eng.spec_stats.accepted_per_pos), list(eng.spec_stats.drafted_per_pos)
     d0, a0, n0 = eng.spec_stats.num_draft_tokens, eng.spec_stats.num_accepted_tokens, eng.spec_stats.num_drafts

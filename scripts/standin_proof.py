@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--no-embed-head", action="store_true", help="embed and head eager (as HostBackend does)")
     args = ap.parse_args()
 
-    from deepinfer_bench.golden import GOLDEN_DIR, golden_config, load_golden
+    from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, load_golden
     from engine.backends.host import HostBackend
     from engine.backends.standin_pipeline import LABEL, StandinPipeline, module_problems
 

@@ -1,4 +1,4 @@
-"""`deepinfer bringup` orchestration (deepinfer_bench/bringup.py) with fake steps: the order, what cannot run on a
+"""`deepinfer bringup` orchestration (deepinfer_bench/bench/bringup.py) with fake steps: the order, what cannot run on a
 backend listed as not run with its reason, the first failure stopping the run and named, the one report."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from deepinfer_bench import bringup as B
+from deepinfer_bench.bench import bringup as B
 from tests.cli import run_main
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import engine
-from deepinfer_bench import engine_vs_hf as E
+from deepinfer_bench.bench import engine_vs_hf as E
 
 
 def _ratios(b1: float, roof: float, b2: float, b8: float) -> dict[str, float]:
@@ -69,8 +69,8 @@ def test_step_multiply_adds_are_what_torch_counts_in_a_reference_step(batch: int
     indexer's top-k keeps every entry (its query weights skipped); prompt 40: it selects (counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from deepinfer_bench.batch_run import random_prompts
-    from deepinfer_bench.golden import GOLDEN_DIR
+    from deepinfer_bench.bench.batch_run import random_prompts
+    from deepinfer_bench.bench.golden import GOLDEN_DIR
     from engine.config import EngineConfig
     from engine.sampler import SamplingParams
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from deepinfer_bench import generate as gen
+from deepinfer_bench.bench import generate as gen
 from deepinfer_bench.cli import app
 from engine.chat_encoding import encode_chat, encode_messages
 from engine.tokenizer import load_tokenizer

@@ -10,8 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from deepinfer_bench.cli import app
-from deepinfer_bench.golden import (
+from deepinfer_bench.bench.golden import (
     GOLDEN_DIR,
     GoldenError,
     collectives_per_layer,
@@ -19,6 +18,7 @@ from deepinfer_bench.golden import (
     load_golden,
     run_golden,
 )
+from deepinfer_bench.cli import app
 from engine.config import ModelConfig
 
 TINY = GOLDEN_DIR / "tiny"
@@ -110,7 +110,7 @@ def test_golden_under_tight_scheduler_limits_queues_chunks_and_preempts() -> Non
 
 
 def test_cli_golden_takes_the_shared_engine_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import deepinfer_bench.golden as G
+    import deepinfer_bench.bench.golden as G
 
     seen = {}
 

@@ -278,7 +278,7 @@ def test_auto_steps_down_past_a_build_that_fails_to_compile_or_that_its_cpuid_ch
         assert info["chosen"] == RUNNABLE[1] and info["loaded"]["variant"] == RUNNABLE[1]
         assert info["variants"][first].startswith(f"not run: {reason}")
         assert f"{first} not run: {reason}" in info["why"]  # and so in kernels_why (engine/config.py)
-        from deepinfer_bench.environment import env_tables
+        from deepinfer_bench.bench.environment import env_tables
 
         monkeypatch.setattr(H, "_lib", None)
         monkeypatch.setattr(B, "_passed_over", {})  # `deepinfer env` in a fresh process: its build table agrees
@@ -459,7 +459,7 @@ def test_the_avx2_build_chooses_its_fp8_decoder_by_what_a_subnormal_fma_costs(
         assert built.fp8_decoder == ("f16c" if built.subnormal_cost > 4 else "shift")
         info = B.build_info(built)["loaded"]["fp8_decoder"]
         assert info.startswith(f"{built.fp8_decoder} (an FMA with a subnormal input takes ")
-        from deepinfer_bench.environment import env_tables
+        from deepinfer_bench.bench.environment import env_tables
 
         monkeypatch.setattr(B, "simd_cap", lambda: "avx2")
         monkeypatch.setattr(H, "_lib", None)
@@ -731,7 +731,7 @@ def test_a_missing_or_failing_compiler_is_one_clear_error(cc: str, expect: str, 
 
 def test_kernels_host_needs_the_host_backend() -> None:
     """The backend says which op tables it runs (engine/backends): xla refuses the native CPU kernels."""
-    from deepinfer_bench.golden import GOLDEN_DIR
+    from deepinfer_bench.bench.golden import GOLDEN_DIR
     from engine.backends import get_backend
     from engine.config import EngineConfig, ModelConfig
 
@@ -743,7 +743,7 @@ def test_kernels_host_needs_the_host_backend() -> None:
 def test_golden_with_host_kernels_matches(widest: str) -> None:
     """`deepinfer golden --kernels host`: every prompt matches with the decode GEMMs and the small per-token ops on
     the native kernels (~10 s)."""
-    from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden
+    from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, run_golden
 
     run = run_golden(golden_config(kernels="host"), GOLDEN_DIR)
     assert run.ok, run.table.to_string()
@@ -762,7 +762,7 @@ def test_the_native_outputs_ignore_torch_default_dtype() -> None:
     were half the size and the heap got corrupted ("corrupted double-linked list", the process killed). The golden
     on the host kernels under a bf16 default, in a child process (a corrupted heap fails this test, not the run)."""
     code = ("import torch\n"
-            "from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden\n"
+            "from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, run_golden\n"
             "torch.set_default_dtype(torch.bfloat16)\n"
             "run = run_golden(golden_config(kernels='host'), GOLDEN_DIR)\n"
             "print('golden', int(run.table['verdict'].eq('match').sum()), len(run.table), run.ok)\n")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import engine
-from deepinfer_bench.golden import GOLDEN_DIR
+from deepinfer_bench.bench.golden import GOLDEN_DIR
 from engine import host_kernels as H
 from engine.config import EngineConfig
 from engine.host_kernels import attn_ops as A

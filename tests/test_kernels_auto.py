@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from deepinfer_bench.golden import GOLDEN_DIR
+from deepinfer_bench.bench.golden import GOLDEN_DIR
 from engine import host_kernels
 from engine.config import Backend, EngineConfig, Kernels, ModelConfig, resolve_kernels
 
@@ -48,7 +48,7 @@ def test_auto_falls_back_to_the_reference_with_the_reason(fails) -> None:
 
 def test_every_command_warns_when_auto_falls_back_to_the_reference(fails, capsys: pytest.CaptureFixture) -> None:
     """EngineArgs.config, which every engine command builds its config with, says so on stderr, with the reason."""
-    from deepinfer_bench.options import EngineArgs
+    from deepinfer_bench.cli.options import EngineArgs
 
     assert EngineArgs().config().kernels is Kernels.REFERENCE
     err = capsys.readouterr().err
@@ -58,7 +58,7 @@ def test_every_command_warns_when_auto_falls_back_to_the_reference(fails, capsys
 
 
 def test_no_warning_where_the_host_kernels_load(builds, capsys: pytest.CaptureFixture) -> None:
-    from deepinfer_bench.options import EngineArgs
+    from deepinfer_bench.cli.options import EngineArgs
 
     assert EngineArgs().config().kernels is Kernels.HOST
     assert "warning" not in capsys.readouterr().err

@@ -111,7 +111,7 @@ def test_tiny_loads_dequantised(cfg, tiny_sd, official_tensors, tmp_path):
 @pytest.mark.reference
 def test_name_table_matches_hf_model_and_its_save_format(cfg, tiny_sd, tmp_path):
     pytest.importorskip("transformers")
-    from deepinfer_bench.reference import build_hf_model
+    from deepinfer_bench.bench.hf_reference import build_hf_model
 
     model = build_hf_model(cfg, tiny_sd)  # strict: every HF key comes from the table
     hf_sd = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from deepinfer_bench import matrix as M
+from deepinfer_bench.bench import matrix as M
 from tests.fake_runner import FakeRunner, fake_config
 
 TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from deepinfer_bench.golden import GOLDEN_DIR, GoldenError, golden_config, load_golden, main_model_hash
+from deepinfer_bench.bench.golden import GOLDEN_DIR, GoldenError, golden_config, load_golden, main_model_hash
 from engine.config import EngineConfig, ModelConfig, Workload
 from engine.model.cache import KVCache, KVStore, kv_bytes
 from nki_kernels import quant
@@ -252,7 +252,7 @@ def test_golden_of_the_main_model_accepts_another_draft_head() -> None:
 
 
 def test_golden_of_tiny_runs_under_the_dspark_head() -> None:
-    from deepinfer_bench.golden import run_golden
+    from deepinfer_bench.bench.golden import run_golden
 
     run = run_golden(golden_config(model_dir=TINY_DSPARK, golden_dir=GOLDEN_DIR, speculative="dspark",
                                    num_speculative_tokens=3))

@@ -68,7 +68,7 @@ def test_generator_converts_the_checkpoint_as_convert_py_does(cfg):
 
 @pytest.mark.parametrize("golden_dir,numerics", GOLDENS)
 def test_meta_matches_the_model_and_the_loader(golden_dir, numerics, cfg):
-    from deepinfer_bench.golden import load_golden
+    from deepinfer_bench.bench.golden import load_golden
 
     meta = json.loads((golden_dir / "golden.json").read_text())
     assert meta["magic"] == "deepinfer-golden" and meta["format_version"] == 1 and meta["numerics"] == numerics

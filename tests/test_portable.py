@@ -256,7 +256,7 @@ def test_golden_model_decode_graphs_are_portable(monkeypatch: pytest.MonkeyPatch
     """The tiny golden model (CSA + HCA + window-only layers, hash routing, stored FP8/FP4 weights: UE8M0 / e4m3 /
     e2m1 decodes inside the graphs) in layer mode, as above (~2 min on an idle 2-core box, 7 on a busy one)."""
     import engine
-    from deepinfer_bench.golden import GOLDEN_DIR, golden_config, load_golden
+    from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, load_golden
     from engine.llm import greedy_with_logits
 
     cfg = golden_config(graph_mode="eager", kernels="reference")  # the ops device graphs run

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from deepinfer_bench.bench.region_timing import RegionsSpec, native_table, tabulate
 from deepinfer_bench.cli import app
-from deepinfer_bench.regions import RegionsSpec, native_table, tabulate
 from engine.config import EngineConfig
 
 TINY = Path(__file__).resolve().parents[1] / "golden" / "tiny"

@@ -5,7 +5,7 @@ import io
 import pandas as pd
 from rich.console import Console
 
-from deepinfer_bench.report import render_df
+from deepinfer_bench.bench.report import render_df
 
 
 def test_values_are_not_read_as_markup() -> None:

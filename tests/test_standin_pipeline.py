@@ -230,7 +230,7 @@ def test_tiny_model_decode_graphs_through_the_standin(tmp_path: Path, monkeypatc
     the 4 layer graphs and embed + head through the stand-in, the eager engine's tokens, logits within 1e-4 (XLA
     reorders fp32 sums), no fallback, every module clean, and no compile after the first decode step."""
     import engine
-    from deepinfer_bench.golden import GOLDEN_DIR, golden_config, load_golden
+    from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, load_golden
     from engine.backends.host import HostBackend
     from engine.backends.standin_pipeline import StandinPipeline
     from engine.llm import greedy_with_logits

@@ -35,7 +35,7 @@ def _pjrt_cpu(monkeypatch: pytest.MonkeyPatch):
 # the whole lane outran CI's 90 minutes; layer mode, the XLA line's decode path, stays in the lane.
 @pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "layer"])
 def test_golden_on_xla(mode: str) -> None:
-    from deepinfer_bench.golden import golden_config, run_golden
+    from deepinfer_bench.bench.golden import golden_config, run_golden
 
     run = run_golden(golden_config(backend="xla", graph_mode=mode))
     assert run.ok, run.table.to_string()
@@ -105,7 +105,7 @@ EIGHT_LAYERS = [0, 4, 16, 4, 16, 4, 16, 4, 0]  # 8 layers (+ the MTP block's ent
 _PREFILL = """
 import json, sys, torch
 import engine
-from deepinfer_bench.golden import GOLDEN_DIR, golden_config, load_golden, workload
+from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, load_golden, workload
 from engine.config import EngineConfig, ModelConfig
 from engine.llm import greedy_with_logits
 base = golden_config(graph_mode="eager")

@@ -187,7 +187,7 @@ def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
 
     if not be.compile_only:
         raise ValueError("deepinfer compile --backend neuron compiles only: TORCH_NEURONX_COMPILE_ONLY=1 must be set "
-                         "before the engine is built (deepinfer_bench/compile.py does; scripts/trn2_compile.sh too)")
+                         "before the engine is built (deepinfer_bench/bench/compile.py; scripts/trn2_compile.sh too)")
     artifacts = out / "artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     apply_env({"TORCH_NEURONX_DEBUG_DIR": str(artifacts)})

@@ -1,6 +1,6 @@
 """Wall time of every native entry point (`dk_*`) of a loaded host-kernel library, while installed: where a host
 decode step's time goes between the native kernels and the Python / torch around them (`deepinfer regions
---timing` on the host table; deepinfer_bench/regions.py).
+--timing` on the host table; deepinfer_bench/bench/region_timing.py).
 
 `NativeClock(lib).install()` puts a proxy in place of `lib.lib` (the ctypes library every wrapper calls through):
 each `dk_*` call is counted and timed with `time.perf_counter` around the ctypes call (~0.3 us a call, ~100 calls a

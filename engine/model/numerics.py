@@ -33,7 +33,7 @@ ones (`linear_exact`: weights_proj; `grouped_out_proj_exact`: wo_a), the index s
 per-head query norm (`head_rms`, its rsqrt rounded once as a GPU rounds it) and attention (`sparse_attn_exact`).
 These give the same numbers whatever the batch, up to fp32 noise (tests/test_numerics.py: a prompt alone and among
 others; the fp32 norms, mHC and head still sum in torch's batch-dependent order). What that costs against the bf16
-golden is measured in deepinfer_bench/golden.py OFFICIAL_TOL. The stand-in / nki tables keep their blockquant
+golden is measured in deepinfer_bench/bench/golden.py OFFICIAL_TOL. The stand-in / nki tables keep their blockquant
 kernels (fp32 PSUM accumulation, FP8 activations: `aq_kernels`); fp32 keeps fp32 sums (the staging golden is
 fp32-accumulated).
 """

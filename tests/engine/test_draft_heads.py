@@ -19,7 +19,7 @@ from tests.engines import build
 pytest.importorskip("transformers", minversion="5.24", reason="the HF reference needs the `reference` extra")
 pytestmark = pytest.mark.reference
 
-from deepinfer_bench.reference import build_hf_model  # noqa: E402
+from deepinfer_bench.bench.hf_reference import build_hf_model  # noqa: E402
 
 TOL = 2e-4  # fp32 vs fp32 on O(3) logits: summation order only (~1e-5 seen)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import engine
-from deepinfer_bench.golden import GOLDEN_DIR
+from deepinfer_bench.bench.golden import GOLDEN_DIR
 from engine.config import EngineConfig
 from engine.model.cache import SeqStep, StepPlan
 from engine.runner import ModelRunner

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import engine
-from deepinfer_bench.golden import GOLDEN_DIR, golden_config, run_golden
+from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, run_golden
 from engine.config import EngineConfig
 from engine.llm import greedy_with_logits
 from engine.model import drafting as draft_mod

@@ -16,7 +16,7 @@ from tests.engines import build, greedy
 pytest.importorskip("transformers", minversion="5.24", reason="the HF reference needs the `reference` extra")
 pytestmark = pytest.mark.reference
 
-from deepinfer_bench.reference import build_hf_model, hf_greedy  # noqa: E402
+from deepinfer_bench.bench.hf_reference import build_hf_model, hf_greedy  # noqa: E402
 
 # fp32 vs fp32: only summation order differs (~1e-5 observed); 1e-3 is the golden tolerance.
 LOGIT_TOL = 1e-3

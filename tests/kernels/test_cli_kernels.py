@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 from typer.testing import CliRunner
 
-import deepinfer_bench.kernels as lib
+import deepinfer_bench.bench.kernels as lib
+from deepinfer_bench.bench.kernels import COLUMNS
 from deepinfer_bench.cli import app
-from deepinfer_bench.kernels import COLUMNS
 
 runner = CliRunner()
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from deepinfer_bench.openai_protocol import RequestLimits
-from deepinfer_bench.server import create_app
-from deepinfer_bench.server_config import ServerConfig
+from deepinfer_bench.server.api import create_app
+from deepinfer_bench.server.protocol import RequestLimits
+from deepinfer_bench.server.settings import ServerConfig
 from engine.sampler import SamplingParams
 from tests.fake_runner import BOS, EOS, OFFSET, ByteTokenizer, FakeRunner, byte_engine, byte_greedy
 from tests.fake_runner import BYTE_VOCAB as VOCAB
@@ -52,7 +52,7 @@ def make_slow_app():
 
 def make_slow_process_app(step_delay_s: float = 0.005):
     """Same as make_slow_app, with the engine in a child process (ProcessEngineLoop)."""
-    from deepinfer_bench.engine_process import ProcessEngineLoop
+    from deepinfer_bench.server.engine_process import ProcessEngineLoop
 
     loop = ProcessEngineLoop(functools.partial(make_engine, step_delay_s=step_delay_s, num_kv_blocks=64))
     ready = loop.launch(timeout_s=60)

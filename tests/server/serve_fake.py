@@ -1,5 +1,5 @@
 """`python -m tests.server.serve_fake FACTORY DRAIN_S [KWARGS_JSON]`: an app of tests/server/fakes.py served the way
-`deepinfer serve` serves it (deepinfer_bench/serving.py: a bound socket, uvicorn with the bounded drain at SIGTERM),
+`deepinfer serve` serves it (server/serve.py: a bound socket, uvicorn with the bounded drain at SIGTERM),
 on a free loopback port, written as the first line of stdout."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from deepinfer_bench import serving
+from deepinfer_bench.server import serve as serving
 from tests.server import fakes
 
 

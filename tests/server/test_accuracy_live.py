@@ -109,7 +109,7 @@ def test_openai_echo_prompt_logprobs_equal_the_engines(server: str, engine) -> N
 @pytest.mark.reference
 def test_prompt_logprobs_equal_hf(server: str) -> None:
     pytest.importorskip("transformers", minversion="5.24", reason="the HF reference needs the `reference` extra")
-    from deepinfer_bench.reference import build_hf_model
+    from deepinfer_bench.bench.hf_reference import build_hf_model
     from engine.config import ModelConfig
     from engine.loader import load_checkpoint
 

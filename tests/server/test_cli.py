@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from deepinfer_bench import serving
+from deepinfer_bench.bench.serve_sweep import COLUMNS, load_serve_matrix
 from deepinfer_bench.cli import app
-from deepinfer_bench.serve_bench import COLUMNS, load_serve_matrix
+from deepinfer_bench.server import serve as serving
 from engine.config import ModelConfig
 
 TINY = Path(__file__).resolve().parents[2] / "golden" / "tiny"

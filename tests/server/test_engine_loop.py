@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from deepinfer_bench.engine_loop import EngineDeadError, EngineLoop
+from deepinfer_bench.server.engine_thread import EngineDeadError, EngineLoop
 from engine.sampler import SamplingParams
 from engine.scheduler import RequestRejected
 from tests.server.fakes import BOS, make_engine
@@ -82,7 +82,7 @@ def test_death_reaches_every_request_and_refuses_new_ones() -> None:
 
 
 def test_process_loop_rejection_outputs_and_death() -> None:
-    from deepinfer_bench.engine_process import ProcessEngineLoop
+    from deepinfer_bench.server.engine_process import ProcessEngineLoop
 
     loop = ProcessEngineLoop(functools.partial(make_engine, fail_at_step=4, max_model_len=64))
     assert loop.launch(timeout_s=60).max_model_len == 64
@@ -110,7 +110,7 @@ def test_process_loop_rejection_outputs_and_death() -> None:
 def test_process_loop_on_two_ranks_matches_one() -> None:
     """ProcessEngineLoop(job_runner=run_job) serves from rank 0 of cp=2 (what `deepinfer serve --cp 2` does)
     and gives cp=1's tokens."""
-    from deepinfer_bench.engine_process import ProcessEngineLoop
+    from deepinfer_bench.server.engine_process import ProcessEngineLoop
     from engine.config import EngineConfig
     from engine.launch import run_job
     from engine.offline import LLM

@@ -1,4 +1,4 @@
-"""Every list / map field of a request has a maximum (openai_protocol.RequestLimits): at the limit accepted, one over
+"""Every list / map field of a request has a maximum (server/protocol.py RequestLimits): at the limit accepted, one over
 a 400 naming the field and the limit. Checked on the parsers with the default limits, and end to end through the
 app (over the fake engine) with the fake's limits."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from deepinfer_bench.openai_protocol import APIError, RequestLimits, parse_chat_request, parse_completion_request
+from deepinfer_bench.server.protocol import APIError, RequestLimits, parse_chat_request, parse_completion_request
 from tests.server.fakes import SERVED, ByteTokenizer, make_chat_app
 
 LIMITS = RequestLimits()

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_bench.serve_bench import ServeMatrix, run_serve_matrix, send_completion
+from deepinfer_bench.bench.serve_sweep import ServeMatrix, run_serve_matrix, send_completion
 from tests.server.fakes import SERVED, VOCAB, ByteTokenizer, offline_greedy
 
 TOK = ByteTokenizer()

@@ -75,7 +75,7 @@ def test_text_prompt_with_openai_client(tiny_server: str) -> None:
 
 
 def test_bench_serve_cell(tiny_server: str) -> None:
-    from deepinfer_bench.serve_bench import ServeMatrix, run_serve_matrix
+    from deepinfer_bench.bench.serve_sweep import ServeMatrix, run_serve_matrix
 
     m = ServeMatrix(name="t", concurrency=(2,), input_len=(8,), output_len=(3,), min_prompts=2,
                     prompts_per_concurrency=1, warmup=0)

@@ -1,7 +1,7 @@
 """`deepinfer serve` stopping: SIGTERM drains open requests for a bounded time, then ends the rest (a stream: an
 error event and [DONE]; a non-streamed request: a 503), stops the engine and exits 0 with no traceback; a busy port
 is one line and exit 2 before anything loads. Real processes on loopback: the fake engine behind
-deepinfer_bench/serving.py's `run_app` (tests/server/serve_fake.py), and the real tiny model behind `deepinfer serve`.
+server/serve.py's `run_app` (tests/server/serve_fake.py), and the real tiny model behind `deepinfer serve`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.server.fakes import SERVED
 
 TINY = REPO / "golden" / "tiny"
 # What a shutdown may take beyond the drain time: the open replies are ended at the drain time (their last events
-# are written within ~0.1 s), the engine gets 1.5 s to stop before it is killed (deepinfer_bench/server.py
+# are written within ~0.1 s), the engine gets 1.5 s to stop before it is killed (deepinfer_bench/server/api.py
 # ENGINE_STOP_S), the process then ends at once; +1.5 s for scheduling on a shared 2-core CI box.
 EXIT_MARGIN_S = 3.0
 

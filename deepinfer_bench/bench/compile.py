@@ -1,0 +1,50 @@
+"""`deepinfer compile`: every graph of the engine compiled or written for its backend's offline compiler.
+
+The engine is built on the chosen backend in graph mode (layer by default) and the backend handles each graph a step
+can run (`Backend.export_graphs`: every region structure x batch bucket x block bucket, embed and head, and any graph
+the RegionRunner lists besides, e.g. prefill chunks):
+* `neuron`: TorchNeuron in compile-only mode (TORCH_NEURONX_COMPILE_ONLY=1, NEURON_PLATFORM_TARGET_OVERRIDE=trn2, set
+  here before the engine is built): neuronx-cc compiles each graph, nothing executes; per graph pass / fail, seconds,
+  NCC error code;
+* `neuron-standin`: each graph's StableHLO text (`<graph>.mlir`, lowered by the TorchNeuron stand-in, checked for f8
+  types and unlowered torch ops);
+* `xla`: HLO text + proto per graph for neuronx-cc (`scripts/trn2_compile.sh`).
+`manifest.json` lists every graph with the engine config, the stack and what the graphs were measured on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SUMMARY_COLUMNS = ("graph", "region", "ratio", "batch_bucket", "chunk_bucket", "block_bucket", "status", "seconds",
+                   "ncc_error", "has_fp8", "hlo_bytes", "mlir")
+
+
+def compile_graphs(config: Any, out: Path) -> tuple[pd.DataFrame, Path]:
+    """Build the engine of `config` and compile / write its graphs under `out`; (one row per graph, the manifest
+    path). Rows of a backend that writes files without compiling (xla) have status "written"."""
+    import engine
+    from deepinfer_bench.bench.report import base_meta
+    from engine.backends import backend_class, measured_on
+    from engine.envs import apply_env
+    from engine.stack import probe
+
+    cls = backend_class(config.backend)
+    env = cls.compile_only_env() if hasattr(cls, "compile_only_env") else {}
+    if env:
+        apply_env(env)  # before the engine (and the backend's runtime) starts
+    eng = engine.build(config)
+    backend = eng.runner.backend
+    rows = backend.export_graphs(eng.runner, Path(out))
+    for r in rows:
+        r.setdefault("status", "written")
+    manifest = {**base_meta(kind="compile"), "engine_config": config.to_dict(), "stack": probe(),
+                "measured_on": measured_on(config.backend), "compile_env": env,
+                "backend": backend.counters().to_dict(), "graphs": rows}
+    path = Path(out) / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+    df = pd.DataFrame([{k: r.get(k) for k in SUMMARY_COLUMNS} for r in rows], columns=list(SUMMARY_COLUMNS))
+    return df, path

@@ -1,0 +1,44 @@
+"""`deepinfer compile` (library: deepinfer_bench/bench/compile.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deepinfer_bench.bench.report import err_console, render_df
+from deepinfer_bench.cli.app import app
+from deepinfer_bench.cli.options import EngineArgs, engine_options
+
+
+@app.command("compile")
+@engine_options
+def compile_cmd(
+    engine: EngineArgs,
+    out: Annotated[Path, typer.Option("--out", help="Folder for the graphs (neuron-standin: <graph>.mlir; xla: "
+                                                    "<graph>.hlo.txt / .hlo.pb; neuron: compile artifacts) and "
+                                                    "manifest.json.")] = Path("graphs"),
+) -> None:
+    """Compile or write each graph a step of the engine can run (every region structure x batch bucket x block
+    bucket the config allows, embed and head, and any other graph the region runner lists) for the backend's offline
+    compiler, and manifest.json. --backend neuron: neuronx-cc in TorchNeuron's compile-only mode (nothing executes),
+    per graph pass / fail, seconds and NCC error code; --backend neuron-standin: StableHLO text per graph, checked;
+    --backend xla: HLO modules for scripts/trn2_compile.sh. Exit 1 when a graph fails or carries an f8 type."""
+    from deepinfer_bench.bench.compile import compile_graphs
+
+    config = engine.config(graph_mode=engine.graph_mode or "layer", compile_only=True)
+    err_console.print(f"compiling the graphs of {engine.model_dir} ({config.backend}, {config.graph.mode}, "
+                      f"{config.model.dtype}) -> {out}")
+    df, manifest = compile_graphs(config, out)
+    render_df(df.dropna(axis=1, how="all"), f"{len(df)} graphs ({config.backend}) in {out}")
+    failed = int((df["status"] == "fail").sum())
+    if df["has_fp8"].fillna(False).astype(bool).any():
+        err_console.print("[red]some graphs carry an f8 element type (neuronx-cc rejects f8 operands on trn2: "
+                          "NCC_EVRF051)[/red]")
+        raise typer.Exit(1)
+    if failed:
+        err_console.print(f"[red]{failed} of {len(df)} graphs failed (manifest: {manifest})[/red]")
+        raise typer.Exit(1)
+    nxt = f"; on a trn2: scripts/trn2_compile.sh {out}" if str(config.backend) == "xla" else ""
+    err_console.print(f"{len(df)} graphs, manifest {manifest}{nxt}")
