@@ -12,13 +12,13 @@ from typer.testing import CliRunner
 
 from deepinfer_bench.bench.golden import (
     GOLDEN_DIR,
-    GoldenError,
     collectives_per_layer,
     golden_config,
     load_golden,
     run_golden,
 )
 from deepinfer_bench.cli import app
+from deepinfer_bench.errors import GoldenError
 from engine.config import ModelConfig
 
 TINY = GOLDEN_DIR / "tiny"

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from deepinfer_bench.bench.golden import GOLDEN_DIR, GoldenError, golden_config, load_golden, main_model_hash
+from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, load_golden, main_model_hash
+from deepinfer_bench.errors import GoldenError
 from engine.config import EngineConfig, ModelConfig, Workload
 from engine.model.cache import KVCache, KVStore, kv_bytes
 from nki_kernels import quant

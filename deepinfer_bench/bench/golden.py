@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from deepinfer_bench.bench.report import REPO_ROOT
+from deepinfer_bench.errors import GoldenError
 from engine.config import EngineConfig, ModelConfig, Workload
 
 GOLDEN_DIR = REPO_ROOT / "golden"
@@ -39,10 +40,6 @@ BF16_LOGIT_TOL = 5.0
 
 COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
            "max_abs_dlogit", "logit_tol", "verdict"]
-
-
-class GoldenError(RuntimeError):
-    """Golden data missing, of another format, or made for another model."""
 
 
 @dataclass

@@ -164,13 +164,13 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, T
 def user_errors() -> Iterator[None]:
     """User-facing errors (a malformed config, a bad checkpoint, an invalid layout, a failed rank, bad golden
     data...) print one clear line and exit 2; DEEPINFER_TRACEBACK=1 shows the traceback instead."""
-    from deepinfer_bench.bench.golden import GoldenError
+    from deepinfer_bench.errors import UserError
     from engine.envs import get_envs
     from engine.parallel import RankFailed
 
     try:
         yield
-    except (*USER_ERRORS, GoldenError, RankFailed) as e:
+    except (*USER_ERRORS, UserError, RankFailed) as e:
         try:
             traceback = get_envs().DEEPINFER_TRACEBACK
         except ValueError:  # a malformed DEEPINFER_* flag (most likely the very error reported here)

@@ -47,6 +47,7 @@ from deepinfer_bench.server.runs import (
 from engine.chat_encoding import ChatTokenizerError, encode_chat
 
 if TYPE_CHECKING:
+    from deepinfer_bench.server.engine_client import EngineClient
     from deepinfer_bench.server.settings import ServerConfig, TextCodec
 
 
@@ -71,14 +72,14 @@ def token_id_str(tid: int) -> str:
 
 
 class Generation:
-    """The generation endpoints' state: the server's config, tokenizer, engine loop and counters, the replies still
+    """The generation endpoints' state: the server's config, tokenizer, engine client and counters, the replies still
     open; the request checks the other endpoints share (`check_model`, `require_alive`, `encode`, `check_ids`).
 
-    `replies`: the open replies and whether new requests are taken (shutdown: server_run.Replies)."""
+    `replies`: the open replies and whether new requests are taken (shutdown: runs.Replies)."""
 
-    def __init__(self, config: ServerConfig, tokenizer: TextCodec | None, loop_runner: Any, counters: Counters,
+    def __init__(self, config: ServerConfig, tokenizer: TextCodec | None, client: EngineClient, counters: Counters,
                  make_sampling_params: Callable[..., Any]) -> None:
-        self.config, self.tokenizer, self.loop_runner = config, tokenizer, loop_runner
+        self.config, self.tokenizer, self.client = config, tokenizer, client
         self.counters, self.make_sampling_params = counters, make_sampling_params
         self.token_text: dict[int, str] = {}  # token id -> its text in logprobs
         self.replies = Replies()
@@ -90,8 +91,8 @@ class Generation:
 
     def require_alive(self) -> None:
         self.replies.check_admitting()
-        if not self.loop_runner.alive:
-            raise APIError(503, f"The engine is not running ({self.loop_runner.error!r}).", code="engine_dead")
+        if not self.client.alive:
+            raise APIError(503, f"The engine is not running ({self.client.error!r}).", code="engine_dead")
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
@@ -182,7 +183,7 @@ class Generation:
             for j in range(samples):
                 k = len(pending)
                 pending.append((Choice(k, f"{base_id}-{k}", ids, text), self.make_params(base, j)))
-        run = Run(self.loop_runner, self.counters, self.replies, t_arrival)
+        run = Run(self.client, self.counters, self.replies, t_arrival)
         await run.start(pending)
         head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.config.served_model_name}
@@ -289,7 +290,7 @@ class Generation:
             base["logprobs"] = k_lp
         tstr = token_id_str if req.return_tokens_as_token_ids else self.token_str
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        run = Run(self.loop_runner, self.counters, self.replies, t_arrival)
+        run = Run(self.client, self.counters, self.replies, t_arrival)
         await run.start([(Choice(j, f"{base_id}-{j}", ids), self.make_params(base, j)) for j in range(n)])
         head = {"id": base_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.config.served_model_name}

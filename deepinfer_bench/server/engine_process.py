@@ -1,4 +1,4 @@
-"""The engine loop in its own process (vLLM's API-server / engine-core split), same interface as `EngineLoop`.
+"""The engine loop in its own process (vLLM's API-server / engine-core split), an `EngineClient` like `EngineLoop`.
 
 Why: in one process the HTTP event loop (parsing, writing one SSE chunk per token) and the engine thread share the
 GIL, and the engine waits for it at every step boundary (`deepinfer:engine_gap_seconds_total`). Here the child
@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from deepinfer_bench.server.engine_client import EngineClient, EngineDeadError, LoopStats, Sink
 from deepinfer_bench.server.engine_messages import (
     AbortRequest,
     Added,
@@ -38,7 +39,7 @@ from deepinfer_bench.server.engine_messages import (
     StepOutputs,
     ToEngine,
 )
-from deepinfer_bench.server.engine_thread import EngineDeadError, EngineLoop, LoopStats, Sink, run_sinks
+from deepinfer_bench.server.engine_thread import EngineLoop
 
 if TYPE_CHECKING:
     from engine.llm import LLMEngine
@@ -109,8 +110,8 @@ def serve_engine(engine: LLMEngine, conn: Any, coalesce_s: float) -> None:
         send(EngineDead(f"engine loop stopped: {loop.error!r}"))
 
 
-class ProcessEngineLoop:
-    """`EngineLoop`'s interface (start/stop/add/abort/alive/error/stats) over an engine in a child process."""
+class ProcessEngineLoop(EngineClient):
+    """The `EngineClient` over an engine in a child process (which runs an `EngineLoop`)."""
 
     def __init__(self, factory: Callable[..., LLMEngine] | None, args: tuple = (), *, coalesce_s: float = 0.002,
                  job_runner: Callable[..., Any] | None = None) -> None:
@@ -254,13 +255,6 @@ class ProcessEngineLoop:
             _resolve(fut, error=dead)
         self._dispatch([(s, dead) for s in sinks])
         self._outbox.put(None)
-
-    def _dispatch(self, batch: list[tuple[Sink, StepOutput | EngineDeadError]]) -> None:
-        if batch and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(run_sinks, batch)
-            except RuntimeError:  # event loop closed
-                pass
 
 
 def _resolve(fut: concurrent.futures.Future | None, *, result: Any = None, error: BaseException | None = None) -> None:

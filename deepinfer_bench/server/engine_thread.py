@@ -6,15 +6,14 @@ between steps (continuous batching), and hands each step's `StepOutput`s to per-
 `loop.call_soon_threadsafe` per step (the sinks run on the event loop). If `step()` raises, the loop is dead:
 every in-flight request gets an `EngineDeadError` and later requests are refused (HTTP 503).
 
-Public API: `start(loop)` (a thread) or `run()` (the current thread), `add` (async) / `submit_add` (any thread),
-`abort`, `request_stop` / `stop`, and `alive`, `error`, `stats`. The engine process (engine_process.py) runs the
+The `EngineClient` interface (engine_client.py), plus `run()` (the loop on the current thread), `submit_add` (from any
+thread) and `request_stop`. The engine process (engine_process.py) runs the
 same loop with `deliver=`: each step's outputs go to that callback as one `StepOutputs` instead of to sinks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import queue
@@ -23,51 +22,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Union
 
+from deepinfer_bench.server.engine_client import EngineClient, EngineDeadError, LoopStats, Sink
 from deepinfer_bench.server.engine_messages import (
     AbortRequest,
     AddRequest,
-    LoopSnapshot,
     Shutdown,
     StepOutput,
     StepOutputs,
-    empty_engine_stats,
 )
-from engine.llm import EngineStats
 
 if TYPE_CHECKING:
     from engine.llm import LLMEngine
     from engine.sampler import SamplingParams
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step raised, or the server is shutting down)."""
-
-
-Sink = Callable[[Union[StepOutput, EngineDeadError]], None]  # runs on the event loop
 Deliver = Callable[[StepOutputs], None]  # runs on the engine thread
-
-
-@dataclasses.dataclass
-class LoopStats:
-    """The loop's view for /metrics: the engine's `EngineStats` as of the last step and the loop's step timing.
-    Refreshed by the engine thread after every step (or from each `StepOutputs` in the server process)."""
-
-    engine: EngineStats = dataclasses.field(default_factory=empty_engine_stats)
-    num_steps: int = 0
-    last_step_s: float = 0.0
-    step_s_total: float = 0.0  # time inside engine.step()
-    gap_s_total: float = 0.0  # time between two steps while work was pending (commands, dispatch, GIL waits)
-    recent_step_s: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=512))
-
-    def snapshot(self) -> LoopSnapshot:
-        return LoopSnapshot(self.engine, self.num_steps, self.last_step_s, self.step_s_total, self.gap_s_total)
-
-    def apply(self, snap: LoopSnapshot) -> None:
-        """Take over a snapshot sent after each step (so `recent_step_s` gets every step's time)."""
-        if snap.num_steps > self.num_steps:
-            self.recent_step_s.append(snap.last_step_s)
-        self.engine, self.num_steps, self.last_step_s = snap.engine, snap.num_steps, snap.last_step_s
-        self.step_s_total, self.gap_s_total = snap.step_s_total, snap.gap_s_total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +51,8 @@ class _Add:
 _Command = Union[_Add, AbortRequest, Shutdown]
 
 
-class EngineLoop:
-    """Runs `engine.step()` on one thread while the engine has unfinished requests."""
+class EngineLoop(EngineClient):
+    """Runs `engine.step()` on one thread while the engine has unfinished requests (an `EngineClient`)."""
 
     def __init__(self, engine: LLMEngine, *, idle_poll_s: float = 0.5, coalesce_s: float = 0.002,
                  deliver: Deliver | None = None) -> None:
@@ -254,17 +223,3 @@ class EngineLoop:
             self._deliver_fn(StepOutputs(tuple(out for _, out in batch), self.stats.snapshot()))
         else:
             self._dispatch([(sink, out) for sink, out in batch if sink is not None])
-
-    def _dispatch(self, batch: list[tuple[Sink, StepOutput | EngineDeadError]]) -> None:
-        if not batch or self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(run_sinks, batch)
-        except RuntimeError:  # event loop closed (shutdown)
-            pass
-
-
-def run_sinks(batch: list[tuple[Sink, StepOutput | EngineDeadError]]) -> None:
-    """Run each sink with its item (on the event loop: one call per step for the whole batch)."""
-    for sink, item in batch:
-        sink(item)

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from deepinfer_bench.server.engine_client import EngineClient, EngineDeadError
 from deepinfer_bench.server.engine_messages import StepOutput
-from deepinfer_bench.server.engine_thread import EngineDeadError
 from deepinfer_bench.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -149,15 +149,15 @@ class Run:
     the unfinished ones aborted together (client gone, error, shutdown). Open from `start` to `close`, listed in
     `Generation.runs` meanwhile (so a shutdown can end it)."""
 
-    def __init__(self, loop_runner: Any, counters: Counters, replies: Replies, t_arrival: float) -> None:
-        self.loop_runner, self.counters, self.replies, self.t_arrival = loop_runner, counters, replies, t_arrival
+    def __init__(self, client: EngineClient, counters: Counters, replies: Replies, t_arrival: float) -> None:
+        self.client, self.counters, self.replies, self.t_arrival = client, counters, replies, t_arrival
         # (choice index, output) from the engine loop; (-1, APIError) when the server ends the reply
         self.queue: asyncio.Queue[tuple[int, StepOutput | BaseException]] = asyncio.Queue()
         self.choices: list[Choice] = []
 
     async def start(self, pending: list[tuple[Choice, Any]]) -> None:
         """Add every (choice, SamplingParams) to the engine, or none (then the APIError of the first failure)."""
-        lr = self.loop_runner
+        lr = self.client
 
         def sink(k: int) -> Callable[[StepOutput | EngineDeadError], None]:
             return lambda item: self.queue.put_nowait((k, item))  # runs on the event loop
@@ -227,7 +227,7 @@ class Run:
             if ch.finish_reason is None:
                 ch.finish_reason = "abort"
                 self.counters.requests["abort"] = self.counters.requests.get("abort", 0) + 1
-                self.loop_runner.abort(ch.request_id)
+                self.client.abort(ch.request_id)
 
 
 def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -7,7 +7,8 @@ import functools
 
 import pytest
 
-from deepinfer_bench.server.engine_thread import EngineDeadError, EngineLoop
+from deepinfer_bench.server.engine_client import EngineDeadError
+from deepinfer_bench.server.engine_thread import EngineLoop
 from engine.sampler import SamplingParams
 from engine.scheduler import RequestRejected
 from tests.server.fakes import BOS, make_engine
