@@ -10,6 +10,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
-bench_app = typer.Typer(help="Benchmarks: offline TTFT/TPOT matrix, online serving sweep.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: offline TTFT/TPOT matrix, engine vs HF, online serving sweep.",
+                        no_args_is_help=True, rich_markup_mode="markdown")
 app.add_typer(bench_app, name="bench")

@@ -30,10 +30,11 @@ def bringup_cmd(
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
-    """The one command for a new Neuron host: probe -> kernels on the device -> compile-only of every graph -> golden
-    tiny cp 1 -> cp 2 -> regions timing -> quick matrix. Stops at the first failing step and names it; steps that
-    cannot run on the backend are listed as not run. One report: bringup.md, bringup.csv, meta.json. Exit 1 when a
-    step failed."""
+    """Bring up a new Neuron host: each check in order, stopping at the first failure.
+
+    The steps: probe -> kernels on the device -> compile-only of every graph -> golden tiny cp 1 -> cp 2 -> regions
+    timing -> quick matrix. Stops at the first failing step and names it; steps that cannot run on the backend are
+    listed as not run. One report: bringup.md, bringup.csv, meta.json. Exit 1 when a step failed."""
     import datetime as _dt
     import shlex
 

@@ -16,11 +16,13 @@ from deepinfer_bench.cli.options import EngineArgs, engine_options
 @engine_options
 def compile_cmd(
     engine: EngineArgs,
-    out: Annotated[Path, typer.Option("--out", help="Folder for the graphs (neuron-standin: <graph>.mlir; xla: "
-                                                    "<graph>.hlo.txt / .hlo.pb; neuron: compile artifacts) and "
+    out: Annotated[Path, typer.Option("--out", help="Folder for the graphs (neuron-standin: GRAPH.mlir; xla: "
+                                                    "GRAPH.hlo.txt / .hlo.pb; neuron: compile artifacts) and "
                                                     "manifest.json.")] = Path("graphs"),
 ) -> None:
-    """Compile or write each graph a step of the engine can run (every region structure x batch bucket x block
+    """Compile every graph an engine step can run, for the backend's offline compiler.
+
+    Compiles or writes each graph a step of the engine can run (every region structure x batch bucket x block
     bucket the config allows, embed and head, and any other graph the region runner lists) for the backend's offline
     compiler, and manifest.json. --backend neuron: neuronx-cc in TorchNeuron's compile-only mode (nothing executes),
     per graph pass / fail, seconds and NCC error code; --backend neuron-standin: StableHLO text per graph, checked;

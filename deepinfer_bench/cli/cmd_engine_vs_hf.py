@@ -32,9 +32,11 @@ def engine_vs_hf_cmd(
                                                          "(0: skip).")] = 0,
     out: Annotated[Path, typer.Option()] = DEFAULT_OUT_DIR,
 ) -> None:
-    """Decode (batch 1 and batch B) and prefill speed of the engine against HF transformers on the same weights,
-    interleaved in one run; weight bytes read per decode step, achieved GB/s and the machine's memory roof; the
-    step's GEMM multiply-adds against the rate an fp32 GEMM reaches here (the compute roof)."""
+    """Engine vs HF transformers: decode and prefill speed on the same weights.
+
+    Decode (batch 1 and batch B) and prefill, interleaved in one run; weight bytes read per decode step, achieved
+    GB/s and the machine's memory roof; the step's GEMM multiply-adds against the rate an fp32 GEMM reaches here (the
+    compute roof)."""
     from deepinfer_bench.bench.engine_vs_hf import run_engine_vs_hf, targets, workload
     from engine.choices import GraphMode, Kernels
 

@@ -10,7 +10,9 @@ from deepinfer_bench.cli.app import app
 
 @app.command("env")
 def env_cmd() -> None:
-    """Show every DEEPINFER_* flag (value, default, doc), the recorded NEURON_*/NKI_* variables and the stack."""
+    """Show the DEEPINFER_* flags, the recorded Neuron and NKI variables, and the stack.
+
+    Each flag with its value, default and doc."""
     from deepinfer_bench.bench.environment import env_tables
 
     tables, extras = env_tables()

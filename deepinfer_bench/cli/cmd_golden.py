@@ -20,8 +20,10 @@ def golden_cmd(
     report_collectives: Annotated[bool, typer.Option(help="Print collective calls per layer per step.")] = False,
     out: Annotated[Path, typer.Option(help="Results folder (a new run dir each time).")] = DEFAULT_OUT_DIR,
 ) -> None:
-    """Run every golden prompt through the engine's serving path (scheduler, KV pool, greedy sampler; on --cp
-    ranks) and compare tokens and logits with the HF reference outputs. Exit 1 on any mismatch. With --numerics
+    """Check the engine's tokens and logits against the independent reference goldens.
+
+    Runs every golden prompt through the engine's serving path (scheduler, KV pool, greedy sampler; on --cp
+    ranks) and compares tokens and logits with the HF reference outputs. Exit 1 on any mismatch. With --numerics
     official: golden/tiny-official against DeepSeek's own inference code (golden/official, or golden/official-fp32
     for --dtype float32), teacher-forced, by the statistical bounds of deepinfer_bench/bench/golden.py OFFICIAL_TOL."""
     import dataclasses

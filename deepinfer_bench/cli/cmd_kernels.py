@@ -19,7 +19,9 @@ def kernels_cmd(
                                                     "meta.json).")] = DEFAULT_OUT_DIR,
     slow: Annotated[bool, typer.Option("--slow", help="Also run the cases marked slow (biggest shapes).")] = False,
 ) -> None:
-    """Run every kernel case on the chosen executor against its torch reference; exit 1 if any case fails."""
+    """Run every kernel case on the chosen executor against its torch reference.
+
+    Exit 1 if any case fails."""
     from deepinfer_bench.bench import kernels as lib
     from deepinfer_bench.bench.report import err_console, render_df, save_results
 

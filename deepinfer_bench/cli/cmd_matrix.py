@@ -21,7 +21,9 @@ def matrix_cmd(
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
-    """Time TTFT and TPOT over batch size x input length x output length; CSV + meta.json + PNG under --out."""
+    """Time TTFT and TPOT over batch size x input length x output length.
+
+    Writes CSV + meta.json + PNG under --out."""
     from deepinfer_bench.bench.matrix import MatrixSpec, engine_sizing, pivot, resolve_matrix, run_matrix, save_plot
 
     path = resolve_matrix(matrix)

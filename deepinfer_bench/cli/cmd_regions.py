@@ -32,7 +32,9 @@ def regions_cmd(
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
-    """Run decode steps through the region graphs; per region and stage: calls, p50/p90 ms, share of the step, per
+    """Time decode steps per region graph and stage (and per host-kernel call with --timing).
+
+    Runs decode steps through the region graphs; per region and stage: calls, p50/p90 ms, share of the step, per
     layer and summed over layers; graph launches per step; the measured step time; with --timing on the host
     kernels, every native call (calls and ms per step) and the rest of the step. CSV + meta.json + PNG."""
     from deepinfer_bench.bench.region_timing import RegionsSpec, run_regions, save_plot, timing_overhead, workload

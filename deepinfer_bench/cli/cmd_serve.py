@@ -31,7 +31,9 @@ def serve_cmd(
                                         "an error event and [DONE]; others: 503), stop the engine, exit 0."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (`vllm bench serve --backend openai` works against it)."""
+    """Serve the model over an OpenAI-compatible HTTP API.
+
+    `vllm bench serve --backend openai` works against it."""
     from deepinfer_bench.server.serve import ServeError, ServeOptions, serve, workload
 
     if (engine.cp or 1) > 1 and not engine_process:
@@ -55,7 +57,9 @@ def bench_serve_cmd(
     api_key: str | None = typer.Option(None, help="Bearer token for the server."),
     compare: Path | None = typer.Option(None, help="Offline matrix CSV: add online/offline TTFT and TPOT ratios."),
 ) -> None:
-    """Sweep concurrency x input length x output length against an OpenAI-compatible server (vLLM's metrics)."""
+    """Sweep concurrency x input x output length against an OpenAI-compatible server.
+
+    Reports vLLM's metrics."""
     import pandas as pd
 
     from deepinfer_bench.bench.serve_sweep import compare_offline, load_serve_matrix, pivot_tables, run_serve_matrix
