@@ -8,30 +8,30 @@ import re
 import subprocess
 import sys
 
-import click
 import pytest
 import typer
+from typer.core import TyperGroup
 
 from deepinfer_bench.cli import app
 
 MAX_SHORT_HELP = 90
 
 
-def _groups() -> list[tuple[list[str], click.Group]]:
+def _groups() -> list[tuple[list[str], TyperGroup]]:
     """(argv to the group, the group) for the top level and every command group below it."""
-    found: list[tuple[list[str], click.Group]] = []
+    found: list[tuple[list[str], TyperGroup]] = []
 
-    def walk(argv: list[str], group: click.Group) -> None:
+    def walk(argv: list[str], group: TyperGroup) -> None:
         found.append((argv, group))
         for name, cmd in group.commands.items():
-            if isinstance(cmd, click.Group):
+            if isinstance(cmd, TyperGroup):
                 walk([*argv, name], cmd)
 
     walk([], typer.main.get_command(app))  # type: ignore[arg-type]
     return found
 
 
-def _short_help(cmd: click.Command) -> str:
+def _short_help(cmd: typer.core.TyperCommand | TyperGroup) -> str:
     """What the command list shows: `short_help`, else the help's first paragraph."""
     return cmd.short_help or (cmd.help or "").strip().split("\n\n")[0].strip()
 
