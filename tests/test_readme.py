@@ -18,6 +18,7 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 SEPARATORS = {"&&", "||", "|", ";"}
+DIARY = re.compile(r"\b(\w+(st|nd|rd|th)|this|that|previous|next|same|each|every) stops?\b", re.I)
 
 
 def _code_lines(text: str) -> list[str]:
@@ -60,8 +61,9 @@ def test_readme_is_a_page_not_a_diary() -> None:
     text = _readme_text()
     num_lines = len(text.splitlines())
     assert num_lines <= MAX_LINES, f"README.md is {num_lines} lines (at most {MAX_LINES}): detail belongs in docs/"
-    diary = re.search(r"\b(\w+(st|nd|rd|th)|this|that|previous|next|same|each|every) stops?\b", text, re.I)
-    assert diary is None, f"README.md says {diary.group(0)!r} (a work session): not a user's word"
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        diary = DIARY.search(page.read_text(encoding="utf-8"))
+        assert diary is None, f"{page.name} says {diary.group(0)!r} (a work session): not a user's word"
 
 
 def test_readme_opens_with_the_two_setup_commands() -> None:
