@@ -18,7 +18,10 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 SEPARATORS = {"&&", "||", "|", ";"}
-DIARY = re.compile(r"\b(\w+(st|nd|rd|th)|this|that|previous|next|same|each|every) stops?\b", re.I)
+ORDINALS = ("first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth "
+            "fifteenth sixteenth seventeenth eighteenth nineteenth twentieth")
+SESSION_WORDS = "|".join([*ORDINALS.split(), "this", "that", "previous", "next", "same", "every", r"\d+(st|nd|rd|th)"])
+DIARY = re.compile(rf"\b({SESSION_WORDS}) stops?\b", re.I)
 
 
 def _code_lines(text: str) -> list[str]:
@@ -84,6 +87,11 @@ def test_readme_commands_are_found() -> None:
                                              "generate"}
     assert any(c[:2] == ["bench", "matrix"] for c in commands)
     assert any(c[:2] == ["bench", "engine-vs-hf"] for c in commands)
+
+
+def test_diary_wording_is_caught() -> None:
+    assert DIARY.search("measured at the fourteenth stop") and DIARY.search("What changed this stop: x")
+    assert not DIARY.search("stop strings and stop token ids; the server stops accepting, with stop, and stop")
 
 
 def test_parser_splits_shell_lines() -> None:
