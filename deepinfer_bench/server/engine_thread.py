@@ -121,7 +121,6 @@ class EngineLoop(EngineClient):
         return await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (non-blocking); its sink gets nothing more and the engine frees its KV blocks."""
         self._cmds.put(AbortRequest(request_id))
 
     # -- the engine thread --------------------------------------------------------------------------------------------
