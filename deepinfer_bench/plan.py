@@ -28,7 +28,10 @@ except ModuleNotFoundError:  # Python 3.10
 HARDWARE_TOML = Path(__file__).with_name("hardware.toml")
 INSTANCES = ("trn2.48xlarge", "trn2.3xlarge", "host")
 GRAPH_MODES = ("regions", "layer", "megakernel")
-ROW_COLUMNS = ["layer_type", "layers", "region", "stage", "bytes", "flops", "coll_calls", "coll_bytes", "launches"]
+# bytes / flops: all of a row; kv_bytes / attn_flops: the part that is KV, index keys and compressor state / the
+# attention's scores and values (the rest is weights and their GEMMs)
+ROW_COLUMNS = ["layer_type", "layers", "region", "stage", "bytes", "kv_bytes", "flops", "attn_flops", "coll_calls",
+               "coll_bytes", "launches"]
 COLUMNS = [*ROW_COLUMNS, "mem_ms", "flop_ms", "launch_ms", "coll_ms", "ms_per_layer", "ms_per_step", "share"]
 _F32, _BF16 = 4, 2
 
@@ -114,9 +117,10 @@ def call_overhead_s(n_inputs: int = 32, calls: int = 200, compiler: str = "induc
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a step runs: `cp` ranks, `batch` sequences at `context` tokens, `q` tokens per sequence (1: a decode
-    step; 1 + k: a speculative verify step), the graph mode, KV bytes per element, and whether each stage is its own
-    graph piece (`regions --timing` on the host: every stage boundary is a graph break)."""
+    """How a step runs: `cp` ranks, `batch` sequences at `context` tokens before the step (its last position), `q`
+    tokens per sequence (1: a decode step; 1 + k: a speculative verify step), the graph mode, KV bytes per element,
+    whether each stage is its own graph piece (`regions --timing` on the host: every stage boundary is a graph
+    break), and the weights' formats."""
 
     cp: int = 1
     batch: int = 1
@@ -125,6 +129,8 @@ class Layout:
     graph_mode: str = "regions"
     kv_bytes: float = _BF16
     pieces_per_stage: bool = False
+    weights: str = "stored"  # "stored": the checkpoint's formats; "held": as the engine holds them (weight_format)
+    dtype_bytes: int = _BF16  # the compute dtype (held weights)
 
 
 # -- V4: the engine's own tensors ----------------------------------------------------------------------------------
@@ -163,6 +169,23 @@ def stored_bytes(shape: tuple[int, ...], fmt: str) -> int:
 
 
 @functools.lru_cache(maxsize=64)
+def weight_format(name: str, shape: tuple[int, ...], cfg: Any, lay: Layout) -> str:
+    """How a step reads official tensor `name`: its checkpoint format (`stored`), or as the engine holds it under
+    `--weights stored` (`held`, engine/model/model.py `load`): FP8/FP4 as bytes except the few always dequantised
+    (engine/loader.py `keeps_stored`), bf16 matrices kept narrow, fp32 where the checkpoint has fp32, other vectors
+    fp32 where the model keeps them so (`keeps_fp32`: the norms) and in the compute dtype otherwise."""
+    from engine.loader import keeps_stored, official_format
+    from engine.model.layers import keeps_fp32
+
+    fmt = official_format(name, cfg)
+    if lay.weights == "stored" or fmt in ("fp32", "i64") or (fmt in ("fp8", "fp4") and keeps_stored(name)):
+        return fmt
+    if len(shape) >= 2:
+        return "bf16"
+    return "fp32" if keeps_fp32(name) else {2: "bf16", 4: "fp32"}[lay.dtype_bytes]
+
+
+@functools.lru_cache(maxsize=64)
 def _layer_tensors(cfg: Any, layer_id: int) -> dict[str, tuple[int, ...]]:
     """{suffix: logical shape} of one layer, from the engine's own module (built on the meta device)."""
     from engine.model.block import Block
@@ -191,8 +214,6 @@ def _index_selects(cfg: Any, layer_id: int, context: int) -> bool:
 
 
 def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]:
-    from engine.loader import official_format
-
     cp, q = lay.cp, lay.q
     t = lay.batch * q  # tokens of the step
     k = cfg.n_activated_experts
@@ -201,7 +222,8 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
     acc: dict[str, dict[str, float]] = {}
 
     def add(stage: str, **kw: float) -> None:
-        row = acc.setdefault(stage, {"bytes": 0.0, "flops": 0.0, "coll_calls": 0.0, "coll_bytes": 0.0})
+        row = acc.setdefault(stage, {"bytes": 0.0, "kv_bytes": 0.0, "flops": 0.0, "attn_flops": 0.0, "coll_calls": 0.0,
+                                     "coll_bytes": 0.0})
         for key, v in kw.items():
             row[key] += v
 
@@ -211,7 +233,7 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
         stage = _stage(suffix)
         if stage == "attn.index" and not selects:
             continue  # the step skips the indexer's queries below its threshold
-        fmt = official_format(prefix + suffix, cfg)
+        fmt = weight_format(prefix + suffix, shape, cfg, lay)
         if suffix.startswith("ffn.experts."):
             if suffix.startswith("ffn.experts.0."):
                 expert_bytes += stored_bytes(shape, fmt)
@@ -236,11 +258,13 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
         entries = ctx // r
         keys += min(entries, cfg.index_topk) if cfg.ratio_is_csa(r) else entries
         state = (2 if cfg.ratio_is_csa(r) else 1) ** 2 * r * hd * _F32 * 2  # compressor kv + score state
-        add("attn.compress", bytes=lay.batch * state)
+        add("attn.compress", bytes=lay.batch * state, kv_bytes=lay.batch * state)
         if selects:  # indexer keys scored for every entry: 64 heads x 128 per entry
-            add("attn.index", bytes=lay.batch * entries * cfg.index_head_dim * lay.kv_bytes / cp,
-                flops=2 * t * entries * cfg.index_n_heads * cfg.index_head_dim / cp)
-    add("attn.core", bytes=lay.batch * keys * hd * lay.kv_bytes / cp, flops=2 * 2 * t * h * hd * keys / cp)
+            nbytes = lay.batch * entries * cfg.index_head_dim * lay.kv_bytes / cp
+            flops = 2 * t * entries * cfg.index_n_heads * cfg.index_head_dim / cp
+            add("attn.index", bytes=nbytes, kv_bytes=nbytes, flops=flops, attn_flops=flops)
+    nbytes, flops = lay.batch * keys * hd * lay.kv_bytes / cp, 2 * 2 * t * h * hd * keys / cp
+    add("attn.core", bytes=nbytes, kv_bytes=nbytes, flops=flops, attn_flops=flops)
     if cp > 1:  # engine/parallel.py: the exchange of one layer, bytes each rank moves
         add("attn.core", coll_calls=1, coll_bytes=(cp - 1) * t * h * (hd + 2) * _F32)
         if selects:
@@ -275,22 +299,21 @@ def _place_launches(rows: list[dict[str, Any]], lay: Layout, regions: tuple[str,
 
 
 def _global_rows(cfg: Any, lay: Layout) -> list[dict[str, Any]]:
-    from engine.loader import official_format
-
     t = lay.batch * lay.q
     embed = head = head_flops = 0.0
     for name, shape in _global_tensors(cfg).items():
-        b = stored_bytes(shape, official_format(name, cfg))
+        b = stored_bytes(shape, weight_format(name, shape, cfg, lay))
         if name == "embed.weight":
             embed = t * b / shape[0]
         else:
             head += b
             head_flops += 2 * t * math.prod(shape) if len(shape) == 2 else 0
     one = 1.0 if lay.graph_mode != "megakernel" else 0.0
+    zero = {"kv_bytes": 0.0, "attn_flops": 0.0, "coll_calls": 0.0, "coll_bytes": 0.0}
     return [{"layer_type": "embed", "layers": 1, "region": "embed", "stage": "embed", "bytes": embed, "flops": 0.0,
-             "coll_calls": 0.0, "coll_bytes": 0.0, "launches": 1.0},
+             **zero, "launches": 1.0},
             {"layer_type": "head", "layers": 1, "region": "head", "stage": "head", "bytes": head, "flops": head_flops,
-             "coll_calls": 0.0, "coll_bytes": 0.0, "launches": one}]
+             **zero, "launches": one}]
 
 
 def v4_rows(cfg: Any, lay: Layout, mtp: bool = False) -> pd.DataFrame:
@@ -314,16 +337,14 @@ def resident_bytes(cfg: Any, lay: Layout) -> float:
     """Bytes one rank holds: every main-layer tensor as stored (routed experts: its ceil(E / cp) local ones), the
     embedding and head, and its 1/cp share of the batch's KV at `context` (window, compressed entries, indexer
     keys; compressor state left out)."""
-    from engine.loader import official_format
-
     local = math.ceil(cfg.n_routed_experts / lay.cp)
-    total = float(sum(stored_bytes(s, official_format(n, cfg)) for n, s in _global_tensors(cfg).items()))
+    total = float(sum(stored_bytes(s, weight_format(n, s, cfg, lay)) for n, s in _global_tensors(cfg).items()))
     for i in range(cfg.n_layers):
         for suffix, shape in _layer_tensors(cfg, _representative(cfg, i)).items():
             if suffix.startswith("ffn.experts.") and not suffix.startswith("ffn.experts.0."):
                 continue
             n = local if suffix.startswith("ffn.experts.") else 1
-            total += n * stored_bytes(shape, official_format(f"layers.{i}.{suffix}", cfg))
+            total += n * stored_bytes(shape, weight_format(f"layers.{i}.{suffix}", shape, cfg, lay))
         r = cfg.layer_ratio(i)
         per_token = 0.0 if not r else (cfg.head_dim + (cfg.index_head_dim if cfg.ratio_is_csa(r) else 0)) / r
         kv = min(lay.context, cfg.window_size) * cfg.head_dim + lay.context * per_token
@@ -360,14 +381,17 @@ def v3_rows(cfg: dict[str, Any], tp: int, batch: int, context: int) -> pd.DataFr
     attn_flops = 2 * batch * h * ctx * (kvr + rope + kvr)  # absorbed MLA: scores over 576, values over 512 dims
     allreduce = 2 * (tp - 1) / tp * batch * d * _BF16
 
-    def row(lt: str, layers: int, region: str, stage: str, nbytes: float, flops: float, calls: float) -> dict:
+    def row(lt: str, layers: int, region: str, stage: str, nbytes: float, flops: float, calls: float,
+            kv_bytes: float = 0.0, attn_flops: float = 0.0) -> dict:
         return {"layer_type": lt, "layers": layers, "region": region, "stage": stage, "bytes": nbytes,
-                "flops": flops, "coll_calls": calls, "coll_bytes": calls * allreduce, "launches": 0.0}
+                "kv_bytes": kv_bytes, "flops": flops, "attn_flops": attn_flops, "coll_calls": calls,
+                "coll_bytes": calls * allreduce, "launches": 0.0}
 
     rows = [row("embed", 1, "embed", "embed", batch * d * _BF16 / tp, 0.0, 1) | {"launches": 1.0}]
     for lt, n, ffn_w, ffn_flops_w in (("dense", n_dense, dense_ffn, dense_ffn),
                                       ("moe", n_moe, picked * expert + e * d, (k + 1) * expert + e * d)):
-        rows.append(row(lt, n, "attn", "attn", attn * _BF16 / tp + kv, (2 * batch * attn + attn_flops) / tp, 1))
+        rows.append(row(lt, n, "attn", "attn", attn * _BF16 / tp + kv, (2 * batch * attn + attn_flops) / tp, 1,
+                        kv_bytes=kv, attn_flops=attn_flops / tp))
         rows.append(row(lt, n, "moe" if lt == "moe" else "mlp", "ffn", ffn_w * _BF16 / tp,
                         2 * batch * ffn_flops_w / tp, 1))
     rows.append(row("head", 1, "head", "head", v * d * _BF16 / tp, 2 * batch * v * d / tp, 1))
