@@ -44,6 +44,10 @@ def plan_cmd(
                                                     "with speculation at --acceptance.")] = None,
     acceptance: Annotated[str, typer.Option("--acceptance", help="Per-position acceptance rates of the drafts, "
                                             "comma-separated (one per draft token).")] = "0.7",
+    weights: Annotated[str | None, typer.Option("--weights", help="stored (the checkpoint's formats) or held (as "
+                                                "the engine holds them; default on the host).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of held weights: bfloat16 or float32.")]
+    = "bfloat16",
     fit: Annotated[bool, typer.Option("--fit", help="Also re-fit launch overhead and collective latency to the "
                                       "seed (deepinfer_bench/hardware.toml) and print the residuals.")] = False,
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads of the host probes.")] = 1,
@@ -65,6 +69,10 @@ def plan_cmd(
         raise typer.BadParameter(f"--kv-cache-dtype {kv_cache_dtype!r}: auto or fp8")
     if speculative not in (None, "mtp", "dspark"):
         raise typer.BadParameter(f"--speculative {speculative!r}: mtp or dspark")
+    if weights not in (None, "stored", "held"):
+        raise typer.BadParameter(f"--weights {weights!r}: stored or held")
+    if dtype not in ("bfloat16", "float32"):
+        raise typer.BadParameter(f"--dtype {dtype!r}: bfloat16 or float32")
     accept = _acceptance(acceptance)
     kind, cfg = plan.model_config(model_dir)
     hw = plan.load_hardware()
@@ -74,8 +82,10 @@ def plan_cmd(
         raise typer.BadParameter(f"--cp {ranks}: {instance} at LNC {lnc} has {inst.ranks} ranks")
     if kind == "v3" and speculative:
         raise typer.BadParameter("--speculative needs a DeepSeek-V4 config")
+    dtype_bytes = 2 if dtype == "bfloat16" else 4
     lay = plan.Layout(cp=ranks, batch=batch, context=context, graph_mode=graph_mode,
-                      kv_bytes=1.0 + 4 / 64 if kv_cache_dtype == "fp8" else 2.0)  # fp8: e4m3 + a scale per 64
+                      kv_bytes=1.0 + 4 / 64 if kv_cache_dtype == "fp8" else dtype_bytes,  # e4m3 + a scale per 64
+                      weights=weights or ("held" if instance == "host" else "stored"), dtype_bytes=dtype_bytes)
     if kind == "v3":
         rows = plan.v3_rows(cfg, ranks, batch, context)
     else:

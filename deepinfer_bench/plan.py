@@ -30,10 +30,12 @@ INSTANCES = ("trn2.48xlarge", "trn2.3xlarge", "host")
 GRAPH_MODES = ("regions", "layer", "megakernel")
 # bytes / flops: all of a row; kv_bytes / attn_flops: the part that is KV, index keys and compressor state / the
 # attention's scores and values (the rest is weights and their GEMMs)
+# inputs: tensors the row's graph launch takes in (weights, scales, cache roots, activations)
 ROW_COLUMNS = ["layer_type", "layers", "region", "stage", "bytes", "kv_bytes", "flops", "attn_flops", "coll_calls",
-               "coll_bytes", "launches"]
+               "coll_bytes", "launches", "inputs"]
 COLUMNS = [*ROW_COLUMNS, "mem_ms", "flop_ms", "launch_ms", "coll_ms", "ms_per_layer", "ms_per_step", "share"]
 _F32, _BF16 = 4, 2
+_CACHE_ROOTS = 6  # root tensors of a layer's cache a region takes (engine/model/cache.py KVCache.roots)
 
 
 def load_hardware(path: Path | None = None) -> dict[str, Any]:
@@ -52,6 +54,7 @@ class Instance:
     hbm_bytes: float
     launch_s: float
     collective_s: float
+    launch_per_input_s: float = 0.0  # host: each tensor a graph call takes in (functional_call, guards)
 
     def with_overheads(self, launch_s: float, collective_s: float) -> Instance:
         return dataclasses.replace(self, launch_s=launch_s, collective_s=collective_s)
@@ -85,42 +88,54 @@ def host_instance(threads: int = 1, compiler: str = "inductor") -> Instance:
 
     torch.set_num_threads(threads)
     bw = max(memory_bandwidth_gb_s() for _ in range(2))
+    few, many = call_overhead_s(8, compiler=compiler), call_overhead_s(256, compiler=compiler)
+    per_input = max(0.0, (many - few) / (256 - 8))
     return Instance(name="host", ranks=1, hbm_b_s=bw * 1e9, peak_flop_s=2 * gemm_rate_g_s() * 1e9, link_b_s=math.inf,
                     hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                    launch_s=call_overhead_s(compiler=compiler),
-                    collective_s=0.0)
+                    launch_s=few - 8 * per_input, collective_s=0.0, launch_per_input_s=per_input)
 
 
-def call_overhead_s(n_inputs: int = 32, calls: int = 200, compiler: str = "inductor") -> float:
-    """Median seconds of one call of a torch.compile graph (host backend `compiler`) doing almost nothing over
-    `n_inputs` small tensors (a region's weights and state come in as ~30 tensors): the fixed cost of a launch."""
+def call_overhead_s(n_inputs: int, calls: int = 100, compiler: str = "inductor") -> float:
+    """Median seconds of one call of a region-shaped torch.compile graph that does almost nothing: a module of
+    `n_inputs` parameters run through `torch.func.functional_call` with the parameters passed in, as the host backend
+    runs a region (engine/backends/host.py `compile_region`), compiled with host compiler `compiler`. On the Zen 4
+    VM: ~30 us + ~2.4 us per input tensor, whatever the compiler."""
     import time
 
     import torch
+    from torch import nn
 
-    xs = {f"w{i}": torch.zeros(8) for i in range(n_inputs)}
+    class _Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(n_inputs):
+                self.register_parameter(f"w{i}", nn.Parameter(torch.zeros(8), requires_grad=False))
 
-    def region(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return x + params["w0"]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.w0
 
-    fn = torch.compile(region, backend=compiler, dynamic=False) if compiler != "none" else region
+    template, params = _Probe(), dict(_Probe().named_parameters())
+
+    def run(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(template, p, (x,))
+
+    fn = torch.compile(run, backend=compiler, dynamic=False) if compiler != "none" else run
     x = torch.zeros(8)
-    for _ in range(3):
-        fn(xs, x)
     times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn(xs, x)
-        times.append(time.perf_counter() - t0)
+    with torch.inference_mode():
+        for i in range(calls + 3):
+            t0 = time.perf_counter()
+            fn(params, x)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a step runs: `cp` ranks, `batch` sequences at `context` tokens before the step (its last position), `q`
-    tokens per sequence (1: a decode step; 1 + k: a speculative verify step), the graph mode, KV bytes per element,
-    whether each stage is its own graph piece (`regions --timing` on the host: every stage boundary is a graph
-    break), and the weights' formats."""
+    tokens per sequence (1: a decode step; 1 + k: a speculative verify step), the graph mode, KV bytes per element
+    and the weights' formats."""
 
     cp: int = 1
     batch: int = 1
@@ -128,8 +143,9 @@ class Layout:
     q: int = 1
     graph_mode: str = "regions"
     kv_bytes: float = _BF16
-    pieces_per_stage: bool = False
-    weights: str = "stored"  # "stored": the checkpoint's formats; "held": as the engine holds them (weight_format)
+    # "stored": the checkpoint's formats; "held": as the engine holds them under --weights stored; "dequant": as it
+    # holds them dequantised (weight_format)
+    weights: str = "stored"
     dtype_bytes: int = _BF16  # the compute dtype (held weights)
 
 
@@ -173,14 +189,16 @@ def weight_format(name: str, shape: tuple[int, ...], cfg: Any, lay: Layout) -> s
     """How a step reads official tensor `name`: its checkpoint format (`stored`), or as the engine holds it under
     `--weights stored` (`held`, engine/model/model.py `load`): FP8/FP4 as bytes except the few always dequantised
     (engine/loader.py `keeps_stored`), bf16 matrices kept narrow, fp32 where the checkpoint has fp32, other vectors
-    fp32 where the model keeps them so (`keeps_fp32`: the norms) and in the compute dtype otherwise."""
+    fp32 where the model keeps them so (`keeps_fp32`: the norms) and in the compute dtype otherwise; `dequant`:
+    every float tensor in fp32 where the model keeps fp32, else the compute dtype."""
     from engine.loader import keeps_stored, official_format
     from engine.model.layers import keeps_fp32
 
     fmt = official_format(name, cfg)
-    if lay.weights == "stored" or fmt in ("fp32", "i64") or (fmt in ("fp8", "fp4") and keeps_stored(name)):
+    if lay.weights == "stored" or fmt in ("fp32", "i64") or (
+            lay.weights == "held" and fmt in ("fp8", "fp4") and keeps_stored(name)):
         return fmt
-    if len(shape) >= 2:
+    if len(shape) >= 2 and lay.weights == "held":
         return "bf16"
     return "fp32" if keeps_fp32(name) else {2: "bf16", 4: "fp32"}[lay.dtype_bytes]
 
@@ -227,18 +245,22 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
         for key, v in kw.items():
             row[key] += v
 
-    expert_bytes, expert_elems = 0, 0
+    expert_bytes, expert_elems, expert_inputs = 0, 0, 0
+    inputs = {"attn": 3 + _CACHE_ROOTS, "moe": 3}  # x, the layer index, the packed step inputs (+ cache roots)
     prefix = f"layers.{layer_id}." if layer_id < cfg.n_layers else f"mtp.{layer_id - cfg.n_layers}."
     for suffix, shape in _layer_tensors(cfg, layer_id).items():
         stage = _stage(suffix)
         if stage == "attn.index" and not selects:
             continue  # the step skips the indexer's queries below its threshold
         fmt = weight_format(prefix + suffix, shape, cfg, lay)
+        n_in = 2 if fmt in ("fp8", "fp4") else 1  # the bytes and their scales
         if suffix.startswith("ffn.experts."):
             if suffix.startswith("ffn.experts.0."):
+                expert_inputs += n_in
                 expert_bytes += stored_bytes(shape, fmt)
                 expert_elems += math.prod(shape) if len(shape) == 2 else 0
             continue
+        inputs["moe" if stage.startswith("moe.") else "attn"] += n_in
         if suffix.endswith("tid2eid"):
             add(stage, bytes=t * shape[1] * 8)  # a row gather per token
             continue
@@ -248,6 +270,7 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
     # routed experts: each rank reads min(local, tokens x K) of its experts (engine_read_bytes' rule) and runs its
     # share of the tokens' K experts
     add("moe.experts", bytes=min(local, t * k) * expert_bytes, flops=2 * t * k * expert_elems / cp)
+    inputs["moe"] += local * expert_inputs
     # attention core: per sequence and query, the window and the kept compressed entries, sharded by position over
     # cp; scores and values over them (V = K: 2 x 2 x H x hd per key)
     hd, h = cfg.head_dim, cfg.n_heads
@@ -276,26 +299,26 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
     rows = []
     for stage in sorted(acc, key=order.index):
         region = "moe" if stage.startswith("moe.") else "attn"
-        rows.append({"region": region, "stage": stage, **acc[stage], "launches": 0.0})
-    _place_launches(rows, lay, ("attn", "moe"))
+        rows.append({"region": region, "stage": stage, **acc[stage], "launches": 0.0, "inputs": 0.0})
+    _place_launches(rows, lay, inputs)
     return rows
 
 
-def _place_launches(rows: list[dict[str, Any]], lay: Layout, regions: tuple[str, ...]) -> None:
-    """Graph launches of one layer: one per region (`regions`), one per layer (`layer`), none (`megakernel`: the
-    step is one launch, counted on the embedding); with `pieces_per_stage`, one per stage."""
-    if lay.graph_mode == "megakernel":
+def _place_launches(rows: list[dict[str, Any]], lay: Layout, inputs: dict[str, int]) -> None:
+    """Graph launches of one layer, on the first row of their region: one per region (`regions`), one per layer
+    (`layer`: the attention region's row, taking both regions' inputs), none (`megakernel`: the step is one launch,
+    counted on the embedding)."""
+    if lay.graph_mode in ("megakernel", "eager"):
         return
-    if lay.pieces_per_stage:
-        for row in rows:
-            row["launches"] = 1.0
-        return
-    first = {}
+    first: dict[str, dict[str, Any]] = {}
     for row in rows:
         first.setdefault(row["region"], row)
-    for region in regions if lay.graph_mode == "regions" else regions[:1]:
-        if region in first:
-            first[region]["launches"] = 1.0
+    if lay.graph_mode == "regions":
+        for region, row in first.items():
+            row["launches"], row["inputs"] = 1.0, float(inputs[region])
+    else:
+        row = next(iter(first.values()))
+        row["launches"], row["inputs"] = 1.0, float(sum(inputs[r] for r in first))
 
 
 def _global_rows(cfg: Any, lay: Layout) -> list[dict[str, Any]]:
@@ -308,8 +331,8 @@ def _global_rows(cfg: Any, lay: Layout) -> list[dict[str, Any]]:
         else:
             head += b
             head_flops += 2 * t * math.prod(shape) if len(shape) == 2 else 0
-    one = 1.0 if lay.graph_mode != "megakernel" else 0.0
-    zero = {"kv_bytes": 0.0, "attn_flops": 0.0, "coll_calls": 0.0, "coll_bytes": 0.0}
+    one = 1.0 if lay.graph_mode in ("regions", "layer") else 0.0
+    zero = {"kv_bytes": 0.0, "attn_flops": 0.0, "coll_calls": 0.0, "coll_bytes": 0.0, "inputs": 0.0}
     return [{"layer_type": "embed", "layers": 1, "region": "embed", "stage": "embed", "bytes": embed, "flops": 0.0,
              **zero, "launches": 1.0},
             {"layer_type": "head", "layers": 1, "region": "head", "stage": "head", "bytes": head, "flops": head_flops,
@@ -385,7 +408,7 @@ def v3_rows(cfg: dict[str, Any], tp: int, batch: int, context: int) -> pd.DataFr
             kv_bytes: float = 0.0, attn_flops: float = 0.0) -> dict:
         return {"layer_type": lt, "layers": layers, "region": region, "stage": stage, "bytes": nbytes,
                 "kv_bytes": kv_bytes, "flops": flops, "attn_flops": attn_flops, "coll_calls": calls,
-                "coll_bytes": calls * allreduce, "launches": 0.0}
+                "coll_bytes": calls * allreduce, "launches": 0.0, "inputs": 0.0}
 
     rows = [row("embed", 1, "embed", "embed", batch * d * _BF16 / tp, 0.0, 1) | {"launches": 1.0}]
     for lt, n, ffn_w, ffn_flops_w in (("dense", n_dense, dense_ffn, dense_ffn),
@@ -406,7 +429,7 @@ def predict(rows: pd.DataFrame, inst: Instance) -> pd.DataFrame:
     df = rows.copy()
     df["mem_ms"] = df["bytes"] / inst.hbm_b_s * 1e3
     df["flop_ms"] = df["flops"] / inst.peak_flop_s * 1e3
-    df["launch_ms"] = df["launches"] * inst.launch_s * 1e3
+    df["launch_ms"] = df["launches"] * (inst.launch_s + df["inputs"] * inst.launch_per_input_s) * 1e3
     df["coll_ms"] = (df["coll_calls"] * inst.collective_s + df["coll_bytes"] / inst.link_b_s) * 1e3
     df["ms_per_layer"] = df[["mem_ms", "flop_ms"]].max(axis=1) + df["launch_ms"] + df["coll_ms"]
     df["ms_per_step"] = df["ms_per_layer"] * df["layers"]
@@ -440,6 +463,39 @@ def model_config(model_dir: Path) -> tuple[str, Any]:
     if raw.get("model_type") == "deepseek_v3":
         return "v3", raw
     return "v4", ModelConfig.from_json(path)
+
+
+def for_engine(config: Any, batch: int, context: int, lnc: int = 2) -> tuple[pd.DataFrame, Instance, Layout]:
+    """The plan of an engine config's decode step (`regions --timing` prints it beside what it measures): the host
+    measured now for the host, xla and stand-in backends (they run on this CPU), trn2.48xlarge for neuron."""
+    cfg = config.model.config
+    dtype_bytes = 4 if "32" in str(config.model.dtype) else 2
+    lay = Layout(cp=config.cp, batch=batch, context=context, graph_mode=str(config.graph.mode),
+                 kv_bytes=1.0 + 4 / 64 if str(config.kv_cache_dtype) == "fp8" else dtype_bytes,
+                 weights="held" if str(config.model.weights) == "stored" else "stored", dtype_bytes=dtype_bytes)
+    if lay.weights == "stored" and str(config.model.weights) != "stored":  # dequantised: every weight in dtype
+        lay = dataclasses.replace(lay, weights="dequant")
+    if str(config.backend) == "neuron":
+        inst = trn2_instance("trn2.48xlarge", lnc, load_hardware())
+    else:
+        inst = host_instance(threads=1, compiler=str(config.graph.host_compiler))
+    return predict(v4_rows(cfg, lay), inst), inst, lay
+
+
+def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float) -> pd.DataFrame:
+    """Per region (summed over layers and stages) and for the whole step: measured ms per step (`regions`' summed
+    table, mean and p50 sums) beside the plan's prediction."""
+    meas = summed.groupby("region", sort=False)[["ms_per_step", "p50_ms_sum"]].sum()
+    planned = pred.groupby("region", sort=False)["ms_per_step"].sum()
+    rows = [{"region": r, "measured_ms": float(meas.loc[r, "ms_per_step"]),
+             "measured_p50_ms": float(meas.loc[r, "p50_ms_sum"]), "predicted_ms": float(planned.get(r, 0.0))}
+            for r in meas.index]
+    rows.append({"region": "step", "measured_ms": step_ms, "measured_p50_ms": float(meas["p50_ms_sum"].sum()),
+                 "predicted_ms": float(pred["ms_per_step"].sum())})
+    df = pd.DataFrame(rows)
+    df["predicted_over_measured"] = df["predicted_ms"] / df["measured_ms"]
+    df["share_of_step"] = df["measured_ms"] / step_ms
+    return df
 
 
 # -- speculative decoding --------------------------------------------------------------------------------------------
