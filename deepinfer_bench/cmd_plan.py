@@ -107,6 +107,10 @@ def plan_cmd(
     spec = None
     if speculative and kind == "v4":
         spec = plan.speculative_step(cfg, inst, lay, speculative, accept)
+        draft = plan.predict(plan.draft_rows(cfg, lay, speculative, len(accept)), inst)
+        render_df(draft, f"one {speculative} draft pass ({'one per draft' if speculative == 'mtp' else 'the block'})",
+                  columns=["layer_type", "layers", "region", "stage", "bytes", "flops", "coll_calls", "launches",
+                           "mem_ms", "launch_ms", "coll_ms", "ms_per_step"])
         summary |= {f"spec_{k}": v for k, v in spec.items()}
         summary["spec_tok_s"] = batch * spec["tokens_per_step"] / spec["step_ms"] * 1e3
     render_df(pd.DataFrame([summary]), "step totals per rank (the step time is the slowest rank's; ranks are "
@@ -121,6 +125,8 @@ def plan_cmd(
     path = save_results(df, out, "plan", meta)
     plan.by_region(df).to_csv(path.parent / "plan_regions.csv", index=False)
     pd.DataFrame([summary]).to_csv(path.parent / "plan_summary.csv", index=False)
+    if spec is not None:
+        draft.to_csv(path.parent / "plan_draft.csv", index=False)
     plan.save_plot(df, path.parent / "plan.png",
                    f"{model_dir.name}: {instance} LNC {lnc}, {ranks} ranks, batch {batch}, context {context}, "
                    f"{graph_mode}: {tot['step_ms']:.1f} ms/step")

@@ -512,6 +512,16 @@ def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float) -
 # -- speculative decoding --------------------------------------------------------------------------------------------
 
 
+def draft_rows(cfg: Any, lay: Layout, method: str, k: int) -> pd.DataFrame:
+    """One draft pass: the draft layers (`mtp.*`, layer type MTP) with the embedding and the head, over 1 token per
+    sequence (MTP: one pass per draft) or 1 + k (DSpark: the whole block at once)."""
+    dl = dataclasses.replace(lay, q=1 if method == "mtp" else 1 + k)
+    glob = _global_rows(cfg, dl)
+    rows = pd.concat([pd.DataFrame(glob[:1], columns=ROW_COLUMNS), v4_rows(cfg, dl, mtp=True),
+                      pd.DataFrame(glob[1:], columns=ROW_COLUMNS)], ignore_index=True)
+    return rows
+
+
 def speculative_step(cfg: Any, inst: Instance, lay: Layout, method: str, acceptance: list[float]) -> dict[str, float]:
     """One verify step of 1 + k tokens per sequence (k = len(acceptance)) plus its drafts, and the tokens it yields:
     1 + sum(acceptance) per sequence (`acceptance[i]`: the rate at which draft position i is accepted, as vLLM /
@@ -519,10 +529,8 @@ def speculative_step(cfg: Any, inst: Instance, lay: Layout, method: str, accepta
     the block in one pass of its stages over 1 + k tokens."""
     k = len(acceptance)
     verify = totals(predict(v4_rows(cfg, dataclasses.replace(lay, q=1 + k)), inst))["step_ms"]
-    passes, dq = (k, 1) if method == "mtp" else (1, 1 + k)
-    dl = dataclasses.replace(lay, q=dq)
-    glob = predict(pd.DataFrame(_global_rows(cfg, dl), columns=ROW_COLUMNS), inst)
-    draft_pass = totals(predict(v4_rows(cfg, dl, mtp=True), inst))["step_ms"] + float(glob["ms_per_step"].sum())
+    passes = k if method == "mtp" else 1
+    draft_pass = totals(predict(draft_rows(cfg, lay, method, k), inst))["step_ms"]
     tokens = 1 + sum(acceptance)
     step = verify + passes * draft_pass
     return {"verify_ms": verify, "draft_ms": passes * draft_pass, "step_ms": step, "tokens_per_step": tokens,

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from deepinfer_bench import plan
@@ -106,10 +107,12 @@ def test_cli_writes_csv_meta_and_png(tmp_path: Path, capsys: pytest.CaptureFixtu
                              "--out", str(tmp_path)], capsys)
     assert code == 0, err
     (run,) = tmp_path.glob("plan-*")
-    for name in ("plan.csv", "plan_regions.csv", "plan_summary.csv", "meta.json", "plan.png"):
+    for name in ("plan.csv", "plan_regions.csv", "plan_summary.csv", "plan_draft.csv", "meta.json", "plan.png"):
         assert (run / name).stat().st_size > 0, name
     meta = json.loads((run / "meta.json").read_text())
     assert meta["layout"]["batch"] == 8 and meta["instance"]["ranks"] == 64
     assert math.isclose(meta["summary"]["spec_tokens_per_step"], 2.8)
+    draft = pd.read_csv(run / "plan_draft.csv")
+    assert set(draft["layer_type"]) == {"embed", "MTP", "head"}
     code, _, err = run_main(["plan", "--instance", "trn9"], capsys)
     assert code == 2 and "trn9" in err and len(err.strip().splitlines()) == 1
