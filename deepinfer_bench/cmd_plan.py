@@ -79,7 +79,8 @@ def plan_cmd(
     inst = plan.host_instance(threads, host_compiler) if instance == "host" else plan.trn2_instance(instance, lnc, hw)
     ranks = cp or (1 if instance == "host" else inst.ranks)
     if ranks > inst.ranks:
-        raise typer.BadParameter(f"--cp {ranks}: {instance} at LNC {lnc} has {inst.ranks} ranks")
+        where = "the host runs one rank" if instance == "host" else f"{instance} at LNC {lnc} has {inst.ranks} ranks"
+        raise typer.BadParameter(f"--cp {ranks}: {where}")
     if kind == "v3" and speculative:
         raise typer.BadParameter("--speculative needs a DeepSeek-V4 config")
     dtype_bytes = 2 if dtype == "bfloat16" else 4

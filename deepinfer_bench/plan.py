@@ -431,6 +431,11 @@ def v3_rows(cfg: dict[str, Any], tp: int, batch: int, context: int) -> pd.DataFr
     return pd.DataFrame(rows, columns=ROW_COLUMNS)
 
 
+_V3_KEYS = ("hidden_size", "num_attention_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
+            "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "num_hidden_layers")
+
+
 # -- prediction ------------------------------------------------------------------------------------------------------
 
 
@@ -471,6 +476,9 @@ def model_config(model_dir: Path) -> tuple[str, Any]:
         raise FileNotFoundError(f"no config.json in {model_dir}")
     raw = json.loads(path.read_text())
     if raw.get("model_type") == "deepseek_v3":
+        missing = [k for k in _V3_KEYS if k not in raw]
+        if missing:
+            raise ValueError(f"{path}: DeepSeek-V3 config lacks {', '.join(missing)}")
         return "v3", raw
     return "v4", ModelConfig.from_json(path)
 
