@@ -280,7 +280,7 @@ def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]
     # routed experts: each rank reads min(local, tokens x K) of its experts (engine_read_bytes' rule) and runs its
     # share of the tokens' K experts
     add("moe.experts", bytes=min(local, t * k) * expert_bytes, flops=2 * t * k * expert_elems / cp)
-    inputs["moe"] += local * expert_inputs
+    inputs["moe"] += expert_inputs  # stacked experts: one tensor (+ scale) per projection (MoE.stack_experts)
     # attention core: per sequence and query, the window and the kept compressed entries, sharded by position over
     # cp; scores and values over them (V = K: 2 x 2 x H x hd per key)
     hd, h = cfg.head_dim, cfg.n_heads
