@@ -1,13 +1,7 @@
-"""`deepinfer plan`: what a decode step should cost, per layer type, region and stage, from the model's config, the
-engine's layout and the hardware constants (deepinfer_bench/hardware.toml). Returns DataFrames; the command renders
-and saves them (deepinfer_bench/cmd_plan.py).
-
-Per row (one stage of one layer type, per rank): bytes read, FLOPs, collective calls and bytes moved, graph launches;
-predicted ms = max(bytes / HBM bandwidth, FLOPs / peak) + launches x launch overhead + calls x collective latency +
-collective bytes / link bandwidth. Layout: the engine's (engine/parallel.py) - dense work replicated on every rank,
-KV sharded by position, routed experts sharded, per layer one attention-merge all-gather, one packed MoE all-gather
-and one all-reduce (plus the CSA indexer's all-gather once it selects).
-"""
+"""`deepinfer plan`: a decode step's predicted cost per layer type, region and stage - bytes, FLOPs, collectives,
+launches; ms = max(bytes / HBM BW, FLOPs / peak) + launches x overhead + collectives x (latency + bytes / link BW) -
+from the config, the engine's layout (engine/parallel.py) and deepinfer_bench/hardware.toml. Returns DataFrames
+(deepinfer_bench/cmd_plan.py renders them); docs/plan.md."""
 
 from __future__ import annotations
 
@@ -578,9 +572,11 @@ def fit(hw: dict[str, Any] | None = None) -> dict[str, float]:
     s = hw["seed"]
     rows, inst = _seed_plan(hw)
     base = totals(predict(rows, inst.with_overheads(0.0, 0.0)))
-    removed = s["unmoved_collectives_per_layer"] * int(rows.loc[rows["stage"] == "attn.core", "layers"].sum())
-    removed_bytes_ms = float((rows.loc[rows["stage"] == "attn.core", "coll_bytes"] * rows["layers"]).sum()
-                             / inst.link_b_s * 1e3) / max(1, s["unmoved_collectives_per_layer"])
+    core = rows[rows["stage"] == "attn.core"]  # the attention exchange: one collective a layer, the one removed
+    per_layer = s["unmoved_collectives_per_layer"]
+    removed = per_layer * int(core["layers"].sum())
+    removed_bytes_ms = per_layer * float((core["coll_bytes"] / core["coll_calls"] * core["layers"]).sum()
+                                         / inst.link_b_s * 1e3)
     bound_us = (s["unmoved_within"] * s["step_ms"] - removed_bytes_ms) / removed * 1e3
     c_us = max(0.0, min(s["collective_estimate_us"], bound_us))
     l_us = (s["step_ms"] - base["step_ms"] - base["collectives"] * c_us / 1e3) / base["launches"] * 1e3
@@ -589,7 +585,7 @@ def fit(hw: dict[str, Any] | None = None) -> dict[str, float]:
     v3_pred = totals(predict(v3_rows_, v3_inst.with_overheads(l_us * 1e-6, c_us * 1e-6)))["step_ms"]
     tpot = hw["check_nxdi_v3"]["tpot_ms"]
     return {"launch_overhead_us": l_us, "collective_latency_us": c_us, "collective_bound_us": bound_us,
-            "seed_roofline_ms": base["step_ms"], "seed_launches": base["launches"],
+            "seed_without_overheads_ms": base["step_ms"], "seed_launches": base["launches"],
             "seed_collectives": base["collectives"], "seed_ms": s["step_ms"], "seed_predicted_ms": seed_pred,
             "seed_residual": seed_pred / s["step_ms"] - 1, "v3_tpot_ms": tpot, "v3_predicted_ms": v3_pred,
             "v3_residual": v3_pred / tpot - 1}
