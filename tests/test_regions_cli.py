@@ -22,7 +22,7 @@ def test_regions_command_writes_results(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     run = next(tmp_path.iterdir())
     assert {p.name for p in run.iterdir()} >= {"regions.csv", "regions_summed.csv", "regions_summary.csv",
-                                               "meta.json", "regions.png"}
+                                               "meta.json", "regions.png", "regions_vs_plan.csv"}
     summary = pd.read_csv(run / "regions_summary.csv").iloc[0]
     cfg_layers = 4
     assert summary["graph_launches_per_step"] == cfg_layers

@@ -61,6 +61,15 @@ def regions_cmd(
                        "stage_sum_over_step"])
     if len(result.native):
         render_df(result.native, "host kernels: each native entry point, and the step outside them")
+    vs_plan = None
+    if timing and len(result.summed):  # the plan's prediction beside each measured region (deepinfer_bench/plan.py)
+        from deepinfer_bench.bench.plan import against_measured, for_engine
+
+        pred, inst, _ = for_engine(config, batch, context + warmup + steps // 2)
+        vs_plan = against_measured(pred, result.summed, float(result.summary["step_ms_mean"].iloc[0]))
+        render_df(vs_plan, f"measured vs `deepinfer plan` ({inst.name}: {inst.hbm_b_s / 1e9:.1f} GB/s, "
+                  f"{inst.peak_flop_s / 1e9:.0f} GFLOP/s, launch {inst.launch_s * 1e6:.0f} us + "
+                  f"{inst.launch_per_input_s * 1e6:.2f} us per input)")
     where = measured_on(config.backend)
     if str(config.backend) != "host":
         render_df(result.summary, f"device counters per timed decode step ({where})",
@@ -73,6 +82,8 @@ def regions_cmd(
         result.native.to_csv(path.parent / "regions_host_kernels.csv", index=False)
     if len(result.per_layer):
         save_plot(result, path.parent / "regions.png")
+    if vs_plan is not None:
+        vs_plan.to_csv(path.parent / "regions_vs_plan.csv", index=False)
     if overhead:
         df = timing_overhead(config, spec, rounds=rounds, threads=threads)
         render_df(df, "timer cost: per-step medians, interleaved rounds on one runner")
