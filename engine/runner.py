@@ -68,7 +68,7 @@ class ModelRunner:
             layer.ffn.capacity = graph.moe_capacity
             layer.ffn.static_moe = str(graph.moe)
             layer.ffn.stack_experts()  # views: no extra memory; lets decode regions gather experts by index
-        kops = getattr(model.ops, "kernel_ops", None)  # a kernel table: its weight layouts made now, not in a graph
+        kops = model.ops.kernel_ops  # a kernel table: its weight layouts made now, not in a graph
         self.kernel_layouts: dict[str, int] = {}
         if kops is not None:
             from engine.model.kernel_weights import prepare

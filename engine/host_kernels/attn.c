@@ -2,7 +2,7 @@
  * in another (loaded with gemv.c, mhc.c and moe.c as one
  * library by engine/host_kernels/__init__.py; same build flags, no torch headers).
  *
- *   dk_attn_qkv  the op table's `attn_qkv` (engine/model/ops.py; engine/model/attention.py Attention._qkv), fp32:
+ *   dk_attn_qkv  the op table's `attn_qkv` (engine/model/ops.py; engine/model/attention.py Attention.qkv), fp32:
  *                qr [T, Q]    = rms_norm(x @ wq_a^T, q_norm)
  *                q  [T, H, D] = rope_tail(head_rms(qr @ wq_b^T), cos, sin)   (head_rms: rms_norm, no weight)
  *                kv [T, D]    = rope_tail(rms_norm(x @ wkv^T, kv_norm), cos, sin)
@@ -16,7 +16,7 @@
  *   dk_attn_decode  a decode-only step's attention after its state writes, through the block's attention tail
  *                   (engine/model/attention.py Attention._decode's keys, _attend and _out; engine/model/block.py's
  *                   attn_out_expand), fp32, B sequences of one token; with `new_kv` also the step's state writes
- *                   before it (Attention._decode_writes):
+ *                   before it (Attention.decode_writes):
  *                ring[slots[b], ring_rows[b]] = new_kv[b]                                     (write_ring)
  *                st_kv_c[slots[b], row_c[b]] = kv_c[b]; st_score_c[...] = score_c[b] + ape_c[phase_c[b]]
  *                pool_c[entry w of b] = close_block(the block w that row b closes)

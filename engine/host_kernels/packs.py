@@ -3,6 +3,7 @@ a tensor they point into moves, and the per-call checks of the packed calls."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +18,11 @@ _FMT_KEY = {None: "linear", "fp8": "fp8", "fp4": "fp4"}
 
 class Pack:
     """The static arguments of one layer's native call (pointers, formats, sizes, ctypes arrays: `args`; None where
-    the kernels do not take these tensors), made once by an op's `*_pack` builder and kept by the module that
-    calls it (`packed`). It holds every tensor its pointers point into, so they live as long as it does, and is
-    made again when one of them has moved (`Tensor.set_`, `.data =`: `fresh`). A pack is made at a module's first
-    decode step, when its weights are final (engine/runner.py places them before any kernel takes an address)."""
+    the kernels do not take these tensors), made once by an op's `*_pack` builder and kept in a `PackStore`
+    (block_decoder.py's: one per host op table). It holds every tensor its pointers point into, so they live as
+    long as it does, and is made again when one of them has moved (`Tensor.set_`, `.data =`: `fresh`). A pack is
+    made at a module's first decode step, when its weights are final (engine/runner.py places them before any
+    kernel takes an address)."""
 
     __slots__ = ("_held", "args", "tag")
 
@@ -47,18 +49,26 @@ def _same(a: object, b: object) -> bool:
         u is v for u, v in zip(a, b, strict=True))
 
 
-def packed(owner: torch.nn.Module, key: str, make: Callable[[], Pack], tag: object = None) -> Pack:
-    """owner's pack `key`, made by `make()` the first time and again once it is not `fresh` or was made for another
-    `tag` (an object the pack's tensors come from besides the owner's, e.g. a layer's KV cache: compared by
-    identity, and kept alive by the pack)."""
-    packs = owner.__dict__.get("_native_packs")
-    if packs is None:
-        packs = owner.__dict__["_native_packs"] = {}
-    pack = packs.get(key)
-    if pack is None or not _same(pack.tag, tag) or not pack.fresh():
-        pack = packs[key] = make()
-        pack.tag = tag
-    return pack
+class PackStore:
+    """Packs by (owner, key), made by `make()` the first time and again once one is not `fresh` or was made for
+    another `tag` (an object the pack's tensors come from besides the owner's, e.g. a layer's KV cache: compared by
+    identity, and kept alive by the pack). Owners are held weakly: the store keeps no module alive."""
+
+    def __init__(self) -> None:
+        self._packs: weakref.WeakKeyDictionary[object, dict[str, Pack]] = weakref.WeakKeyDictionary()
+
+    def get(self, owner: object, key: str, make: Callable[[], Pack], tag: object = None) -> Pack:
+        packs = self._packs.get(owner)
+        if packs is None:
+            packs = self._packs[owner] = {}
+        pack = packs.get(key)
+        if pack is None or not _same(pack.tag, tag) or not pack.fresh():
+            pack = packs[key] = make()
+            pack.tag = tag
+        return pack
+
+
+packed = PackStore().get  # a store of the package's own, for callers without one
 
 
 def held(lin: torch.nn.Module) -> tuple[torch.Tensor, ...]:
