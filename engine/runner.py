@@ -86,7 +86,10 @@ class ModelRunner:
                              index_keys=index_key_format(config.model.numerics))
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.keep_hidden = config.spec.enabled
-        self.capture = str(config.spec.method) == "dspark"
+        from engine.model.drafting import proposer_for
+
+        self.proposer = proposer_for(config.spec.method)
+        self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
         self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
@@ -136,10 +139,8 @@ class ModelRunner:
             last = None
         else:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
-            if self.capture:  # DSpark's context: the streams entering its target layers
-                from engine.model.dspark import hidden_and_capture
-
-                x, captured = hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
+            if self.capture:
+                x, captured = self.proposer.hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
             else:
                 x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
             last = [s.token_start + s.n - 1 for s in steps]

@@ -21,17 +21,10 @@
 ops (~50 us) per call, five calls a layer. `grouped_out_proj` (gemv.c `dk_bf16_grouped_linear`) runs V4's wo_a
 (held as bf16 under `--weights stored`: engine/loader.py) on the bf16 GEMV kernel, one call for every group, where
 the reference widens the weight to fp32 and runs a batched matmul: results differ by fp32 summation order only.
-`attn_qkv_native` (attn.c `dk_attn_qkv`) is the attention's front, engine/model/ops.py `attn_qkv` (three GEMVs, two
-norms, the per-head RMS, two RoPEs), as one native call over the same kernels in the same order: the op-by-op host
-path's numbers bit for bit, without its eight op-table calls per layer.
-`attn_front` (attn.c `dk_attn_front`) is what comes before a decode step's state writes in `Attention.decode_native`:
-the mHC site's front (hc_pre), `attn_qkv_native` and the compressors' wkv / wgate GEMVs, one native call over the
-host table's kernels in its order (bit for bit).
-`attn_decode` (attn.c `dk_attn_decode`) is what follows a decode-only step's state writes in
-engine/model/attention.py (`Attention.decode_native`): the keys' gather from the window ring and the entry pool,
-sparse_attn, the inverse RoPE, wo_a and, from the block, wo_b and the mHC expand, as one native call over the same
-kernels in the same order (bit for bit the op-by-op host path); the attention decides with `attn_decode_takes`
-before it writes any state, so the call itself never declines.
+`attn_qkv_native`, `attn_front` and `attn_decode` are attn.c's `dk_attn_qkv`, `dk_attn_front` and `dk_attn_decode`
+(their contract is stated there: the op-by-op host path's kernels in its order, bit for bit); block_decoder.py
+decides when a step takes the last two, and calls `attn_decode_takes` before it writes any state, so
+`attn_decode` itself never declines.
 Every other case runs the reference, counted by reason (`dispatch.fallbacks()`).
 """
 

@@ -201,6 +201,18 @@ def choose(cc: str, cap: str = "auto") -> str:
     return next(name for name in VARIANTS if why_not(name, cc, cap) is None)
 
 
+def probe() -> str:
+    """The variant `library()` would load, decided without compiling anything (the CPU's flags, the compiler's
+    `-march=native` macros and the cap); a HostKernelError where the compiler is missing. A build that then fails
+    fails at first use (`library()`), with the compiler's words."""
+    from engine.envs import get_envs
+
+    cc = get_envs().DEEPINFER_HOST_CC
+    if shutil.which(cc) is None:
+        raise HostKernelError(f"--kernels host: C compiler {cc!r} not found (install gcc or set DEEPINFER_HOST_CC)")
+    return choose(cc, simd_cap())
+
+
 def build_key(cc: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for src in SOURCES:

@@ -1,18 +1,7 @@
-"""A whole decode layer in one native call (engine/host_kernels `NATIVE_OPS`: `decode_layer`, `decode_layer_pack`):
-attn.c `dk_decode_layer` runs the layer's three one-call sites in their order - `dk_attn_front` (the attention
-site's mHC front, q / kv, the compressors' projections), `dk_attn_decode` with the step's state writes, and
-`dk_ffn_site` (the MoE half) - from one struct of static arguments (`DkLayer`, the mirror of dk.h's `dk_layer`)
-built from the three sites' packs. The same kernels in the same order as the three calls one by one (and they as
-the ops one by one), so the same numbers bit for bit; what it saves is the Python between them, ~1 ms a layer on a
-Zen-1-class core. engine/model/block.py `Block.forward` takes it on decode-only steps where every part would run
-natively and the layer's indexer does not select (its top-k runs between the attention's two parts).
-
-    op             native when                                                      dispatch key
-    decode_layer   the three sites' packs all have arguments (attn_front_pack,       "host.decode_layer" (+ each
-                   attn_decode_pack, ffn_site_pack), the same mHC settings in both   site's keys)
-                   halves, at most two compressors; x fp32 [B, n, dim] within every
-                   kernel's max_m
-"""
+"""A whole decode layer in one native call: attn.c `dk_decode_layer` runs `dk_attn_front`, `dk_attn_decode` with the
+step's state writes and `dk_ffn_site` from one struct of static arguments (abi.py `DkLayer`) built from the three
+sites' packs; attn.c states the contract (the three calls' kernels in their order: the same numbers bit for bit).
+block_decoder.py decides when a step takes it. Dispatch key "host.decode_layer" (+ each site's keys)."""
 
 from __future__ import annotations
 

@@ -11,10 +11,9 @@ library is the one `engine.host_kernels` loads):
     hc_head               x fp32 [T, n, D], T <= max_m("mhc"), fn [n, n*D], scale [1],   "host.hc_head"
                           base [n] fp32
 
-`ffn_site` (engine/model/block.py `Block.ffn_half`: the MoE half of a decode block, hc_pre + gate + moe_ffn +
-hc_expand) is moe.c `dk_ffn_site`: the same native kernels in the same order as those four ops, so the same numbers
-bit for bit, in one call; it declines (None: the block runs the four ops) wherever one of them would not run
-natively, counting nothing, so the ops themselves then count their own way.
+`ffn_site` is moe.c `dk_ffn_site`, the MoE half of a decode block (hc_pre + gate + moe_ffn + hc_expand) in one
+call with the same kernels in the same order (bit for bit); it declines (None, nothing counted) wherever one of them
+would not run natively. block_decoder.py `HostBlockDecoder.ffn_half` calls it.
 
 `hc_head` (once a step, before the final norm and the head: ~10 torch ops) is mhc.c `dk_hc_head`, hc_mixes' `pre`
 formula over the head's n-row fn followed by dk_hc_collapse: results differ by fp32 summation order and libm's expf.
