@@ -1,6 +1,6 @@
 """The host table's decode of one Block (engine/model/block.py asks its op table's `block_decoder`): the whole
-layer in one native call (layer_ops.decode_layer), else the attention half (attn_front, attn_decode) and the MoE
-half (ffn_site) each in one call, and the MoE FFN after the gate (moe_ops.moe_ffn). It reads the block's modules
+layer in one native call (decode_layer), else the attention half (attn_front, attn_decode) and the MoE
+half (ffn_site) each in one call, and the MoE FFN after the gate (moe_ffn). It reads the block's modules
 and its layer cache and keeps the packs it makes, so the model holds no native state; each method returns None
 where the step or the tensors are not what its kernels take (nothing counted, no state written: the block runs
 its ops one by one). Every native call is the op-by-op host path's kernels in its order: the same numbers bit for
@@ -13,8 +13,12 @@ from typing import Any
 
 import torch
 
-from engine.host_kernels import attn_ops, layer_ops, moe_ops, native, step_ops
+from engine.host_kernels.attn_ops import attn_decode, attn_decode_takes, attn_front, decode_pack, front_pack
+from engine.host_kernels.layer_ops import decode_layer, layer_pack
+from engine.host_kernels.moe_ops import moe_ffn as moe_ffn_call
+from engine.host_kernels.native import max_m
 from engine.host_kernels.packs import PackStore
+from engine.host_kernels.step_ops import ffn_site, site_pack
 
 # a compressor's closing blocks on a step where none closes (`_layer_inputs`)
 _NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
@@ -53,11 +57,11 @@ class HostBlockDecoder:
         def build() -> Any:  # the three sites' packs (each made again if stale), then the layer's from them
             site = self._site_pack(block)
             if site is None:
-                return layer_ops.layer_pack(None, None, None)
-            return layer_ops.layer_pack(self._front_pack(block), self._decode_pack(attn, lc), site)
+                return layer_pack(None, None, None)
+            return layer_pack(self._front_pack(block), self._decode_pack(attn, lc), site)
 
         g = block.ffn.gate
-        return layer_ops.decode_layer(self.packs.get(block, "layer", build, lc), x, *dyn[:-1],
+        return decode_layer(self.packs.get(block, "layer", build, lc), x, *dyn[:-1],
                                       g.tid2eid[input_ids] if g.hash else None)
 
     # -- the attention half --------------------------------------------------------------------------------------
@@ -72,12 +76,12 @@ class HostBlockDecoder:
             return None
         pack = self._decode_pack(attn, lc)
         cos, sin = attn.cos_sin(plan)  # [B, rd/2]
-        if not attn_ops.attn_decode_takes(pack, len(plan.seqs), x, cos, sin):
+        if not attn_decode_takes(pack, len(plan.seqs), x, cos, sin):
             return None
         ops = attn.ops
         index = attn.selects(plan)
         fpack = self._front_pack(block, index)
-        front = None if fpack is None else attn_ops.attn_front(fpack, x, cos, sin)
+        front = None if fpack is None else attn_front(fpack, x, cos, sin)
         if front is None:
             h, post, comb = ops.hc_pre(x, *block.site_args("attn"))
             q, kv, qr = attn.qkv(h, cos, sin)
@@ -89,7 +93,7 @@ class HostBlockDecoder:
             if index:  # the last projection: the indexer's weights_proj
                 aux["q"] = attn.indexer.queries_from(proj[-1], qr, cos, sin)
         cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self._layer_inputs(attn, plan, lc)
-        native_index = index and len(plan.seqs) <= native.max_m("index")  # the rows index_score takes
+        native_index = index and len(plan.seqs) <= max_m("index")  # the rows index_score takes
         writes = None
         if kv.dtype is not torch.float32 or self._closing_over_limit(crow) \
                 or index and not native_index and closes:  # (the scores below read a closing block's entry)
@@ -100,7 +104,7 @@ class HostBlockDecoder:
         if index and not native_index:  # the indexer's picks in torch: [B, nloc]
             keep = attn.decode_picks(aux["q"], lc, tables, nloc, visible)
         # else, where the indexer selects, attn_decode scores the entries and picks them after the writes
-        return attn_ops.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
+        return attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
                                     writes, keep, (*aux["q"], attn.indexer.topk) if native_index else None)
 
     # -- the MoE half and the MoE FFN ----------------------------------------------------------------------------
@@ -110,15 +114,15 @@ class HostBlockDecoder:
         if pack is None:
             return None
         g = block.ffn.gate
-        return step_ops.ffn_site(pack, x, g.tid2eid[input_ids] if g.hash else None)
+        return ffn_site(pack, x, g.tid2eid[input_ids] if g.hash else None)
 
     def moe_ffn(self, moe: Any, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
         """The MoE FFN after the gate (routed experts + shared expert) of MoE `moe` in one native call (the custom op
-        inside a graph being compiled), or None where moe_ops.moe_ffn declines (counted by reason)."""
+        inside a graph being compiled), or None where moe_ffn declines (counted by reason)."""
         if not self.use_moe or not moe.stacked:
             return None
         routed, shared = self._moe_inputs(moe)
-        return moe_ops.moe_ffn(x, weights, indices, moe.experts[moe.local.start].limit, moe.local.start, routed,
+        return moe_ffn_call(x, weights, indices, moe.experts[moe.local.start].limit, moe.local.start, routed,
                                shared, _none)
 
     # -- what the sites read from the modules --------------------------------------------------------------------
@@ -144,7 +148,7 @@ class HostBlockDecoder:
         def build() -> Any:
             g = moe.gate
             routed, shared = self._moe_inputs(moe)
-            return step_ops.site_pack(block.site_args("ffn"), g.weight, g.topk, g.route_scale,
+            return site_pack(block.site_args("ffn"), g.weight, g.topk, g.route_scale,
                                       None if g.hash else g.bias, g.hash, moe.experts[moe.local.start].limit,
                                       moe.local.start, routed, shared)
 
@@ -157,7 +161,7 @@ class HostBlockDecoder:
             return None
         a = block.attn
         projs = tuple(lin for c in a.compressors() for lin in (c.wkv, c.wgate))
-        return self.packs.get(a, "front.index" if index else "front", lambda: attn_ops.front_pack(
+        return self.packs.get(a, "front.index" if index else "front", lambda: front_pack(
             block.site_args("attn"), a.wq_a, a.q_norm.weight, a.wq_b, a.wkv, a.kv_norm.weight, a.n_heads, a.rd, a.eps,
             projs + (a.indexer.weights_proj,) if index else projs))
 
@@ -167,7 +171,7 @@ class HostBlockDecoder:
             stores = ((lc.cmp_kv, lc.cmp_score, lc.cmp_pool), (lc.idx_kv, lc.idx_score, lc.idx_pool))
             states = [(*st[:2], c.ape, c.norm.weight, st[2], c.ratio, c.eps)
                       for c, st in zip(a.compressors(), stores, strict=False)]
-            return attn_ops.decode_pack(a.attn_sink, a.scale, a.rd, a.wo_a.weight, a.cfg.o_groups, a.wo_b, lc.win_kv,
+            return decode_pack(a.attn_sink, a.scale, a.rd, a.wo_a.weight, a.cfg.o_groups, a.wo_b, lc.win_kv,
                                         lc.cmp_pool if a.ratio else None, tuple(states))
 
         return self.packs.get(a, "decode", build, lc)
@@ -218,7 +222,7 @@ class HostBlockDecoder:
     def _closing_over_limit(crow: tuple) -> bool:
         """Whether a compressor closes more blocks this step than the native pooling takes (max_m("pool")): then
         those blocks pool op by op (Attention.decode_writes)."""
-        pool_max = native.max_m("pool")
+        pool_max = max_m("pool")
         return any(c[2].numel() > pool_max for c in crow)
 
 

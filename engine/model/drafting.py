@@ -20,7 +20,7 @@ from engine.speculative import DraftRequest
 @functools.cache
 def proposer_for(method: Any) -> Proposer | None:
     """The proposer of speculative method `method` (--speculative), None for none."""
-    method = Speculative(str(method))
+    method = Speculative.parse(method, "speculative")
     if method is Speculative.MTP:
         return MTPProposer()
     if method is Speculative.DSPARK:
