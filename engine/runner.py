@@ -16,6 +16,7 @@ from engine.backends import Backend
 from engine.config import EngineConfig, GraphMode
 from engine.envs import get_envs
 from engine.host_memory import place_weights
+from engine.model import drafting
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
 from engine.model.numerics import index_key_format
@@ -86,9 +87,7 @@ class ModelRunner:
                              index_keys=index_key_format(config.model.numerics))
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.keep_hidden = config.spec.enabled
-        from engine.model.drafting import proposer_for
-
-        self.proposer = proposer_for(config.spec.method)
+        self.proposer = drafting.proposer_for(config.spec.method)
         self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
         self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
         self.regions: RegionRunner | None = None
@@ -178,10 +177,9 @@ class ModelRunner:
         if self._last is None:
             raise RuntimeError("draft() before any forward of this runner")
         with self.backend.grad_context(), self.dispatcher.active():
-            from engine.model.drafting import draft_for_requests
-
             steps, hidden, captured = self._last
-            return draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured, list(requests))
+            return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
+                                               list(requests))
 
 
 class DistributedRunner:

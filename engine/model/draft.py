@@ -24,6 +24,8 @@ drafts need no MTP rollback, as long as the next call's catch-up covers precisel
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan
@@ -31,6 +33,7 @@ from engine.model.model import Transformer
 from engine.model.proposer import Proposal, Sampler, greedy
 
 __all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "propose_mtp"]
+
 
 def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
     out, t = [], 0
@@ -115,7 +118,7 @@ class MTPProposer:
         return out
 
 
-def draft_input(request: object, device: torch.device) -> DraftInput:
+def draft_input(request: Any, device: torch.device) -> DraftInput:
     """A DraftRequest's final positions as the draft heads take them."""
     return DraftInput(slot=request.slot, start=request.start, n=request.n,
                       block_table=torch.tensor(request.block_table, dtype=torch.long, device=device))

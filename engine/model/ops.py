@@ -18,7 +18,8 @@ from engine.model.numerics import with_numerics
 from nki_kernels import reference
 from nki_kernels.kernel_ops import KERNEL_OPS, make_ops
 
-__all__ = ["KERNEL_OPS", "REFERENCE", "BlockDecoder", "OpTable", "OpsUser", "make_table", "ops_for", "with_composites"]
+__all__ = ["KERNEL_OPS", "REFERENCE", "BlockDecoder", "OpByOp", "OpTable", "OpsUser", "make_table", "ops_for",
+           "with_composites"]
 
 T = torch.Tensor
 Op = Callable[..., Any]
