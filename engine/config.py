@@ -172,10 +172,10 @@ def resolve_graph_mode(requested: GraphMode | str, backend: Backend) -> GraphMod
 
 def resolve_kernels(requested: Kernels | str, backend: Backend) -> tuple[Kernels, str]:
     """The one place `--kernels auto` is resolved, with the reason (results metadata): the native host kernels
-    (engine/host_kernels: the fastest exact path there) on the host backend where their library builds and loads
-    on this CPU with this compiler (the best build the CPU runs, `host_kernels.build_info()`); the torch reference
-    everywhere else (a device backend, no C compiler, a failed build). A kernel table that is given is kept as it is
-    (the backend checks it: engine/backends `get_backend`)."""
+    (engine/host_kernels: the fastest exact path there) on the host backend where a C compiler is there to build
+    the best variant this CPU runs (`host_kernels.probe`: decided without compiling; the build happens at first
+    use, and a failing one is an error there); the torch reference everywhere else. A kernel table that is given is
+    kept as it is (the backend checks it: engine/backends `get_backend`)."""
     want = Kernels.parse(requested, "kernels")
     if want is not Kernels.AUTO:
         return want, "given"
@@ -184,10 +184,10 @@ def resolve_kernels(requested: Kernels | str, backend: Backend) -> tuple[Kernels
     from engine import host_kernels
 
     try:
-        lib = host_kernels.ensure_loaded()  # builds once per (sources, compiler, CPU), then a cached load
+        variant = host_kernels.probe()
     except host_kernels.HostKernelError as e:
         return Kernels.REFERENCE, f"auto: the native host kernels are unavailable here ({e})"
-    return Kernels.HOST, f"auto: native host kernels, {lib.variant} build: {host_kernels.build_info()['why']}"
+    return Kernels.HOST, f"auto: native host kernels, {variant} build: {host_kernels.build_info()['why']}"
 
 
 def resolve_backend(requested: Backend | str) -> Backend:

@@ -16,6 +16,7 @@ from engine.backends import Backend
 from engine.config import EngineConfig, GraphMode
 from engine.envs import get_envs
 from engine.host_memory import place_weights
+from engine.model import drafting
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
 from engine.model.numerics import index_key_format
@@ -68,7 +69,7 @@ class ModelRunner:
             layer.ffn.capacity = graph.moe_capacity
             layer.ffn.static_moe = str(graph.moe)
             layer.ffn.stack_experts()  # views: no extra memory; lets decode regions gather experts by index
-        kops = getattr(model.ops, "kernel_ops", None)  # a kernel table: its weight layouts made now, not in a graph
+        kops = model.ops.kernel_ops  # a kernel table: its weight layouts made now, not in a graph
         self.kernel_layouts: dict[str, int] = {}
         if kops is not None:
             from engine.model.kernel_weights import prepare
@@ -86,7 +87,8 @@ class ModelRunner:
                              index_keys=index_key_format(config.model.numerics))
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.keep_hidden = config.spec.enabled
-        self.capture = str(config.spec.method) == "dspark"
+        self.proposer = drafting.proposer_for(config.spec.method)
+        self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
         self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
@@ -136,10 +138,8 @@ class ModelRunner:
             last = None
         else:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
-            if self.capture:  # DSpark's context: the streams entering its target layers
-                from engine.model.dspark import hidden_and_capture
-
-                x, captured = hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
+            if self.capture:
+                x, captured = self.proposer.hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
             else:
                 x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
             last = [s.token_start + s.n - 1 for s in steps]
@@ -177,10 +177,9 @@ class ModelRunner:
         if self._last is None:
             raise RuntimeError("draft() before any forward of this runner")
         with self.backend.grad_context(), self.dispatcher.active():
-            from engine.model.drafting import draft_for_requests
-
             steps, hidden, captured = self._last
-            return draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured, list(requests))
+            return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
+                                               list(requests))
 
 
 class DistributedRunner:

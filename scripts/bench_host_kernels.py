@@ -55,7 +55,7 @@ SHAPES = {
 }
 REF = {"linear": R.linear, "fp8": R.fp8_linear, "fp4": R.fp4_linear}
 MAX_COPIES = 4096  # weight copies per shape (cold: enough to fill twice the last-level cache; 64 MiB at 32 MiB)
-NAT = {"linear": H.linear_impl, "fp8": H.fp8_linear_impl, "fp4": H.fp4_linear_impl}
+NAT = {"linear": H.gemm.linear_impl, "fp8": H.gemm.fp8_linear_impl, "fp4": H.gemm.fp4_linear_impl}
 
 
 def _fp8_checkpoint(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,6 @@ reference, with the reason recorded (engine/config.py `resolve_kernels`, `Engine
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from deepinfer_bench.bench.golden import GOLDEN_DIR
@@ -21,7 +19,7 @@ def _config(**kw) -> EngineConfig:
 @pytest.fixture
 def builds(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host-kernel library that 'loads' (the avx2 build), whatever this machine's compiler and CPU are."""
-    monkeypatch.setattr(host_kernels, "ensure_loaded", lambda: types.SimpleNamespace(variant="avx2"))
+    monkeypatch.setattr(host_kernels, "probe", lambda: "avx2")
 
 
 @pytest.fixture
@@ -29,7 +27,7 @@ def fails(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail():
         raise host_kernels.HostKernelError("--kernels host: compiling gemv.c with nocc failed: not found")
 
-    monkeypatch.setattr(host_kernels, "ensure_loaded", fail)
+    monkeypatch.setattr(host_kernels, "probe", fail)
 
 
 def test_auto_is_the_default_and_picks_the_host_kernels_where_they_load(builds) -> None:
@@ -38,6 +36,19 @@ def test_auto_is_the_default_and_picks_the_host_kernels_where_they_load(builds) 
     assert config.kernels_why.startswith("auto: native host kernels, avx2 build")
     d = config.to_dict()
     assert (d["kernels"], d["kernels_requested"]) == ("host", "auto") and d["kernels_why"] == config.kernels_why
+
+
+def test_building_the_config_compiles_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolving `--kernels auto` decides the build without compiling or loading it (that is the engine's first
+    use of the kernels), here with the real probe of this machine."""
+    def no_build(*_):
+        raise AssertionError("the config built or loaded the host kernels")
+
+    for name in ("ensure_loaded", "library", "load", "build_variant"):
+        monkeypatch.setattr(host_kernels, name, no_build)
+    monkeypatch.setattr(host_kernels.build, "build", no_build)
+    config = _config()
+    assert config.kernels in (Kernels.HOST, Kernels.REFERENCE) and config.kernels_why.startswith("auto: ")
 
 
 def test_auto_falls_back_to_the_reference_with_the_reason(fails) -> None:

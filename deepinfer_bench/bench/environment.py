@@ -38,12 +38,18 @@ def env_tables() -> tuple[list[tuple[str, pd.DataFrame]], dict[str, str | None]]
 
 
 def _kernels_auto(backend: str) -> str:
-    """What `--kernels auto` (the default) resolves to on DEEPINFER_BACKEND here, and why (builds the host kernels
-    once where the host backend would)."""
+    """What `--kernels auto` (the default) resolves to on DEEPINFER_BACKEND here, and why; builds the host kernels
+    where it resolves to them (loading may step down a build, which the probe then reports)."""
+    from engine import host_kernels
     from engine.config import resolve_backend, resolve_kernels
 
     try:
         kernels, why = resolve_kernels("auto", resolve_backend(backend))
     except ValueError as e:  # a bad DEEPINFER_BACKEND: say so here, the flags table shows the value
         return f"unresolved: {e}"
+    if str(kernels) == "host":  # the config resolves without building: build / load here, as an engine would
+        try:
+            host_kernels.ensure_loaded()
+        except host_kernels.HostKernelError as e:
+            return f"{kernels} ({why}), but its build fails here: {e}"
     return f"{kernels} ({why})"

@@ -1,8 +1,9 @@
 /* The front of the attention of a decode step in one native call, and its attention with the block's attention tail
  * in another (loaded with gemv.c, mhc.c and moe.c as one
- * library by engine/host_kernels/__init__.py; same build flags, no torch headers).
+ * library by engine/host_kernels/build.py; same build flags, no torch headers). The one contract of every
+ * call here: the host table's own kernels in the op-by-op path's order, so that path's numbers bit for bit.
  *
- *   dk_attn_qkv  the op table's `attn_qkv` (engine/model/ops.py; engine/model/attention.py Attention._qkv), fp32:
+ *   dk_attn_qkv  the op table's `attn_qkv` (engine/model/ops.py; engine/model/attention.py Attention.qkv), fp32:
  *                qr [T, Q]    = rms_norm(x @ wq_a^T, q_norm)
  *                q  [T, H, D] = rope_tail(head_rms(qr @ wq_b^T), cos, sin)   (head_rms: rms_norm, no weight)
  *                kv [T, D]    = rope_tail(rms_norm(x @ wkv^T, kv_norm), cos, sin)
@@ -16,7 +17,7 @@
  *   dk_attn_decode  a decode-only step's attention after its state writes, through the block's attention tail
  *                   (engine/model/attention.py Attention._decode's keys, _attend and _out; engine/model/block.py's
  *                   attn_out_expand), fp32, B sequences of one token; with `new_kv` also the step's state writes
- *                   before it (Attention._decode_writes):
+ *                   before it (Attention.decode_writes):
  *                ring[slots[b], ring_rows[b]] = new_kv[b]                                     (write_ring)
  *                st_kv_c[slots[b], row_c[b]] = kv_c[b]; st_score_c[...] = score_c[b] + ape_c[phase_c[b]]
  *                pool_c[entry w of b] = close_block(the block w that row b closes)
@@ -42,8 +43,8 @@
  * Compressor.finish calls them, so the entries are the op-by-op path's bit for bit. Returns 0, -1 when out of
  * memory, -2 for a block id outside the tables, else the first kernel's non-zero code.
  *
- *   dk_attn_front  the front of the attention half of a decode block (engine/model/attention.py
- *                  Attention.decode_native before its state writes), fp32:
+ *   dk_attn_front  the front of the attention half of a decode block (engine/host_kernels/block_decoder.py
+ *                  HostBlockDecoder.attn_half before its state writes), fp32:
  *                h, post, comb = hc_pre(x)          dk_hc_pre (attn_norm)
  *                qr, q, kv     = dk_attn_qkv(h)
  *                proj_i [T, N_i] = h @ W_i^T         the compressors' wkv and wgate (P of them, formats pf[i])
@@ -52,8 +53,8 @@
  * for bit, without three op-table calls and P GEMV wrappers per layer and step. proj: the P outputs one after the
  * other. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
  *
- *   dk_decode_layer  a whole decode layer (engine/model/block.py Block.forward of a decode-only step whose indexer,
- *                    if any, does not select): dk_attn_front, then dk_attn_decode with the state writes (the
+ *   dk_decode_layer  a whole decode layer (engine/host_kernels/block_decoder.py HostBlockDecoder.layer: a
+ *                    decode-only step whose indexer, if any, does not select): dk_attn_front, then dk_attn_decode with the state writes (the
  *                    compressors' kv and score are the front's projections 2c and 2c + 1), then dk_ffn_site, with
  *                    the static arguments of dk_layer (dk.h) and the step's own: x [B, n, dim] -> out; cos / sin
  *                    [B, rd/2]; slots, ring rows [B]; ring_valid [B, wl]; tables [B, nb]; nloc, visible [B];

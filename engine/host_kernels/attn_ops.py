@@ -21,17 +21,10 @@
 ops (~50 us) per call, five calls a layer. `grouped_out_proj` (gemv.c `dk_bf16_grouped_linear`) runs V4's wo_a
 (held as bf16 under `--weights stored`: engine/loader.py) on the bf16 GEMV kernel, one call for every group, where
 the reference widens the weight to fp32 and runs a batched matmul: results differ by fp32 summation order only.
-`attn_qkv_native` (attn.c `dk_attn_qkv`) is the attention's front, engine/model/ops.py `attn_qkv` (three GEMVs, two
-norms, the per-head RMS, two RoPEs), as one native call over the same kernels in the same order: the op-by-op host
-path's numbers bit for bit, without its eight op-table calls per layer.
-`attn_front` (attn.c `dk_attn_front`) is what comes before a decode step's state writes in `Attention.decode_native`:
-the mHC site's front (hc_pre), `attn_qkv_native` and the compressors' wkv / wgate GEMVs, one native call over the
-host table's kernels in its order (bit for bit).
-`attn_decode` (attn.c `dk_attn_decode`) is what follows a decode-only step's state writes in
-engine/model/attention.py (`Attention.decode_native`): the keys' gather from the window ring and the entry pool,
-sparse_attn, the inverse RoPE, wo_a and, from the block, wo_b and the mHC expand, as one native call over the same
-kernels in the same order (bit for bit the op-by-op host path); the attention decides with `attn_decode_takes`
-before it writes any state, so the call itself never declines.
+`attn_qkv_native`, `attn_front` and `attn_decode` are attn.c's `dk_attn_qkv`, `dk_attn_front` and `dk_attn_decode`
+(their contract is stated there: the op-by-op host path's kernels in its order, bit for bit); block_decoder.py
+decides when a step takes the last two, and calls `attn_decode_takes` before it writes any state, so
+`attn_decode` itself never declines.
 Every other case runs the reference, counted by reason (`dispatch.fallbacks()`).
 """
 
@@ -42,7 +35,8 @@ import types
 
 import torch
 
-from engine import host_kernels as hk
+from engine.host_kernels import native, packs
+from engine.host_kernels.packs import Pack
 from nki_kernels import dispatch, reference
 
 
@@ -53,7 +47,7 @@ def rope_tail_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: in
         return reference.rope_tail(x, cos, sin, rd, inverse)
 
     t = x.shape[0] if x.dim() in (2, 3) else 0
-    why = hk._why_not_rows("mhc", t, x, cos, sin)
+    why = native._why_not_rows("mhc", t, x, cos, sin)
     if why is None and (x.dtype is not torch.float32 or cos.dtype is not torch.float32
                         or sin.dtype is not torch.float32):
         why = "dtype"
@@ -65,11 +59,11 @@ def rope_tail_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: in
             why = "shape"
     if why is not None:
         return dispatch.fallback("host.rope_tail", why, ref)
-    hk._count("host.rope_tail")
+    native._count("host.rope_tail")
     xf, cf, sf = x.contiguous(), cos.contiguous(), sin.contiguous()
-    y = torch.empty(*x.shape, dtype=hk.F32)
+    y = torch.empty(*x.shape, dtype=native.F32)
     heads = x.shape[1] if x.dim() == 3 else 1
-    hk._native().lib.dk_rope_tail(xf.data_ptr(), cf.data_ptr(), sf.data_ptr(), y.data_ptr(), t, heads, x.shape[-1],
+    native._native().lib.dk_rope_tail(xf.data_ptr(), cf.data_ptr(), sf.data_ptr(), y.data_ptr(), t, heads, x.shape[-1],
                                   rd, int(bool(inverse)))
     return y
 
@@ -82,25 +76,25 @@ def grouped_out_proj_impl(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> t
     if o.dim() != 2 or wo_a.dim() != 2 or groups <= 0 or o.shape[1] % groups or wo_a.shape[0] % groups \
             or wo_a.shape[1] * groups != o.shape[1]:
         return ref()  # the reference's behaviour (or error) for odd shapes
-    why = hk._why_not("linear", o, wo_a)
+    why = native._why_not("linear", o, wo_a)
     if why is None and (o.dtype is not torch.float32 or wo_a.dtype is not torch.bfloat16):
         why = "dtype"
     if why is not None:
         return dispatch.fallback("host.grouped_out_proj", why, ref)
-    hk._count("host.grouped_out_proj")
+    native._count("host.grouped_out_proj")
     t, g = o.shape[0], groups
     of, w = o.contiguous(), wo_a.contiguous()
-    y = torch.empty(t, wo_a.shape[0], dtype=hk.F32)
-    rc = hk._native().lib.dk_bf16_grouped_linear(of.data_ptr(), w.data_ptr(), y.data_ptr(), t, g, wo_a.shape[0] // g,
-                                                 wo_a.shape[1], torch.get_num_threads())
+    y = torch.empty(t, wo_a.shape[0], dtype=native.F32)
+    rc = native._native().lib.dk_bf16_grouped_linear(of.data_ptr(), w.data_ptr(), y.data_ptr(), t, g,
+                                                     wo_a.shape[0] // g, wo_a.shape[1], torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"host kernel grouped_out_proj: out of memory for o [{t}, {o.shape[1]}]")
     return y
 
 
-rope_tail = hk._native_op("rope_tail", rope_tail_impl,
+rope_tail = native._native_op("rope_tail", rope_tail_impl,
                           lambda x, cos, sin, rd, inverse=False: torch.empty_like(x))
-grouped_out_proj = hk._native_op("grouped_out_proj", grouped_out_proj_impl,
+grouped_out_proj = native._native_op("grouped_out_proj", grouped_out_proj_impl,
                                  lambda o, wo_a, groups: o.new_empty(o.shape[0], wo_a.shape[0]))
 
 
@@ -110,12 +104,12 @@ def _gemm_args(lin: torch.nn.Module) -> tuple[int, int, int, str] | None:
     if fmt is None:
         if w.dtype is not torch.bfloat16 or not w.is_contiguous() or not w.is_cpu:
             return None
-        return hk._FMT_CODE[None], w.data_ptr(), 0, hk._FMT_KEY[None]
+        return packs._FMT_CODE[None], w.data_ptr(), 0, packs._FMT_KEY[None]
     s = lin.scale
     if w.dtype is not torch.uint8 or s.dtype is not torch.uint8 or not (w.is_contiguous() and s.is_contiguous()) \
             or not (w.is_cpu and s.is_cpu):
         return None
-    return hk._FMT_CODE[fmt], w.data_ptr(), s.data_ptr(), hk._FMT_KEY[fmt]
+    return packs._FMT_CODE[fmt], w.data_ptr(), s.data_ptr(), packs._FMT_KEY[fmt]
 
 
 def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tensor, wq_b: torch.nn.Module,
@@ -125,7 +119,7 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
     CPU inputs, a weight the native GEMVs do not take, more rows than a kernel's max_m, autograd (counted by reason
     under "host.attn_qkv")."""
     t = x.shape[0] if x.dim() == 2 else 0
-    why = hk._why_not_rows("mhc", t, x, q_norm_w, kv_norm_w, cos, sin)
+    why = native._why_not_rows("mhc", t, x, q_norm_w, kv_norm_w, cos, sin)
     if why is None and (x.dtype is not torch.float32 or cos.dtype is not torch.float32
                         or sin.dtype is not torch.float32 or q_norm_w.dtype is not torch.float32
                         or kv_norm_w.dtype is not torch.float32):
@@ -139,17 +133,17 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
                 or tuple(q_norm_w.shape) != (ql,) or tuple(kv_norm_w.shape) != (hd,) or not 0 < rd <= hd or rd % 2 \
                 or tuple(cos.shape) != (t, rd // 2) or tuple(sin.shape) != (t, rd // 2):
             why = "shape"
-        elif t > (limit := min(hk.max_m(a[3]) for a in args)):
+        elif t > (limit := min(native.max_m(a[3]) for a in args)):
             why = f"M > {limit}"
     if why is not None:
         return dispatch.fallback("host.attn_qkv", why, lambda: None)
-    hk._count("host.attn_qkv")
+    native._count("host.attn_qkv")
     xf, qn, kn, cf, sf = x.contiguous(), q_norm_w.contiguous(), kv_norm_w.contiguous(), cos.contiguous(), \
         sin.contiguous()
-    qr, q = torch.empty(t, ql, dtype=hk.F32), torch.empty(t, n_heads, hd, dtype=hk.F32)
-    kv = torch.empty(t, hd, dtype=hk.F32)
+    qr, q = torch.empty(t, ql, dtype=native.F32), torch.empty(t, n_heads, hd, dtype=native.F32)
+    kv = torch.empty(t, hd, dtype=native.F32)
     (fa, wa, sa, _), (fb, wb, sb, _), (fk, wk, sk, _) = args
-    rc = hk._native().lib.dk_attn_qkv(xf.data_ptr(), t, dim, fa, wa, sa, qn.data_ptr(), ql, fb, wb, sb, n_heads, hd,
+    rc = native._native().lib.dk_attn_qkv(xf.data_ptr(), t, dim, fa, wa, sa, qn.data_ptr(), ql, fb, wb, sb, n_heads, hd,
                                       fk, wk, sk, kn.data_ptr(), cf.data_ptr(), sf.data_ptr(), rd, eps, qr.data_ptr(),
                                       q.data_ptr(), kv.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -162,27 +156,27 @@ _FRONT_KEYS = ("host.attn_front", "host.hc_mixes", "host.hc_collapse", "host.rms
 
 def front_pack(site: tuple, wq_a: torch.nn.Module, q_norm_w: torch.Tensor, wq_b: torch.nn.Module,
                wkv: torch.nn.Module, kv_norm_w: torch.Tensor, n_heads: int, rd: int, eps: float,
-               projs: tuple[torch.nn.Module, ...]) -> hk.Pack:
+               projs: tuple[torch.nn.Module, ...]) -> Pack:
     """`attn_front`'s pack for one layer: `site` the mHC site's hc_pre arguments after x (fn, scale, base, norm
     weight, hc_mult, iterations, hc_eps, norm_eps), then attn_qkv's and the projections' (Linear modules); args None
     where a part would not run natively (a weight the native GEMVs do not take, non-fp32 tensors, odd shapes)."""
     fn, scale, base, norm_w, n, iters, hc_eps, norm_eps = site
     lins = (wq_a, wq_b, wkv, *projs)
-    keep = (fn, scale, base, norm_w, q_norm_w, kv_norm_w, *(t for lin in lins for t in hk.held(lin)))
+    keep = (fn, scale, base, norm_w, q_norm_w, kv_norm_w, *(t for lin in lins for t in packs.held(lin)))
     dim, ql, hd = norm_w.shape[0], wq_a.out_features, wkv.out_features
     args = [_gemm_args(lin) for lin in lins]
     ins = (wq_a.in_features, wq_b.in_features, wq_b.out_features, wkv.in_features)
-    if not hk.fp32_cpu(fn, scale, base, norm_w, q_norm_w, kv_norm_w) or any(a is None for a in args) \
+    if not packs.fp32_cpu(fn, scale, base, norm_w, q_norm_w, kv_norm_w) or any(a is None for a in args) \
             or not 0 < n <= 16 or tuple(fn.shape) != ((2 + n) * n, n * dim) or scale.numel() < 3 \
             or base.numel() != (2 + n) * n or ins != (dim, ql, n_heads * hd, dim) \
             or tuple(q_norm_w.shape) != (ql,) or tuple(kv_norm_w.shape) != (hd,) or not 0 < rd <= hd or rd % 2 \
             or any(p.in_features != dim for p in projs):
-        return hk.Pack(None, keep)
+        return Pack(None, keep)
     k, widths = len(projs), [p.out_features for p in projs]
     (fa, wa, sa, _), (fb, wb, sb, _), (fk, wk, sk, _) = args[:3]
-    return hk.Pack(types.SimpleNamespace(
+    return Pack(types.SimpleNamespace(
         n=n, dim=dim, ql=ql, hd=hd, heads=n_heads, rd=rd, widths=widths, limit_keys=("mhc", *(a[3] for a in args)),
-        keys=tuple((k, hk.EXECUTOR) for k in (*_FRONT_KEYS, *(f"host.{a[3]}" for a in args[3:]))),
+        keys=tuple((k, native.EXECUTOR) for k in (*_FRONT_KEYS, *(f"host.{a[3]}" for a in args[3:]))),
         head=(fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters, hc_eps, norm_eps, norm_w.data_ptr(), fa, wa,
               sa, q_norm_w.data_ptr(), ql, fb, wb, sb, n_heads, hd, fk, wk, sk, kv_norm_w.data_ptr()),
         tail=(rd, eps, k, (ctypes.c_int * max(1, k))(*[a[0] for a in args[3:]]),
@@ -191,21 +185,22 @@ def front_pack(site: tuple, wq_a: torch.nn.Module, q_norm_w: torch.Tensor, wq_b:
         keep)
 
 
-def attn_front(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+def attn_front(pack: Pack, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """attn.c `dk_attn_front` (module docstring) with `front_pack`'s static arguments: x the residual streams
     [T, n, dim], cos / sin [T, rd/2] -> (post, comb, q, kv, qr, *one output per projection), or None where a part
     would not run natively (nothing counted: the caller runs them one by one)."""
     a = pack.args
-    t = None if a is None else hk.step_rows(a, x, cos, sin)
+    t = None if a is None else packs.step_rows(a, x, cos, sin)
     if t is None:
         return None
-    hk._count_each(a.keys)
+    native._count_each(a.keys)
     n = a.n
-    post, comb = torch.empty(t, n, dtype=hk.F32), torch.empty(t, n, n, dtype=hk.F32)
-    qr, q, kv = torch.empty(t, a.ql, dtype=hk.F32), torch.empty(t, a.heads, a.hd, dtype=hk.F32), \
-        torch.empty(t, a.hd, dtype=hk.F32)
-    proj = torch.empty(t * sum(a.widths), dtype=hk.F32)
-    rc = hk._native().lib.dk_attn_front(x.data_ptr(), t, n, a.dim, *a.head, cos.data_ptr(), sin.data_ptr(), *a.tail,
+    post, comb = torch.empty(t, n, dtype=native.F32), torch.empty(t, n, n, dtype=native.F32)
+    qr, q, kv = torch.empty(t, a.ql, dtype=native.F32), torch.empty(t, a.heads, a.hd, dtype=native.F32), \
+        torch.empty(t, a.hd, dtype=native.F32)
+    proj = torch.empty(t * sum(a.widths), dtype=native.F32)
+    rc = native._native().lib.dk_attn_front(x.data_ptr(), t, n, a.dim, *a.head, cos.data_ptr(), sin.data_ptr(), *a.tail,
                                         post.data_ptr(), comb.data_ptr(), qr.data_ptr(), q.data_ptr(), kv.data_ptr(),
                                         proj.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -218,31 +213,31 @@ def attn_front(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 _DECODE_KEYS = ("host.attn_decode", "host.sparse_attn", "host.rope_tail", "host.grouped_out_proj", "host.hc_expand")
-_SELECT_KEY = (("host.attn_decode.select", hk.EXECUTOR),)  # attn_decode over the indexer's picks
-CLOSE_KEY = (("host.attn_decode.close", hk.EXECUTOR),)  # attn_decode pooling the blocks that close
+_SELECT_KEY = (("host.attn_decode.select", native.EXECUTOR),)  # attn_decode over the indexer's picks
+CLOSE_KEY = (("host.attn_decode.close", native.EXECUTOR),)  # attn_decode pooling the blocks that close
 
 
 def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, groups: int, wo_b: torch.nn.Module,
-                win_kv: torch.Tensor, cmp_pool: torch.Tensor | None, states: tuple[tuple, ...]) -> hk.Pack:
+                win_kv: torch.Tensor, cmp_pool: torch.Tensor | None, states: tuple[tuple, ...]) -> Pack:
     """`attn_decode`'s pack for one layer and its cache: the sink, wo_a (bf16) and wo_b, the window ring [S, wl, D]
     and the entry pool [NB, epb, D] (None: no compressor), and per compressor (the state writes and the closing
     blocks' pooling `attn_decode` can make) its state kv and score [S, rows, W], ape [m, W], its norm's weight [d],
     its entry pool [NB, epb, d], its ratio m and its norm's eps; the tensors fp32 CPU as --kv-cache-dtype auto holds
     them; args None where the kernels do not take them."""
     tensors = tuple(t for st in states for t in st[:5])
-    keep = (sink, wo_a, win_kv, cmp_pool, *hk.held(wo_b), *tensors)
+    keep = (sink, wo_a, win_kv, cmp_pool, *packs.held(wo_b), *tensors)
     gb = _gemm_args(wo_b)
-    if gb is None or not hk.fp32_cpu(sink, win_kv, *tensors) or cmp_pool is not None \
-            and not hk.fp32_cpu(cmp_pool) or wo_a.dtype is not torch.bfloat16 or not wo_a.is_contiguous() \
+    if gb is None or not packs.fp32_cpu(sink, win_kv, *tensors) or cmp_pool is not None \
+            and not packs.fp32_cpu(cmp_pool) or wo_a.dtype is not torch.bfloat16 or not wo_a.is_contiguous() \
             or wo_a.shape[0] % groups or wo_b.in_features != wo_a.shape[0] \
             or any(st[3].shape != st[4].shape[2:] or st[0].shape[2] not in (st[4].shape[2], 2 * st[4].shape[2])
-                   or st[2].shape[0] != st[5] or st[5] * st[0].shape[2] // st[4].shape[2] > hk._native().pool_slots
+                   or st[2].shape[0] != st[5] or st[5] * st[0].shape[2] // st[4].shape[2] > native._native().pool_slots
                    for st in states):
-        return hk.Pack(None, keep)
+        return Pack(None, keep)
     h, d = sink.shape[0], win_kv.shape[2]
     if wo_a.shape[1] * groups != h * d:
-        return hk.Pack(None, keep)
-    return hk.Pack(types.SimpleNamespace(
+        return Pack(None, keep)
+    return Pack(types.SimpleNamespace(
         h=h, d=d, wl=win_kv.shape[1], ring=win_kv.data_ptr(), sink=sink.data_ptr(), scale=scale, rd=rd,
         pool=cmp_pool.data_ptr() if cmp_pool is not None else None,
         epb=cmp_pool.shape[1] if cmp_pool is not None else 1,
@@ -251,7 +246,7 @@ def decode_pack(sink: torch.Tensor, scale: float, rd: int, wo_a: torch.Tensor, g
                  norm_w.data_ptr(), pool.data_ptr(), pool.shape[1], m, pool.shape[2], eps)
                 for st_kv, st_score, ape, norm_w, pool, m, eps in states],
         limit_keys=("mhc", "sparse_attn", "linear", gb[3]),
-        keys=tuple((k, hk.EXECUTOR) for k in (*_DECODE_KEYS, f"host.{gb[3]}"))), keep)
+        keys=tuple((k, native.EXECUTOR) for k in (*_DECODE_KEYS, f"host.{gb[3]}"))), keep)
 
 
 def comp_args(states: list[tuple], kv: list[int], score: list[int], step: list[list[int]],
@@ -267,19 +262,19 @@ def comp_args(states: list[tuple], kv: list[int], score: list[int], step: list[l
     return cptr, cdim, (ctypes.c_float * max(1, n))(*[st[10] for st in states])
 
 
-def attn_decode_takes(pack: hk.Pack, b: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def attn_decode_takes(pack: Pack, b: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `attn_decode` takes a decode-only step of b sequences with residual streams x [B, n, dim] and RoPE
     tables cos / sin [B, rd/2]: the pack has arguments (`decode_pack`), x, cos and sin are fp32 (then so are the
     front's outputs), b within every kernel's max_m."""
     a = pack.args
     if a is None:
         return False
-    limit = min(hk.max_m(k) for k in a.limit_keys)
-    return hk.rows_ok(x, (b, x.shape[1] if x.dim() == 3 else 0, a.wo[-1]), limit) \
-        and hk.rows_ok(cos, (b, a.rd // 2), limit) and hk.rows_ok(sin, (b, a.rd // 2), limit)
+    limit = min(native.max_m(k) for k in a.limit_keys)
+    return packs.rows_ok(x, (b, x.shape[1] if x.dim() == 3 else 0, a.wo[-1]), limit) \
+        and packs.rows_ok(cos, (b, a.rd // 2), limit) and packs.rows_ok(sin, (b, a.rd // 2), limit)
 
 
-def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor,
+def attn_decode(pack: Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor,
                 nloc: int, visible: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
                 post: torch.Tensor, comb: torch.Tensor, writes: tuple | None = None,
                 keep: torch.Tensor | None = None, index: tuple | None = None) -> torch.Tensor:
@@ -297,7 +292,7 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
     Attention._entries and _select do; the host table's `index_score` is the same routine)."""
     a = pack.args
     b = q.shape[0]
-    hk._count_each(a.keys if keep is None and index is None else a.keys + _SELECT_KEY)
+    native._count_each(a.keys if keep is None and index is None else a.keys + _SELECT_KEY)
     kp = keep.contiguous() if keep is not None and nloc else None
     if kp is not None and (kp.dtype is not torch.bool or tuple(kp.shape) != (b, nloc)):
         raise ValueError(f"attn_decode: keep must be bool [{b}, {nloc}], got {kp.dtype} {tuple(kp.shape)}")
@@ -316,7 +311,7 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
     qf, sl, rv, tb = q.contiguous(), slots.contiguous(), ring_valid.contiguous(), tables.contiguous()
     vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
     n, dim = x.shape[1], x.shape[2]
-    out = torch.empty(b, n, dim, dtype=hk.F32)
+    out = torch.empty(b, n, dim, dtype=native.F32)
     new_kv = ring_rows = cptr = cdim = ceps = None
     n_comp = 0
     if writes is not None:
@@ -327,8 +322,8 @@ def attn_decode(pack: hk.Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid:
         cptr, cdim, ceps = comp_args(a.states, [c[0].data_ptr() for c in dyn], [c[1].data_ptr() for c in dyn],
                                      [[u.data_ptr() for u in c[2:]] for c in dyn], closing)
         if any(closing):
-            hk._count_each(CLOSE_KEY)
-    rc = hk._native().lib.dk_attn_decode(
+            native._count_each(CLOSE_KEY)
+    rc = native._native().lib.dk_attn_decode(
         qf.data_ptr(), b, a.h, a.d, a.ring, a.wl, sl.data_ptr(), rv.data_ptr(), a.pool if nloc else None, a.epb,
         tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None,
         kp.data_ptr() if kp is not None else None, iqt.data_ptr() if iqt is not None else None,

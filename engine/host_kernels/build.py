@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from engine.host_kernels.abi import layout_mismatch
+
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c", "attn.c", "dk.h",
                                                           "gemv_avx512.h", "gemv_avx2.h"))
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
@@ -199,6 +201,18 @@ def choose(cc: str, cap: str = "auto") -> str:
     return next(name for name in VARIANTS if why_not(name, cc, cap) is None)
 
 
+def probe() -> str:
+    """The variant `library()` would load, decided without compiling anything (the CPU's flags, the compiler's
+    `-march=native` macros and the cap); a HostKernelError where the compiler is missing. A build that then fails
+    fails at first use (`library()`), with the compiler's words."""
+    from engine.envs import get_envs
+
+    cc = get_envs().DEEPINFER_HOST_CC
+    if shutil.which(cc) is None:
+        raise HostKernelError(f"--kernels host: C compiler {cc!r} not found (install gcc or set DEEPINFER_HOST_CC)")
+    return choose(cc, simd_cap())
+
+
 def build_key(cc: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for src in SOURCES:
@@ -336,11 +350,9 @@ class HostLibrary:
                   lib.dk_hc_head, lib.dk_attn_qkv, lib.dk_ffn_site, lib.dk_attn_decode, lib.dk_attn_front,
                   lib.dk_decode_layer, lib.dk_compress_pool, lib.dk_index_score):
             f.restype = i32
-        from engine.host_kernels.layer_ops import layout_mismatch
-
         if (why := layout_mismatch(lib)) is not None:
             raise HostKernelError(f"--kernels host: {path.name}: the decode layer's argument struct differs from "
-                                  f"engine/host_kernels/layer_ops.py DkLayer ({why})")
+                                  f"engine/host_kernels/abi.py DkLayer ({why})")
         self.lib = lib
         self.fp8_decoder = FP8_DECODERS[lib.dk_fp8_decode(-1)]  # the avx2 build chooses here, before any FP8 call
         self.subnormal_cost = float(lib.dk_subnormal_cost())

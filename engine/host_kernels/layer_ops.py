@@ -1,18 +1,7 @@
-"""A whole decode layer in one native call (engine/host_kernels `NATIVE_OPS`: `decode_layer`, `decode_layer_pack`):
-attn.c `dk_decode_layer` runs the layer's three one-call sites in their order - `dk_attn_front` (the attention
-site's mHC front, q / kv, the compressors' projections), `dk_attn_decode` with the step's state writes, and
-`dk_ffn_site` (the MoE half) - from one struct of static arguments (`DkLayer`, the mirror of dk.h's `dk_layer`)
-built from the three sites' packs. The same kernels in the same order as the three calls one by one (and they as
-the ops one by one), so the same numbers bit for bit; what it saves is the Python between them, ~1 ms a layer on a
-Zen-1-class core. engine/model/block.py `Block.forward` takes it on decode-only steps where every part would run
-natively and the layer's indexer does not select (its top-k runs between the attention's two parts).
-
-    op             native when                                                      dispatch key
-    decode_layer   the three sites' packs all have arguments (attn_front_pack,       "host.decode_layer" (+ each
-                   attn_decode_pack, ffn_site_pack), the same mHC settings in both   site's keys)
-                   halves, at most two compressors; x fp32 [B, n, dim] within every
-                   kernel's max_m
-"""
+"""A whole decode layer in one native call: attn.c `dk_decode_layer` runs `dk_attn_front`, `dk_attn_decode` with the
+step's state writes and `dk_ffn_site` from one struct of static arguments (abi.py `DkLayer`) built from the three
+sites' packs; attn.c states the contract (the three calls' kernels in their order: the same numbers bit for bit).
+block_decoder.py decides when a step takes it. Dispatch key "host.decode_layer" (+ each site's keys)."""
 
 from __future__ import annotations
 
@@ -21,58 +10,25 @@ import types
 
 import torch
 
-from engine import host_kernels as hk
-from engine.host_kernels import attn_ops
+from engine.host_kernels import attn_ops, native, packs
+from engine.host_kernels.abi import _F, _I, _P, DkLayer, layout_mismatch  # noqa: F401  (DkLayer's users import here)
+from engine.host_kernels.packs import Pack
 from engine.host_kernels.step_ops import _SITE_COUNTS, hash_ids_fit
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
-
-class DkLayer(ctypes.Structure):
-    """dk.h `dk_layer`, field for field."""
-
-    _fields_ = [  # noqa: RUF012  (ctypes' own class attribute)
-        ("a_fn", _P), ("a_scale", _P), ("a_base", _P), ("iters", _I), ("hc_eps", _F), ("norm_eps", _F),
-        ("a_norm", _P), ("fa", _I), ("wa", _P), ("sa", _P), ("q_norm", _P), ("Q", _I), ("fb", _I), ("wb", _P),
-        ("sb", _P), ("H", _I), ("D", _I), ("fk", _I), ("wk", _P), ("sk", _P), ("kv_norm", _P), ("rd", _I),
-        ("eps", _F), ("scale", _F), ("P", _I), ("pf", _P), ("pw", _P), ("ps", _P), ("pn", _P),
-        ("ring", _P), ("wl", _I), ("pool", _P), ("epb", _I), ("sink", _P), ("wo_a", _P), ("G", _I), ("R", _I),
-        ("fo", _I), ("wo", _P), ("so", _P), ("C", _I), ("states", _P * 10), ("W", _I * 2), ("rows", _I * 2),
-        ("cepb", _I * 2), ("cm", _I * 2), ("cd", _I * 2), ("ceps", _F * 2),
-        ("f_fn", _P), ("f_scale", _P), ("f_base", _P), ("f_norm", _P), ("gate_w", _P), ("E", _I), ("bias", _P),
-        ("K", _I), ("route_scale", _F), ("limit", _F), ("I", _I), ("e_lo", _I), ("e_n", _I), ("fmt_r", _I),
-        ("r", _P), ("fmt_s", _I), ("s", _P), ("n", _I), ("dim", _I)]
-
-
-def layout_mismatch(lib: ctypes.CDLL, struct: type[ctypes.Structure] = DkLayer) -> str | None:
-    """Where `struct` (DkLayer) differs from the library's dk_layer (attn.c dk_layer_layout: its size and every
-    field's offset), else None. The library's loader refuses a library where it does."""
-    fields = struct._fields_
-    out = (ctypes.c_int64 * (len(fields) + 1))()
-    n = lib.dk_layer_layout(out, len(fields) + 1)
-    if n != len(fields):
-        return f"dk_layer has {n} fields, {struct.__name__} {len(fields)}"
-    if out[0] != ctypes.sizeof(struct):
-        return f"sizeof(dk_layer) {out[0]}, ctypes.sizeof({struct.__name__}) {ctypes.sizeof(struct)}"
-    for i, (name, _) in enumerate(fields):
-        if out[i + 1] != getattr(struct, name).offset:
-            return f"field {name}: offset {out[i + 1]} in C, {getattr(struct, name).offset} in {struct.__name__}"
-    return None
-
-
-def layer_pack(front: hk.Pack | None, decode: hk.Pack | None, site: hk.Pack | None) -> hk.Pack:
+def layer_pack(front: Pack | None, decode: Pack | None, site: Pack | None) -> Pack:
     """`decode_layer`'s pack from the layer's three site packs (attn_ops.front_pack, attn_ops.decode_pack,
     step_ops.site_pack; None: the module has none); args None unless each has arguments, both halves share the mHC
     settings and the layer has at most two compressors (the attention's and the indexer's). It holds every tensor
     the three hold, so it is made again when any of them moves."""
-    packs = [p for p in (front, decode, site) if p is not None]
-    held = tuple(t for p in packs for t in p.tensors())
-    if len(packs) < 3:
-        return hk.Pack(None, held)
+    parts = [p for p in (front, decode, site) if p is not None]
+    held = tuple(t for p in parts for t in p.tensors())
+    if len(parts) < 3:
+        return Pack(None, held)
     fa, da, sa = front.args, decode.args, site.args
     if fa is None or da is None or sa is None or len(da.states) > 2 or fa.head[3:6] != sa.head[3:6] \
             or (fa.n, fa.dim) != (sa.n, sa.d) or len(fa.widths) != 2 * len(da.states):
-        return hk.Pack(None, held)
+        return Pack(None, held)
     (fn, scale, base, iters, hc_eps, norm_eps, norm_w, f_a, wa, s_a, q_norm, ql, f_b, wb, s_b, heads, hd, f_k, wk, s_k,
      kv_norm) = fa.head
     rd, eps, k, pf, pw, ps, pn = fa.tail
@@ -93,14 +49,14 @@ def layer_pack(front: hk.Pack | None, decode: hk.Pack | None, site: hk.Pack | No
         per_comp(10, _F), ffn, ffn_scale,
         ffn_base, ffn_norm, gate_w, e, bias, topk, route_scale, limit, inter, e_lo, e_n, fmt_r,
         ctypes.addressof(ptrs_r), fmt_s, ctypes.addressof(ptrs_s) if ptrs_s is not None else None, fa.n, fa.dim)
-    return hk.Pack(types.SimpleNamespace(
+    return Pack(types.SimpleNamespace(
         layer=layer, ref=ctypes.byref(layer), keep=(pf, pw, ps, pn, ptrs_r, ptrs_s), n=fa.n, dim=fa.dim, rd=rd,
         hashed=sa.hashed, topk=topk, e=e, n_comp=len(da.states),
         limit_keys=tuple(sorted({*fa.limit_keys, *da.limit_keys, *sa.limit_keys})),
-        keys=(("host.decode_layer", hk.EXECUTOR), *fa.keys, *da.keys, *_SITE_COUNTS)), held)
+        keys=(("host.decode_layer", native.EXECUTOR), *fa.keys, *da.keys, *_SITE_COUNTS)), held)
 
 
-def decode_layer(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+def decode_layer(pack: Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  ring_rows: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int,
                  visible: torch.Tensor | None, crow: tuple[tuple[torch.Tensor, ...], ...],
                  hash_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -111,20 +67,20 @@ def decode_layer(pack: hk.Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     and phases [B] int64, the rows whose block closes [K] int64, those blocks' ids [K] int64 and RoPE's cos, sin
     [K, rd/2] at their first positions (attn_ops.attn_decode's `writes`); hash_ids [B, K] int64 for a hash layer."""
     a = pack.args
-    b = None if a is None else hk.step_rows(a, x, cos, sin)
+    b = None if a is None else packs.step_rows(a, x, cos, sin)
     if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, hash_ids, b):
         return None
-    hk._count_each(a.keys)
+    native._count_each(a.keys)
     sl, rr, rv, tb = slots.contiguous(), ring_rows.contiguous(), ring_valid.contiguous(), tables.contiguous()
     vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
     rows = [t.contiguous() for c in crow for t in c]  # alive until the call returns
     cptr = (_P * max(1, len(rows)))(*[t.data_ptr() for t in rows])
     ck = (_I * max(1, len(crow)))(*[c[2].numel() for c in crow])
     if any(ck):
-        hk._count_each(attn_ops.CLOSE_KEY)
+        native._count_each(attn_ops.CLOSE_KEY)
     h = hash_ids.contiguous() if hash_ids is not None else None
-    out = torch.empty(b, a.n, a.dim, dtype=hk.F32)
-    rc = hk._native().lib.dk_decode_layer(
+    out = torch.empty(b, a.n, a.dim, dtype=native.F32)
+    rc = native._native().lib.dk_decode_layer(
         a.ref, x.data_ptr(), out.data_ptr(), b, cos.data_ptr(), sin.data_ptr(), sl.data_ptr(), rr.data_ptr(),
         rv.data_ptr(), tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, cptr, ck,
         h.data_ptr() if h is not None else None, torch.get_num_threads())

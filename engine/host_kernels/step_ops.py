@@ -11,10 +11,9 @@ library is the one `engine.host_kernels` loads):
     hc_head               x fp32 [T, n, D], T <= max_m("mhc"), fn [n, n*D], scale [1],   "host.hc_head"
                           base [n] fp32
 
-`ffn_site` (engine/model/block.py `Block.ffn_half`: the MoE half of a decode block, hc_pre + gate + moe_ffn +
-hc_expand) is moe.c `dk_ffn_site`: the same native kernels in the same order as those four ops, so the same numbers
-bit for bit, in one call; it declines (None: the block runs the four ops) wherever one of them would not run
-natively, counting nothing, so the ops themselves then count their own way.
+`ffn_site` is moe.c `dk_ffn_site`, the MoE half of a decode block (hc_pre + gate + moe_ffn + hc_expand) in one
+call with the same kernels in the same order (bit for bit); it declines (None, nothing counted) wherever one of them
+would not run natively. block_decoder.py `HostBlockDecoder.ffn_half` calls it.
 
 `hc_head` (once a step, before the final norm and the head: ~10 torch ops) is mhc.c `dk_hc_head`, hc_mixes' `pre`
 formula over the head's n-row fn followed by dk_hc_collapse: results differ by fp32 summation order and libm's expf.
@@ -36,7 +35,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from engine import host_kernels as hk
+from engine.host_kernels import moe_ops, native, packs
+from engine.host_kernels.packs import Pack
 from nki_kernels import dispatch, reference
 
 
@@ -48,7 +48,7 @@ def gate_impl(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale
         return reference.gate(x, gate_weight, topk, route_scale, bias=bias, hash_ids=hash_ids)
 
     t = x.shape[0] if x.dim() == 2 else 0
-    why = hk._why_not_rows("mhc", t, x, gate_weight, bias, hash_ids)
+    why = native._why_not_rows("mhc", t, x, gate_weight, bias, hash_ids)
     if why is None and (x.dtype is not torch.float32 or gate_weight.dtype not in (torch.bfloat16, torch.float32)
                         or bias is not None and bias.dtype is not torch.float32
                         or hash_ids is not None and hash_ids.dtype is not torch.int64):
@@ -61,19 +61,19 @@ def gate_impl(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale
             why = "shape"
     if why is not None:
         return dispatch.fallback("host.gate", why, ref)
-    hk._count("host.gate")
+    native._count("host.gate")
     xf = x.contiguous()
     if gate_weight.dtype is torch.bfloat16:
-        logits = torch.empty(t, e, dtype=hk.F32)
+        logits = torch.empty(t, e, dtype=native.F32)
         w = gate_weight.contiguous()
-        hk._native().lib.dk_bf16_linear(xf.data_ptr(), w.data_ptr(), logits.data_ptr(), t, e, x.shape[1],
+        native._native().lib.dk_bf16_linear(xf.data_ptr(), w.data_ptr(), logits.data_ptr(), t, e, x.shape[1],
                                         torch.get_num_threads())
     else:
         logits = F.linear(xf, gate_weight).contiguous()
-    weights, indices = torch.empty(t, topk, dtype=hk.F32), torch.empty(t, topk, dtype=torch.int64)
+    weights, indices = torch.empty(t, topk, dtype=native.F32), torch.empty(t, topk, dtype=torch.int64)
     b = bias.contiguous() if bias is not None else None
     h = hash_ids.contiguous() if hash_ids is not None else None
-    rc = hk._native().lib.dk_route(logits.data_ptr(), b.data_ptr() if b is not None else None,
+    rc = native._native().lib.dk_route(logits.data_ptr(), b.data_ptr() if b is not None else None,
                                    h.data_ptr() if h is not None else None, weights.data_ptr(), indices.data_ptr(), t,
                                    e, topk, route_scale)
     if rc == -3:
@@ -83,12 +83,12 @@ def gate_impl(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, route_scale
 
 _SITE_KEYS = ("host.ffn_site", "host.hc_mixes", "host.hc_collapse", "host.rms_norm", "host.gate", "host.moe_ffn",
               "host.hc_expand")
-_SITE_COUNTS = tuple((k, hk.EXECUTOR) for k in _SITE_KEYS)
+_SITE_COUNTS = tuple((k, native.EXECUTOR) for k in _SITE_KEYS)
 
 
 def site_pack(site: tuple, gate_weight: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None,
               hashed: bool, limit: float, e_lo: int, routed: tuple[str | None, tuple[torch.Tensor | None, ...]],
-              shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None) -> hk.Pack:
+              shared: tuple[str | None, tuple[torch.Tensor | None, ...]] | None) -> Pack:
     """`ffn_site`'s pack for one layer: `site` the mHC site's hc_pre arguments after x (fn, scale, base, norm
     weight, hc_mult, iterations, hc_eps, norm_eps), then the router's (`hashed`: a hash layer, ids given per call)
     and moe_ffn's; args None where one of the four ops would not run natively on these tensors."""
@@ -97,22 +97,22 @@ def site_pack(site: tuple, gate_weight: torch.Tensor, topk: int, route_scale: fl
     keep = (fn, scale, base, norm_w, gate_weight, bias, *(u for _, ts in parts for u in ts))
     d = norm_w.shape[0]
     e = gate_weight.shape[0] if gate_weight.dim() == 2 else 0
-    if not hk.fp32_cpu(fn, scale, base, norm_w, *((bias,) if bias is not None else ())) or not 0 < n <= 16 \
+    if not packs.fp32_cpu(fn, scale, base, norm_w, *((bias,) if bias is not None else ())) or not 0 < n <= 16 \
             or tuple(fn.shape) != ((2 + n) * n, n * d) or scale.numel() < 3 \
             or base.numel() != (2 + n) * n or gate_weight.dtype is not torch.bfloat16 or not gate_weight.is_cpu \
             or tuple(gate_weight.shape) != (e, d) or not gate_weight.is_contiguous() or not 0 < topk <= e <= 1024 \
-            or bias is not None and tuple(bias.shape) != (e,) or hk._moe_weights_why_not(0, parts) is not None \
+            or bias is not None and tuple(bias.shape) != (e,) or moe_ops._moe_weights_why_not(0, parts) is not None \
             or any(u is not None and not u.is_cpu for _, ts in parts for u in ts):
-        return hk.Pack(None, keep)
+        return Pack(None, keep)
     fmt_r, rw = routed
     ptrs = [(ctypes.c_void_p * 6)(*[u.data_ptr() if u is not None else None for u in ts]) for _, ts in parts]
-    return hk.Pack(types.SimpleNamespace(
+    return Pack(types.SimpleNamespace(
         n=n, d=d, topk=topk, hashed=hashed, e=e,
-        limit_keys=("mhc", *(hk._FMT_KEY[f] for f, _ in parts)),
+        limit_keys=("mhc", *(packs._FMT_KEY[f] for f, _ in parts)),
         head=(fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters, hc_eps, norm_eps, norm_w.data_ptr(),
               gate_weight.data_ptr(), e, bias.data_ptr() if bias is not None else None),
-        tail=(topk, route_scale, rw[0].shape[1], limit, e_lo, rw[0].shape[0], hk._FMT_CODE[fmt_r], ptrs[0],
-              hk._FMT_CODE[shared[0]] if shared is not None else 0, ptrs[1] if shared is not None else None)), keep)
+        tail=(topk, route_scale, rw[0].shape[1], limit, e_lo, rw[0].shape[0], packs._FMT_CODE[fmt_r], ptrs[0],
+              packs._FMT_CODE[shared[0]] if shared is not None else 0, ptrs[1] if shared is not None else None)), keep)
 
 
 def hash_ids_fit(a: object, hash_ids: torch.Tensor | None, t: int) -> bool:
@@ -123,7 +123,7 @@ def hash_ids_fit(a: object, hash_ids: torch.Tensor | None, t: int) -> bool:
     return a.hashed and hash_ids.dtype is torch.int64 and tuple(hash_ids.shape) == (t, a.topk) and hash_ids.is_cpu
 
 
-def ffn_site(pack: hk.Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def ffn_site(pack: Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """The MoE half of a decode block (`Block.hc_site("ffn")`: ops hc_pre, gate, moe_ffn, hc_expand) as one native
     call (moe.c `dk_ffn_site`) with `site_pack`'s static arguments -> the new residual streams [T, n, D] fp32; None
     where any of the four would not run natively (nothing counted: the caller runs them one by one). x [T, n, D];
@@ -132,14 +132,14 @@ def ffn_site(pack: hk.Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = Non
     if a is None:
         return None
     t = x.shape[0] if x.dim() == 3 else 0
-    if not hk.rows_ok(x, (t, a.n, a.d), min(hk.max_m(k) for k in a.limit_keys)):
+    if not packs.rows_ok(x, (t, a.n, a.d), min(native.max_m(k) for k in a.limit_keys)):
         return None
     if not hash_ids_fit(a, hash_ids, t):
         return None
-    hk._count_each(_SITE_COUNTS)
+    native._count_each(_SITE_COUNTS)
     h = hash_ids.contiguous() if hash_ids is not None else None
-    out = torch.empty(t, a.n, a.d, dtype=hk.F32)
-    rc = hk._native().lib.dk_ffn_site(x.data_ptr(), t, a.n, a.d, *a.head, h.data_ptr() if h is not None else None,
+    out = torch.empty(t, a.n, a.d, dtype=native.F32)
+    rc = native._native().lib.dk_ffn_site(x.data_ptr(), t, a.n, a.d, *a.head, h.data_ptr() if h is not None else None,
                                       *a.tail, out.data_ptr(), torch.get_num_threads())
     if rc == -3:
         raise ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})")
@@ -152,7 +152,7 @@ def _fake(x: torch.Tensor, gate_weight: torch.Tensor, topk: int, *_: object) -> 
     return x.new_empty(x.shape[0], topk, dtype=torch.float32), x.new_empty(x.shape[0], topk, dtype=torch.int64)
 
 
-gate = hk._native_op("gate", gate_impl, _fake)
+gate = native._native_op("gate", gate_impl, _fake)
 
 
 def hc_head_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
@@ -161,7 +161,7 @@ def hc_head_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     def ref():
         return reference.hc_head(x, fn, scale, base, hc_eps, norm_eps)
 
-    why = hk._why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, fn, scale, base)
+    why = native._why_not_rows("mhc", x.shape[0] if x.dim() else 0, x, fn, scale, base)
     if why is None and (x.dtype is not torch.float32 or fn.dtype is not torch.float32
                         or scale.dtype is not torch.float32 or base.dtype is not torch.float32):
         why = "dtype"
@@ -171,15 +171,15 @@ def hc_head_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         why = "shape"
     if why is not None:
         return dispatch.fallback("host.hc_head", why, ref)
-    hk._count("host.hc_head")
+    native._count("host.hc_head")
     t, n, d = x.shape
     xf, ff, sf, bf = x.contiguous(), fn.contiguous(), scale.contiguous(), base.contiguous()
-    y = torch.empty(t, d, dtype=hk.F32)
-    if hk._native().lib.dk_hc_head(xf.data_ptr(), ff.data_ptr(), sf.data_ptr(), bf.data_ptr(), y.data_ptr(), t, n, d,
-                                   hc_eps, norm_eps, torch.get_num_threads()) == -1:
+    y = torch.empty(t, d, dtype=native.F32)
+    if native._native().lib.dk_hc_head(xf.data_ptr(), ff.data_ptr(), sf.data_ptr(), bf.data_ptr(), y.data_ptr(), t, n,
+                                       d, hc_eps, norm_eps, torch.get_num_threads()) == -1:
         raise MemoryError(f"host kernel hc_head: out of memory for x [{t}, {n}, {d}]")
     return y
 
 
-hc_head = hk._native_op("hc_head", hc_head_impl,
+hc_head = native._native_op("hc_head", hc_head_impl,
                         lambda x, fn, scale, base, hc_eps, norm_eps: x.new_empty(x.shape[0], x.shape[2]))

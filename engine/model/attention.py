@@ -36,10 +36,6 @@ def global_topk(cands: torch.Tensor, k: int, bitcast: bool = True) -> torch.Tens
     return gid.gather(-1, top).masked_fill(pad.gather(-1, top), -1).long()
 
 
-_NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
-             torch.empty(0, 1))  # a compressor's closing blocks on a step where none closes (`layer_inputs`)
-
-
 def _picked(scores: torch.Tensor, pick: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The entries `index_topk`'s `pick` (order, valid) keeps, as a mask shaped like `scores` [B, T, E]."""
     return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, pick[0], pick[1])
@@ -125,13 +121,13 @@ class Attention(OpsUser, nn.Module):
     def _rope_tail(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.ops.rope_tail(x, cos, sin, self.rd, inverse)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, dim] -> q [T, H, D], kv [T, D], qr [T, q_lora]."""
         q, kv, qr = self.ops.attn_qkv(x, self.wq_a, self.q_norm.weight, self.wq_b, self.wkv, self.kv_norm.weight,
                                       cos, sin, self.n_heads, self.rd, self.eps)
         return q, self.ops.kv_quant(kv, self.rd), qr  # kv [T, D] (numerics: FP8 non-RoPE dims)
 
-    def _aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              index: bool = True) -> dict:
         """Compressor projections ("c", "i") and indexer queries/weights ("q") of all tokens (`index` False: no
         queries, see `index_needed`)."""
@@ -161,9 +157,9 @@ class Attention(OpsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: LayerCache) -> torch.Tensor:
         """x [T, dim] (attn_norm applied) -> [T, G*o_lora] (before wo_b)."""
-        cos, sin = self._cos_sin(plan)  # [T, rd/2]
-        q, kv, qr = self._qkv(x, cos, sin)
-        aux = self._aux(x, qr, cos, sin, self.selects(plan))
+        cos, sin = self.cos_sin(plan)  # [T, rd/2]
+        q, kv, qr = self.qkv(x, cos, sin)
+        aux = self.aux(x, qr, cos, sin, self.selects(plan))
         groups = []
         if plan.dec_tokens is not None:
             groups.append(self._decode(q, kv, aux, plan, cache))
@@ -296,8 +292,8 @@ class Attention(OpsUser, nn.Module):
         (before wo_b).
         `split(stage)` marks stage boundaries (a no-op unless region timing is on)."""
         cos, sin = self.rope.cos_sin(pos)  # [B, rd/2]
-        q, kv, qr = self._qkv(x, cos, sin)
-        aux = self._aux(x, qr, cos, sin)
+        q, kv, qr = self.qkv(x, cos, sin)
+        aux = self.aux(x, qr, cos, sin)
         cp, wl = self.cp, cache.win_kv.shape[1]
         own = self._owned(pos)
         write_ring(cache.win_store, torch.where(own, slots, cache.win_kv.shape[0] - 1), (pos // cp) % wl, kv)
@@ -361,7 +357,7 @@ class Attention(OpsUser, nn.Module):
 
     # -- many sequences, one token each ----------------------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _Group:
-        ix = self._decode_writes(kv, aux, plan, cache)
+        ix = self.decode_writes(kv, aux, plan, cache)
         keys = ring_keys(cache.win_store, plan.dec_slots)  # [B, wl, D]
         g = _Group(rows=slice(None) if ix.all_rows else plan.dec_tokens, q=ix.pick(q)[:, None], keys=keys,
                    valid=ix.valid)
@@ -369,174 +365,54 @@ class Attention(OpsUser, nn.Module):
             aux_q = None
             if self.indexer is not None and "q" in aux:
                 aux_q = (ix.pick(aux["q"][0])[:, None], ix.pick(aux["q"][1])[:, None])
-            visible, ids = self._step_entries(plan)
+            visible, ids = self.step_entries(plan)
             self._entries(g, cache, plan.dec_tables, visible, aux_q, ids)
         return g
 
-    def _decode_writes(self, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _DecodeIndex:
+    def decode_writes(self, kv: torch.Tensor, aux: dict, plan: StepPlan, cache: LayerCache) -> _DecodeIndex:
         """The decode group's state writes (its kv into the window ring; each compressor's projections into its
         state, closing blocks pooled into entries) -> the step's `_DecodeIndex`."""
         slots = plan.dec_slots
-        ix = self._decode_ix(plan, cache)
+        ix = self.decode_ix(plan, cache)
         w_slots, w_rows, w_tok = ix.ring_write
         write_ring(cache.win_store, w_slots, w_rows, kv if w_tok is None else kv[w_tok])
         if self.ratio:
-            self.compressor.decode(*(ix.pick(t) for t in aux["c"]), slots, self._cmp_index(plan, cache.cmp_kv),
+            self.compressor.decode(*(ix.pick(t) for t in aux["c"]), slots, self.cmp_index(plan, cache.cmp_kv),
                                    cache.cmp_kv, cache.cmp_score, cache.cmp_store, cache.dtype)
             if self.indexer is not None:
                 ic = self.indexer.compressor
-                ic.decode(*(ix.pick(t) for t in aux["i"]), slots, self._cmp_index(plan, cache.idx_kv, ic),
+                ic.decode(*(ix.pick(t) for t in aux["i"]), slots, self.cmp_index(plan, cache.idx_kv, ic),
                           cache.idx_kv, cache.idx_score, cache.idx_store, cache.dtype)
         return ix
 
-    def _decode_ix(self, plan: StepPlan, cache: LayerCache) -> _DecodeIndex:
+    def decode_ix(self, plan: StepPlan, cache: LayerCache) -> _DecodeIndex:
         wl = cache.win_kv.shape[1]
         return plan.shared(("decode", wl, self.win, self.rank, self.cp), lambda: self._decode_index(plan, wl))
 
-    # -- the op table's native decode (the host's attn_front and attn_decode) ------------------------------------------
-    def _comps(self) -> list[Compressor]:
+    def compressors(self) -> list[Compressor]:
         """The layer's compressors: the attention's, then the indexer's."""
         comps = [self.compressor] if self.ratio else []
         return comps + [self.indexer.compressor] if self.indexer is not None else comps
-
-    def decode_pack(self, cache: LayerCache) -> object:
-        """This layer's pack of the op table's `attn_decode` for `cache` (the table's `native_pack`: made once)."""
-        def build() -> object:
-            stores = ((cache.cmp_kv, cache.cmp_score, cache.cmp_pool), (cache.idx_kv, cache.idx_score, cache.idx_pool))
-            states = [(*st[:2], c.ape, c.norm.weight, st[2], c.ratio, c.eps)
-                      for c, st in zip(self._comps(), stores, strict=False)]
-            return self.ops.attn_decode_pack(self.attn_sink, self.scale, self.rd, self.wo_a.weight, self.cfg.o_groups,
-                                             self.wo_b, cache.win_kv, cache.cmp_pool if self.ratio else None,
-                                             tuple(states))
-
-        return self.ops.native_pack(self, "decode", build, cache)
-
-    def decodes_natively(self, plan: StepPlan, cache: LayerCache) -> bool:
-        """Whether this step is one the op table's native decode (`attn_decode`, `decode_layer`) may take, by the
-        plan and the cache alone: the table has `attn_decode`, a decode-only step whose group is every row, one
-        rank, eager, and the window ring and the entries held as values (--kv-cache-dtype auto). A step where the
-        indexer selects (`selects`) takes `attn_decode` over its picks, not `decode_layer`."""
-        return getattr(self.ops, "attn_decode_takes", None) is not None and self.par is None and not plan.prefill \
-            and plan.dec_tokens is not None and not torch.compiler.is_compiling() \
-            and cache.win_store.fmt == "auto" and not (self.ratio and cache.cmp_store.fmt != "auto") \
-            and self._decode_ix(plan, cache).all_rows
 
     def selects(self, plan: StepPlan) -> bool:
         """Whether the indexer's top-k drops entries in this step (`index_needed` at the step's last position)."""
         return self.index_needed(max(s.start + s.n - 1 for s in plan.seqs))
 
-    def native_decode(self, plan: StepPlan, cache: LayerCache, x: torch.Tensor) -> object | None:
-        """The op table's `attn_decode` pack of this layer (`attn_decode_pack`) when `decode_native` runs this step
-        (`decodes_natively`, and `attn_decode_takes` takes this layer's tensors and x, the block's residual
-        streams), else None. Decided before any state is written."""
-        if not self.decodes_natively(plan, cache):
-            return None
-        pack = self.decode_pack(cache)
-        cos, sin = self._cos_sin(plan)
-        return pack if self.ops.attn_decode_takes(pack, len(plan.seqs), x, cos, sin) else None
+    def decode_picks(self, aux_q: tuple[torch.Tensor, torch.Tensor], cache: LayerCache, tables: torch.Tensor,
+                     nloc: int, visible: torch.Tensor) -> torch.Tensor:
+        """The indexer's picks among a decode group's `nloc` entries, [B, nloc] bool: `_entries` and `_select` of
+        one rank for indexer queries aux_q ([B, Hi, Di], [B, Hi]) over the entries of `tables` [B, nb]."""
+        ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
+        scores = self.ops.index_score(aux_q[0][:, None], ikeys, aux_q[1][:, None])  # [B, 1, E]
+        return _picked(scores, index_topk(scores, visible, self.indexer.topk, self.caps.bitcast))[:, 0]
 
-    def decode_native(self, x: torch.Tensor, site: Callable[[], tuple], plan: StepPlan, cache: LayerCache,
-                      pack: object) -> torch.Tensor:
-        """The block's attention half of a step `native_decode` allows (`pack`: what it returned): the mHC site's
-        front, `forward`'s and the block's attention tail (wo_b, the mHC expand). x: the residual streams
-        [B, n, dim]; `site()`: the rest of `ops.hc_pre`'s arguments (Block.site_args) -> the new streams. The front
-        is the op table's `attn_front` (one native call: hc_pre, attn_qkv and the compressors' projections, with the
-        indexer's weights_proj where it selects) where it takes it, else those ops one by one; then the state writes
-        `_decode` makes (inside `attn_decode`, closing blocks pooled there too); where the indexer selects
-        (`selects`), its queries; then `attn_decode` (one native call: the indexer's scores and top-k as `_entries`
-        and `_select` make them, the keys' gather, sparse_attn over the picks, inverse RoPE, wo_a, wo_b,
-        hc_expand)."""
-        cos, sin = self._cos_sin(plan)  # [B, rd/2]
-        index = self.selects(plan)
-        fpack = self.front_pack(site, index)
-        front = None if fpack is None else self.ops.attn_front(fpack, x, cos, sin)
-        if front is None:
-            h, post, comb = self.ops.hc_pre(x, *site())
-            q, kv, qr = self._qkv(h, cos, sin)
-            aux = self._aux(h, qr, cos, sin, index=index)
-        else:
-            post, comb, q, kv, qr, *proj = front
-            kv = self.ops.kv_quant(kv, self.rd)  # as `_qkv` (numerics: FP8 non-RoPE dims)
-            aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
-            if index:  # the last projection: the indexer's weights_proj
-                aux["q"] = self.indexer.queries_from(proj[-1], qr, cos, sin)
-        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self.layer_inputs(plan, cache)
-        native_index = index and len(plan.seqs) <= self.ops.decode_limits()[1]  # the rows index_score takes
-        writes = None
-        if kv.dtype is not torch.float32 or self.closing_over_limit(crow) \
-                or index and not native_index and closes:  # (the scores below read a closing block's entry)
-            self._decode_writes(kv, aux, plan, cache)
-        else:  # `_decode_writes` as data, for attn_decode to make natively (the same rows and values)
-            writes = (kv, ring_rows, *((*aux[key], *c) for key, c in zip(("c", "i"), crow, strict=False)))
-        keep = None
-        if index and not native_index:  # `_entries` and `_select` of the decode group: the picks [B, nloc]
-            ikeys = gather_entries(cache.idx_store, tables, nloc)  # [B, E, Di]
-            scores = self.ops.index_score(aux["q"][0][:, None], ikeys, aux["q"][1][:, None])  # [B, 1, E]
-            keep = _picked(scores, index_topk(scores, visible, self.indexer.topk, self.caps.bitcast))[:, 0]
-        # else, where the indexer selects, attn_decode scores the entries and picks them after the writes (the
-        # table's index_score routine, index_topk's order)
-        return self.ops.attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
-                                    writes, keep, (*aux["q"], self.indexer.topk) if native_index else None)
-
-    def front_pack(self, site: Callable[[], tuple], index: bool = False) -> object | None:
-        """This layer's pack of the op table's `attn_front` (made once; `site()`: the attention site's hc_pre
-        arguments after x; `index`: with the indexer's weights_proj after the compressors' projections, for the
-        steps where it selects), or None where the table has no such op."""
-        make = getattr(self.ops, "attn_front_pack", None)
-        if make is None:
-            return None
-        projs = tuple(lin for c in self._comps() for lin in (c.wkv, c.wgate))
-        return self.ops.native_pack(self, "front.index" if index else "front", lambda: make(
-            site(), self.wq_a, self.q_norm.weight, self.wq_b, self.wkv, self.kv_norm.weight, self.n_heads, self.rd,
-            self.eps, projs + (self.indexer.weights_proj,) if index else projs))
-
-    def layer_inputs(self, plan: StepPlan, cache: LayerCache) -> tuple | None:
-        """The step's arguments of the op table's `decode_layer` / `attn_decode` for this layer: cos, sin, slots,
-        ring rows, ring valid, tables, entry count, visible counts, then per compressor its state rows and phases
-        and its closing blocks (their rows of the step, block ids, RoPE's cos and sin at their first positions:
-        `Compressor.decode_index`), and whether any block closes; None where the step is not one the native
-        decode takes (`decodes_natively`). Made once a step for every layer of the same kind (ratio, indexer, RoPE
-        table, ring and state sizes: `StepPlan.shared`)."""
-        if self.par is not None or cache.win_store.fmt != "auto" or self.ratio and cache.cmp_store.fmt != "auto":
-            return None
-        states = (cache.cmp_kv, cache.idx_kv)[:len(self._comps())]
-        key = ("layer", self.ratio, self.indexer is not None, self.rope.key, self.win, cache.win_kv.shape[1],
-               *(st.shape[1] for st in states))
-        return plan.shared(key, lambda: self._layer_inputs(plan, cache, states))
-
-    def _layer_inputs(self, plan: StepPlan, cache: LayerCache, states: tuple) -> tuple | None:
-        if not self.decodes_natively(plan, cache):  # one rank, every row: the ring is written row for row
-            return None
-        ix = self._decode_ix(plan, cache)
-        crow, closes = [], False
-        for comp, st_kv in zip(self._comps(), states, strict=True):
-            rows, phase, closing = self._cmp_index(plan, st_kv, comp)
-            if closing is None:
-                crow.append((rows, phase, *_NO_BLOCK))
-            else:
-                crow.append((rows, phase, closing[0], closing[2], *closing[4]))
-                closes = True
-        cos, sin = self._cos_sin(plan)
-        nloc, visible = 0, None
-        if self.ratio:
-            visible, found = self._step_entries(plan)
-            nloc = found[0] if found is not None else 0
-        return (cos, sin, plan.dec_slots, ix.ring_write[1], ix.valid, plan.dec_tables, nloc, visible, tuple(crow),
-                closes)
-
-    def _cos_sin(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos / sin [T, rd/2] at the step's positions, made once a step for every layer of this table."""
         return plan.shared(("cos_sin", self.rope.key), lambda: self.rope.cos_sin(plan.positions))
 
-    def _step_entries(self, plan: StepPlan) -> tuple[torch.Tensor, tuple | None]:
+    def step_entries(self, plan: StepPlan) -> tuple[torch.Tensor, tuple | None]:
         """`_visible` of the step's decode positions, made once a step for every layer of this ratio and rank."""
         return plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(plan.dec_pos))
-
-    def closing_over_limit(self, crow: tuple) -> bool:
-        """Whether a compressor of `layer_inputs`' `crow` closes more blocks this step than the op table's
-        compress_pool takes natively (`decode_limits`): then those blocks pool op by op (`_decode_writes`)."""
-        pool_max = self.ops.decode_limits()[0]
-        return any(c[2].numel() > pool_max for c in crow)
 
     def _visible(self, pos: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids`."""
@@ -553,7 +429,7 @@ class Attention(OpsUser, nn.Module):
             (slots[own], (pos[own] // self.cp) % wl, tok[own])
         return _DecodeIndex(all_rows, ring, self._ring_valid(pos, wl)[:, None], tok)
 
-    def _cmp_index(self, plan: StepPlan, state: torch.Tensor, comp: Compressor | None = None) -> tuple:
+    def cmp_index(self, plan: StepPlan, state: torch.Tensor, comp: Compressor | None = None) -> tuple:
         """`Compressor.decode_index` of the step for `comp` (default: the attention's compressor) with `state`'s
         rows, made once for every layer of the same ratio and state size."""
         comp = comp or self.compressor

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.attention import Attention
-from engine.model.cache import KVCache, LayerCache, StepPlan
+from engine.model.cache import KVCache, StepPlan
 from engine.model.layers import Linear, RMSNorm, _empty
 from engine.model.moe import MoE
 from engine.model.ops import OpsUser
@@ -62,58 +62,28 @@ class Block(OpsUser, nn.Module):
         return self.ops.hc_pre(x, *self.site_args(site))
 
     def attn_half(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
-        """The attention half. A decode-only step the op table's native decode takes (the host's `attn_decode`:
-        `Attention.native_decode`) runs the attention's tail and wo_b + the mHC expand in one native call."""
+        """The attention half: the op table's fused half where it takes the step (`ops.block_decoder`), else the
+        mHC site around the attention."""
         lc = cache.layers[self.layer_id]
-        pack = self.attn.native_decode(plan, lc, x)
-        if pack is not None:
-            return self.attn.decode_native(x, lambda: self.site_args("attn"), plan, lc, pack)
+        out = self.ops.block_decoder.attn_half(self, x, plan, lc)
+        if out is not None:
+            return out
         return self.hc_site(x, "attn", lambda h: self.attn(h, plan, lc))
 
     def ffn_half(self, x: torch.Tensor, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
-        """The MoE half. A table with `ffn_site` (the host's: hc_pre, gate, MoE FFN and hc_expand as one native
-        call, the same kernels in the same order) takes it first where it can (None: it does not)."""
-        pack = self.ffn.site_pack(lambda: self.site_args("ffn"), grouped=bool(plan.prefill))
-        if pack is not None:
-            g = self.ffn.gate
-            out = self.ops.ffn_site(pack, x, g.tid2eid[input_ids] if g.hash else None)
-            if out is not None:
-                return out
+        """The MoE half: the op table's fused half where it takes the step, else the mHC site around the MoE."""
+        out = self.ops.block_decoder.ffn_half(self, x, plan, input_ids)
+        if out is not None:
+            return out
         return self.hc_site(x, "ffn", lambda h: self.ffn(h, input_ids, grouped=bool(plan.prefill)))
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, input_ids: torch.Tensor) -> torch.Tensor:
-        """x: residual streams [T, n, dim] -> [T, n, dim]. A decode-only step the op table's native decode takes
-        runs as one native call where the table has `decode_layer` and the layer's step needs no pooling
-        (`_decode_layer`), else as the two halves."""
-        out = self._decode_layer(x, plan, cache.layers[self.layer_id], input_ids)
+        """x: residual streams [T, n, dim] -> [T, n, dim]: the whole layer through the op table's fused decode
+        where it takes the step (engine/host_kernels/block_decoder.py), else the two halves."""
+        out = self.ops.block_decoder.layer(self, x, plan, cache.layers[self.layer_id], input_ids)
         if out is not None:
             return out
         return self.ffn_half(self.attn_half(x, plan, cache), plan, input_ids)
-
-    def _decode_layer(self, x: torch.Tensor, plan: StepPlan, lc: LayerCache,
-                      input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The whole layer through the op table's `decode_layer` (the host's: attn_front, attn_decode with the
-        state writes and ffn_site in one native call, bit for bit the three one by one), or None (nothing done)
-        where it does not take this step: no such op (`--numerics official` has none: engine/model/numerics.py), a
-        step the attention's native decode does not take, a site without native arguments, or the indexer
-        selecting (`Attention.selects`: the halves run, the attention's over the indexer's picks)."""
-        op = getattr(self.ops, "decode_layer", None)
-        dyn = None if op is None else self.attn.layer_inputs(plan, lc)
-        if dyn is None or self.attn.selects(plan):
-            return None
-        if dyn[-1] and self.attn.closing_over_limit(dyn[-2]):  # the halves run, those blocks pooled op by op
-            return None
-
-        def build() -> object:  # the three sites' packs (each made again if stale), then the layer's from them
-            site = self.ffn.site_pack(lambda: self.site_args("ffn"))
-            if site is None:
-                return self.ops.decode_layer_pack(None, None, None)
-            return self.ops.decode_layer_pack(self.attn.front_pack(lambda: self.site_args("attn")),
-                                              self.attn.decode_pack(lc), site)
-
-        g = self.ffn.gate
-        return op(self.ops.native_pack(self, "layer", build, lc), x, *dyn[:-1],
-                  g.tid2eid[input_ids] if g.hash else None)
 
 
 class MTPBlock(Block):

@@ -1,5 +1,5 @@
-"""Speculative drafting with V4's MTP block (`mtp.0.*` of the preview checkpoints), and what every draft head hands
-the engine loop: a `Proposal` of k tokens per sequence with the distributions they were drawn from.
+"""The MTP proposer: speculative drafting with V4's MTP block (`mtp.0.*` of the preview checkpoints), behind the
+`Proposer` seam (engine/model/proposer.py).
 
 The MTP block (official `inference/model.py` `MTPBlock`; spec §2.7) maps the main model's last-layer streams at
 position t and the token at t+1 to logits for the token at t+2. Drafting k tokens after a verify step (the way
@@ -24,34 +24,15 @@ drafts need no MTP rollback, as long as the next call's catch-up covers precisel
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
+from engine.model.proposer import Proposal, Sampler, greedy
 
-# sample(logits [B, V] fp32, j) -> token ids [B]: how draft j (0-based) is drawn from its distribution.
-Sampler = Callable[[torch.Tensor, int], torch.Tensor]
-
-
-def greedy(logits: torch.Tensor, j: int = 0) -> torch.Tensor:
-    """The greedy draft: argmax of each row."""
-    return logits.argmax(-1)
-
-
-@dataclass
-class Proposal:
-    """Drafts for B sequences: `tokens` [B, k] int64 (token j = position last + 2 + j); `logits` [B, k, vocab] fp32,
-    the distribution each was drawn from (what rejection sampling divides by); `num_proposed` [B] int64, how many
-    leading drafts to verify (DSpark's confidence truncation; k for MTP); `confidence` [B, k] fp32 raw logits of
-    DSpark's confidence head (None for MTP)."""
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    num_proposed: torch.Tensor
-    confidence: torch.Tensor | None = None
+__all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "propose_mtp"]
 
 
 def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
@@ -109,3 +90,35 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
                 t[slots] = v
     k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=x.device)
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=k)
+
+
+class MTPProposer:
+    """The MTP block as a `Proposer`: no captured context; the requests that want no drafts only catch up."""
+
+    captures = False
+
+    def propose(self, model: Transformer, cache: KVCache, steps: list[SeqStep], hidden: torch.Tensor,
+                captured: torch.Tensor | None, requests: list, block_size: int) -> list[list[int]]:
+        dev = hidden.device
+        rows = [steps[r.entry].token_start + torch.arange(r.n) for r in requests]
+        out: list[list[int]] = [[] for _ in requests]
+        groups = ([i for i, r in enumerate(requests) if r.want == 0], [i for i, r in enumerate(requests) if r.want > 0])
+        for idx, drafting in zip(groups, (False, True), strict=True):
+            if not idx:
+                continue
+            sel = torch.cat([rows[i] for i in idx]).to(dev)
+            ids = torch.tensor([t for i in idx for t in requests[i].next_ids], dtype=torch.long, device=dev)
+            seqs = [draft_input(requests[i], dev) for i in idx]
+            if not drafting:
+                mtp_catch_up(model, cache, seqs, hidden[sel], ids, block_size)
+                continue
+            p = propose_mtp(model, cache, seqs, hidden[sel], ids, max(requests[i].want for i in idx), block_size)
+            for j, i in enumerate(idx):
+                out[i] = p.tokens[j, : requests[i].want].tolist()
+        return out
+
+
+def draft_input(request: Any, device: torch.device) -> DraftInput:
+    """A DraftRequest's final positions as the draft heads take them."""
+    return DraftInput(slot=request.slot, start=request.start, n=request.n,
+                      block_table=torch.tensor(request.block_table, dtype=torch.long, device=device))

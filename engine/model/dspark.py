@@ -1,4 +1,5 @@
-"""The DSpark draft head of DeepSeek-V4-Flash-0731 / -Pro-0813 (stored under `mtp.*`), as model code.
+"""The DSpark proposer: the draft head of DeepSeek-V4-Flash-0731 / -Pro-0813 (stored under `mtp.*`), as model code,
+behind the `Proposer` seam (engine/model/proposer.py).
 
 Pinned from public code (read, not copied). DeepSeek's own `DSparkAttention` / `DSparkBlock` / `forward_spec`
 (the V4.1-Flash `inference/model.py`, a public vendored copy: same DSpark design on a newer backbone) gives the
@@ -44,9 +45,10 @@ from __future__ import annotations
 import torch
 
 from engine.model.cache import KVCache, StepPlan
-from engine.model.draft import DraftInput, Proposal, Sampler, greedy
+from engine.model.draft import DraftInput, draft_input
 from engine.model.dspark_block import DSparkBlock
 from engine.model.model import Transformer
+from engine.model.proposer import Proposal, Sampler, greedy
 from nki_kernels.reference import hc_head
 
 
@@ -146,3 +148,33 @@ def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last
     confidence = stages[-1].confidence_head(h, torch.stack(embs, 1))
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1),
                     num_proposed=confident_prefix(confidence, threshold), confidence=confidence)
+
+
+class DSparkProposer:
+    """The DSpark head as a `Proposer`: the target step captures its context (`hidden_and_capture`); every request's
+    final positions get their context keys, the ones that want drafts one block each."""
+
+    captures = True
+
+    def hidden_and_capture(self, model: Transformer, input_ids: torch.Tensor, plan: StepPlan,
+                           cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden_and_capture(model, input_ids, plan, cache)
+
+    def propose(self, model: Transformer, cache: KVCache, steps: list, hidden: torch.Tensor,
+                captured: torch.Tensor | None, requests: list, block_size: int) -> list[list[int]]:
+        if captured is None:
+            raise RuntimeError("DSpark drafting needs the captured context of the target step")
+        dev = hidden.device
+        rows = [steps[r.entry].token_start + torch.arange(r.n) for r in requests]
+        inputs = [draft_input(r, dev) for r in requests]
+        write_context(model, cache, inputs, captured[torch.cat(rows).to(dev)])
+        want = [i for i, r in enumerate(requests) if r.want > 0]
+        out: list[list[int]] = [[] for _ in requests]
+        if want:
+            p = propose_dspark(model, cache, torch.tensor([requests[i].slot for i in want]),
+                               torch.tensor([inputs[i].last for i in want]),
+                               torch.tensor([requests[i].next_ids[-1] for i in want]))
+            keep = p.num_proposed.tolist()
+            for j, i in enumerate(want):
+                out[i] = p.tokens[j, : min(requests[i].want, keep[j])].tolist()
+        return out

@@ -82,7 +82,7 @@ class DSparkAttention(Attention):
         b, n = ctx_valid.shape
         bs = h.shape[0] // b
         cos, sin = self.rope.cos_sin(pos)
-        q, kv, _ = self._qkv(h, cos, sin)
+        q, kv, _ = self.qkv(h, cos, sin)
         keys = torch.cat([ctx, kv.view(b, bs, -1).to(ctx.dtype)], 1)  # [B, N + bs, head_dim]
         in_block = torch.full((b, bs, bs), self.rank == 0, dtype=torch.bool, device=h.device)  # counted once (cp)
         valid = torch.cat([ctx_valid[:, None].expand(b, bs, n), in_block], -1)  # [B, bs, N + bs]

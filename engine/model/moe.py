@@ -83,6 +83,11 @@ class MoE(OpsUser, nn.Module):
     # -- stacked experts: what the static gather path indexes ------------------------------------------------------
     _WEIGHTS = ("w1", "w2", "w3")
 
+    @property
+    def stacked(self) -> bool:
+        """Whether `stack_experts` ran: the experts' tensors are views of the stacks."""
+        return self._stacked
+
     def stack_experts(self) -> None:
         """Stack the local experts' tensors into non-persistent buffers `stack_<w>` [E_local, ...] (and
         `stack_<w>_scale` for stored FP8/FP4 weights) and make each expert's parameters views of them: no extra
@@ -108,7 +113,7 @@ class MoE(OpsUser, nn.Module):
         (static), a 1-element index tensor gathers that expert's weight (a device index: no host sync)."""
         fmt = getattr(self.experts[self.local.start], w).fmt
         stack, scales = getattr(self, f"stack_{w}"), getattr(self, f"stack_{w}_scale", None)
-        if not isinstance(i, int) or getattr(self.ops, "kernel_ops", None) is not None:  # kernel tables: int i too
+        if not isinstance(i, int) or self.ops.kernel_ops is not None:  # kernel tables: int i too
             return self.ops.stack_linear(x, stack, scales, i, fmt)
         if fmt is None:
             return self.ops.linear(x, stack[i])
@@ -234,50 +239,12 @@ class MoE(OpsUser, nn.Module):
         if self.par is not None:
             return self._forward_ep(x, input_ids, grouped=grouped)
         weights, indices = self.gate(x, input_ids)
-        native = getattr(self.ops, "moe_ffn", None)  # the host table's one-call MoE FFN (engine/host_kernels)
-        if native is not None and self._stacked and not (grouped and self.capacity > 0) \
-                and not torch.compiler.is_compiling():
-            routed, shared = self._native_inputs()
-            return native(x, weights, indices, self.experts[self.local.start].limit, self.local.start, routed, shared,
-                          lambda: self.routed(x, weights, indices, grouped) + self.shared_experts(x)).to(x.dtype)
+        if self._stacked and not (grouped and self.capacity > 0) and not torch.compiler.is_compiling():
+            y = self.ops.moe_ffn(self, x, weights, indices)  # the table's one-call MoE FFN, where it takes it
+            if y is not None:
+                return y.to(x.dtype)
         y = self.routed(x, weights, indices, grouped) + self.shared_experts(x)
         return y.to(x.dtype)
-
-    def site_pack(self, site: Callable[[], tuple], grouped: bool = False) -> object | None:
-        """This layer's pack of the op table's `ffn_site` (the MoE half of a block in one native call,
-        engine/host_kernels/step_ops.py; `Block.ffn_half` uses it), made once (the table's `native_pack`) from the
-        site's hc_pre arguments (`site()`), the router's and the experts'; None where `forward` would not take the
-        table's one-call MoE FFN (no such op, unstacked experts, the capacity path, expert parallelism, a graph
-        being compiled)."""
-        make = getattr(self.ops, "ffn_site_pack", None)
-        if make is None or self.par is not None or not self._stacked or (grouped and self.capacity > 0) \
-                or getattr(self.ops, "moe_ffn", None) is None or torch.compiler.is_compiling():
-            return None
-
-        def build() -> object:
-            g = self.gate
-            routed, shared = self._native_inputs()
-            return make(site(), g.weight, g.topk, g.route_scale, None if g.hash else g.bias, g.hash,
-                        self.experts[self.local.start].limit, self.local.start, routed, shared)
-
-        return self.ops.native_pack(self, "ffn_site", build)
-
-    def _native_inputs(self) -> tuple[tuple, tuple]:
-        """`_weights_of` the routed stacks and of the shared expert, made once and reused while those tensors are
-        the module's (a decode step calls this in every layer; rebuilding the twelve-tensor tuples cost ~20 us)."""
-        key = (id(self.stack_w1), id(self.shared_experts.w1.weight))
-        cached = self.__dict__.get("_native_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, self._weights_of(None), self._weights_of(self.shared_experts))
-            self.__dict__["_native_cache"] = cached
-        return cached[1], cached[2]
-
-    def _weights_of(self, ex: Expert | None) -> tuple[str | None, tuple[torch.Tensor | None, ...]]:
-        """(fmt, (w1, s1, w3, s3, w2, s2)) of expert `ex`, or of the routed stacks (None): the native MoE's inputs."""
-        fmt = (ex or self.experts[self.local.start]).w1.fmt
-        if ex is None:
-            return fmt, tuple(getattr(self, f"stack_{w}{a}", None) for w in ("w1", "w3", "w2") for a in ("", "_scale"))
-        return fmt, tuple(getattr(getattr(ex, w), a, None) for w in ("w1", "w3", "w2") for a in ("weight", "scale"))
 
     def forward_static(self, x: torch.Tensor, input_ids: torch.Tensor,
                        split: Callable[[str], None] = no_split) -> torch.Tensor:
@@ -287,11 +254,8 @@ class MoE(OpsUser, nn.Module):
             return self._forward_ep(x, input_ids, static=True, split=split)
         weights, indices = self.gate(x, input_ids)
         split("moe.gate")
-        native = getattr(self.ops, "moe_ffn", None)  # the host table's one-call MoE FFN: a custom op in graphs
-        if native is not None and self._stacked:
-            y = native(x, weights, indices, self.experts[self.local.start].limit, self.local.start,
-                       self._weights_of(None), self._weights_of(self.shared_experts),
-                       lambda: self.routed_static(x, weights, indices) + self.shared_experts(x))
+        y = self.ops.moe_ffn(self, x, weights, indices) if self._stacked else None  # a custom op in graphs
+        if y is not None:
             split("moe.experts")
             return y.to(x.dtype)
         y = self.routed_static(x, weights, indices)

@@ -71,14 +71,15 @@ def _by_dtype(fp32: Callable[..., Any], other: Callable[..., Any]) -> Callable[.
     return lambda q, *a: fp32(q, *a) if q.dtype == torch.float32 else other(q, *a)
 
 
-def with_numerics(ops: types.SimpleNamespace, numerics: Numerics | str = Numerics.HF,
+def with_numerics(ops: dict[str, Any], numerics: Numerics | str = Numerics.HF,
                   kv_cache_dtype: KVCacheDType | str = KVCacheDType.AUTO,
-                  aq_kernels: dict[str, Callable[..., Any]] | None = None) -> types.SimpleNamespace:
-    """A copy of op table `ops` with the numerics hooks (module docstring) for `numerics` and `kv_cache_dtype`.
+                  aq_kernels: dict[str, Callable[..., Any]] | None = None) -> dict[str, Any]:
+    """A copy of the ops `ops` (by name) with the numerics hooks (module docstring) for `numerics` and
+    `kv_cache_dtype`.
     `aq_kernels`: GEMMs that take the quantised activation themselves ({"fp8_linear": f(codes, scales, w, s,
     out_dtype), ...}: the NKI blockquant kernels with FP8 activations); the others quantise in torch first."""
-    base = ops
-    t = types.SimpleNamespace(**vars(ops))
+    base = types.SimpleNamespace(**ops)
+    t = types.SimpleNamespace(**ops)
     official = str(Numerics.parse(numerics, "numerics")) == Numerics.OFFICIAL.value
     fp8 = str(KVCacheDType.parse(kv_cache_dtype, "kv_cache_dtype")) == KVCacheDType.FP8.value
     t.numerics = "official" if official else "hf"
@@ -93,14 +94,8 @@ def with_numerics(ops: types.SimpleNamespace, numerics: Numerics | str = Numeric
         t.head_rms = lambda q, eps: base.rms_norm(q, None, eps)
         t.index_weights = lambda w, c: w.float() * c
         t.entry_in = _identity
-        return t
+        return vars(t)
     t.act_quant = act_quant
-    # the host table's one-call MoE FFN quantises no activations: official numerics take the op-by-op experts
-    t.moe_ffn = None
-    t.attn_qkv_native = None  # nor does the host's one-call attention front (and its head_rms differs)
-    for name in ("ffn_site_pack", "attn_front_pack", "attn_decode_takes", "decode_layer"):  # nor its decode sites
-        if hasattr(t, name):
-            setattr(t, name, None)
     for name in ("fp8_linear", "fp4_linear"):
         kernel = (aq_kernels or {}).get(name)
         if kernel is not None:
@@ -116,4 +111,4 @@ def with_numerics(ops: types.SimpleNamespace, numerics: Numerics | str = Numeric
     t.grouped_out_proj = _by_dtype(base.grouped_out_proj, quant.grouped_out_proj_exact)
     t.sparse_attn = _by_dtype(base.sparse_attn, quant.sparse_attn_exact)
     t.sparse_attn_partial = _by_dtype(base.sparse_attn_partial, quant.sparse_attn_partial_exact)
-    return t
+    return vars(t)

@@ -106,8 +106,8 @@ def attention_chunk(attn: Attention, x: torch.Tensor, start: torch.Tensor, n: to
     i = torch.arange(c, device=dev)
     qpos = start[:, None] + i  # [B, C]
     cos, sin = attn.rope.cos_sin(qpos.flatten())
-    q, kv, qr = attn._qkv(x, cos, sin)
-    aux = attn._aux(x, qr, cos, sin)
+    q, kv, qr = attn.qkv(x, cos, sin)
+    aux = attn.aux(x, qr, cos, sin)
     q, kv = q.view(b_, c, *q.shape[1:]), kv.view(b_, c, -1)
     ring = ring_keys(cache.win_store, slots)  # [B, wl, D], before this step's writes
     ring_ok = _ring_valid(attn, start, qpos, wl)  # [B, C, wl]

@@ -1,0 +1,235 @@
+"""The host table's decode of one Block (engine/model/block.py asks its op table's `block_decoder`): the whole
+layer in one native call (decode_layer), else the attention half (attn_front, attn_decode) and the MoE
+half (ffn_site) each in one call, and the MoE FFN after the gate (moe_ffn). It reads the block's modules
+and its layer cache and keeps the packs it makes, so the model holds no native state; each method returns None
+where the step or the tensors are not what its kernels take (nothing counted, no state written: the block runs
+its ops one by one). Every native call is the op-by-op host path's kernels in its order: the same numbers bit for
+bit (attn.c states the contract once)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from engine.host_kernels.attn_ops import attn_decode, attn_decode_takes, attn_front, decode_pack, front_pack
+from engine.host_kernels.layer_ops import decode_layer, layer_pack
+from engine.host_kernels.moe_ops import moe_ffn as moe_ffn_call
+from engine.host_kernels.native import max_m
+from engine.host_kernels.packs import PackStore
+from engine.host_kernels.step_ops import ffn_site, site_pack
+
+# a compressor's closing blocks on a step where none closes (`_layer_inputs`)
+_NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
+             torch.empty(0, 1))
+
+
+def _none() -> None:
+    return None
+
+
+class HostBlockDecoder:
+    """The native decode sites of one host op table; each flag says whether the table has that site (off under
+    `--numerics official`: the native sites quantise no activations)."""
+
+    def __init__(self, layer: bool = True, front: bool = True, decode: bool = True, ffn: bool = True,
+                 moe: bool = True) -> None:
+        self.use_layer, self.use_front, self.use_decode, self.use_ffn, self.use_moe = layer, front, decode, ffn, moe
+        self.packs = PackStore()
+        self._moe_args: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
+
+    # -- the whole layer ---------------------------------------------------------------------------------------
+    def layer(self, block: Any, x: torch.Tensor, plan: Any, lc: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The block's output streams from one `decode_layer` call, or None where it does not take this step: a
+        step the attention's native decode does not take (`_decodes_natively`), a site without native arguments,
+        the indexer selecting (its top-k runs between the attention's two parts), or more closing blocks than the
+        native pooling takes."""
+        attn = block.attn
+        if not self.use_layer:
+            return None
+        dyn = self._layer_inputs(attn, plan, lc)
+        if dyn is None or attn.selects(plan):
+            return None
+        if dyn[-1] and self._closing_over_limit(dyn[-2]):
+            return None
+
+        def build() -> Any:  # the three sites' packs (each made again if stale), then the layer's from them
+            site = self._site_pack(block)
+            if site is None:
+                return layer_pack(None, None, None)
+            return layer_pack(self._front_pack(block), self._decode_pack(attn, lc), site)
+
+        g = block.ffn.gate
+        return decode_layer(self.packs.get(block, "layer", build, lc), x, *dyn[:-1],
+                                      g.tid2eid[input_ids] if g.hash else None)
+
+    # -- the attention half --------------------------------------------------------------------------------------
+    def attn_half(self, block: Any, x: torch.Tensor, plan: Any, lc: Any) -> torch.Tensor | None:
+        """The block's attention half (x: the residual streams [B, n, dim] -> the new streams) as the front (one
+        `attn_front` call where it takes it, else hc_pre, the q / kv front and the compressors' projections op by
+        op), the state writes, where the indexer selects its queries, then one `attn_decode` call (the keys' gather,
+        sparse_attn, inverse RoPE, wo_a, wo_b, hc_expand); None where `attn_decode` does not take this step, decided
+        before any state is written."""
+        attn = block.attn
+        if not self._decodes_natively(attn, plan, lc):
+            return None
+        pack = self._decode_pack(attn, lc)
+        cos, sin = attn.cos_sin(plan)  # [B, rd/2]
+        if not attn_decode_takes(pack, len(plan.seqs), x, cos, sin):
+            return None
+        ops = attn.ops
+        index = attn.selects(plan)
+        fpack = self._front_pack(block, index)
+        front = None if fpack is None else attn_front(fpack, x, cos, sin)
+        if front is None:
+            h, post, comb = ops.hc_pre(x, *block.site_args("attn"))
+            q, kv, qr = attn.qkv(h, cos, sin)
+            aux = attn.aux(h, qr, cos, sin, index=index)
+        else:
+            post, comb, q, kv, qr, *proj = front
+            kv = ops.kv_quant(kv, attn.rd)  # as Attention.qkv (numerics: FP8 non-RoPE dims)
+            aux = {name: (proj[2 * i], proj[2 * i + 1]) for i, name in enumerate(("c", "i")[:len(proj) // 2])}
+            if index:  # the last projection: the indexer's weights_proj
+                aux["q"] = attn.indexer.queries_from(proj[-1], qr, cos, sin)
+        cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow, closes = self._layer_inputs(attn, plan, lc)
+        native_index = index and len(plan.seqs) <= max_m("index")  # the rows index_score takes
+        writes = None
+        if kv.dtype is not torch.float32 or self._closing_over_limit(crow) \
+                or index and not native_index and closes:  # (the scores below read a closing block's entry)
+            attn.decode_writes(kv, aux, plan, lc)
+        else:  # Attention.decode_writes as data, for attn_decode to make natively (the same rows and values)
+            writes = (kv, ring_rows, *((*aux[key], *c) for key, c in zip(("c", "i"), crow, strict=False)))
+        keep = None
+        if index and not native_index:  # the indexer's picks in torch: [B, nloc]
+            keep = attn.decode_picks(aux["q"], lc, tables, nloc, visible)
+        # else, where the indexer selects, attn_decode scores the entries and picks them after the writes
+        return attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
+                                    writes, keep, (*aux["q"], attn.indexer.topk) if native_index else None)
+
+    # -- the MoE half and the MoE FFN ----------------------------------------------------------------------------
+    def ffn_half(self, block: Any, x: torch.Tensor, plan: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The block's MoE half (hc_pre, gate, MoE FFN, hc_expand) in one `ffn_site` call, or None."""
+        pack = self._site_pack(block, grouped=bool(plan.prefill))
+        if pack is None:
+            return None
+        g = block.ffn.gate
+        return ffn_site(pack, x, g.tid2eid[input_ids] if g.hash else None)
+
+    def moe_ffn(self, moe: Any, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+        """The MoE FFN after the gate (routed experts + shared expert) of MoE `moe` in one native call (the custom op
+        inside a graph being compiled), or None where moe_ffn declines (counted by reason)."""
+        if not self.use_moe or not moe.stacked:
+            return None
+        routed, shared = self._moe_inputs(moe)
+        return moe_ffn_call(x, weights, indices, moe.experts[moe.local.start].limit, moe.local.start, routed,
+                               shared, _none)
+
+    # -- what the sites read from the modules --------------------------------------------------------------------
+    def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:
+        """(fmt, (w1, s1, w3, s3, w2, s2)) of the routed stacks and of the shared expert, kept while those tensors
+        are the module's (a decode step asks in every layer); made afresh inside a graph being compiled."""
+        if torch.compiler.is_compiling():
+            return _weights_of(moe, None), _weights_of(moe, moe.shared_experts)
+        key = (id(moe.stack_w1), id(moe.shared_experts.w1.weight))
+        cached = self._moe_args.get(moe)
+        if cached is None or cached[0] != key:
+            cached = self._moe_args[moe] = (key, _weights_of(moe, None), _weights_of(moe, moe.shared_experts))
+        return cached[1], cached[2]
+
+    def _site_pack(self, block: Any, grouped: bool = False) -> Any | None:
+        """The block's `ffn_site` pack, or None where MoE.forward would not take the one-call MoE FFN (unstacked
+        experts, the capacity path, expert parallelism, a graph being compiled)."""
+        moe = block.ffn
+        if not (self.use_ffn and self.use_moe) or moe.par is not None or not moe.stacked \
+                or (grouped and moe.capacity > 0) or torch.compiler.is_compiling():
+            return None
+
+        def build() -> Any:
+            g = moe.gate
+            routed, shared = self._moe_inputs(moe)
+            return site_pack(block.site_args("ffn"), g.weight, g.topk, g.route_scale,
+                                      None if g.hash else g.bias, g.hash, moe.experts[moe.local.start].limit,
+                                      moe.local.start, routed, shared)
+
+        return self.packs.get(moe, "ffn_site", build)
+
+    def _front_pack(self, block: Any, index: bool = False) -> Any | None:
+        """The attention's `attn_front` pack (`index`: with the indexer's weights_proj after the compressors'
+        projections, for the steps where it selects), or None where the table has no such site."""
+        if not self.use_front:
+            return None
+        a = block.attn
+        projs = tuple(lin for c in a.compressors() for lin in (c.wkv, c.wgate))
+        return self.packs.get(a, "front.index" if index else "front", lambda: front_pack(
+            block.site_args("attn"), a.wq_a, a.q_norm.weight, a.wq_b, a.wkv, a.kv_norm.weight, a.n_heads, a.rd, a.eps,
+            projs + (a.indexer.weights_proj,) if index else projs))
+
+    def _decode_pack(self, a: Any, lc: Any) -> Any:
+        """The attention's `attn_decode` pack for layer cache `lc`."""
+        def build() -> Any:
+            stores = ((lc.cmp_kv, lc.cmp_score, lc.cmp_pool), (lc.idx_kv, lc.idx_score, lc.idx_pool))
+            states = [(*st[:2], c.ape, c.norm.weight, st[2], c.ratio, c.eps)
+                      for c, st in zip(a.compressors(), stores, strict=False)]
+            return decode_pack(a.attn_sink, a.scale, a.rd, a.wo_a.weight, a.cfg.o_groups, a.wo_b, lc.win_kv,
+                                        lc.cmp_pool if a.ratio else None, tuple(states))
+
+        return self.packs.get(a, "decode", build, lc)
+
+    def _decodes_natively(self, a: Any, plan: Any, lc: Any) -> bool:
+        """Whether this step is one `attn_decode` / `decode_layer` may take, by the plan and the cache alone: a
+        decode-only step whose group is every row, one rank, eager, and the window ring and the entries held as
+        values (--kv-cache-dtype auto)."""
+        return self.use_decode and a.par is None and not plan.prefill and plan.dec_tokens is not None \
+            and not torch.compiler.is_compiling() and lc.win_store.fmt == "auto" \
+            and not (a.ratio and lc.cmp_store.fmt != "auto") and a.decode_ix(plan, lc).all_rows
+
+    def _layer_inputs(self, a: Any, plan: Any, lc: Any) -> tuple | None:
+        """The step's arguments of `decode_layer` / `attn_decode` for attention `a`: cos, sin, slots, ring rows,
+        ring valid, tables, entry count, visible counts, then per compressor its state rows and phases and its
+        closing blocks (their rows of the step, block ids, RoPE's cos and sin at their first positions:
+        `Compressor.decode_index`), and whether any block closes; None where `_decodes_natively` says no. Made once
+        a step for every layer of the same kind (`StepPlan.shared`)."""
+        if not self.use_decode or a.par is not None or lc.win_store.fmt != "auto" \
+                or a.ratio and lc.cmp_store.fmt != "auto":
+            return None
+        states = (lc.cmp_kv, lc.idx_kv)[:len(a.compressors())]
+        key = ("layer", a.ratio, a.indexer is not None, a.rope.key, a.win, lc.win_kv.shape[1],
+               *(st.shape[1] for st in states))
+        return plan.shared(key, lambda: self._make_layer_inputs(a, plan, lc, states))
+
+    def _make_layer_inputs(self, a: Any, plan: Any, lc: Any, states: tuple) -> tuple | None:
+        if not self._decodes_natively(a, plan, lc):  # one rank, every row: the ring is written row for row
+            return None
+        ix = a.decode_ix(plan, lc)
+        crow, closes = [], False
+        for comp, st_kv in zip(a.compressors(), states, strict=True):
+            rows, phase, closing = a.cmp_index(plan, st_kv, comp)
+            if closing is None:
+                crow.append((rows, phase, *_NO_BLOCK))
+            else:
+                crow.append((rows, phase, closing[0], closing[2], *closing[4]))
+                closes = True
+        cos, sin = a.cos_sin(plan)
+        nloc, visible = 0, None
+        if a.ratio:
+            visible, found = a.step_entries(plan)
+            nloc = found[0] if found is not None else 0
+        return (cos, sin, plan.dec_slots, ix.ring_write[1], ix.valid, plan.dec_tables, nloc, visible, tuple(crow),
+                closes)
+
+    @staticmethod
+    def _closing_over_limit(crow: tuple) -> bool:
+        """Whether a compressor closes more blocks this step than the native pooling takes (max_m("pool")): then
+        those blocks pool op by op (Attention.decode_writes)."""
+        pool_max = max_m("pool")
+        return any(c[2].numel() > pool_max for c in crow)
+
+
+def _weights_of(moe: Any, ex: Any | None) -> tuple[str | None, tuple[torch.Tensor | None, ...]]:
+    """(fmt, (w1, s1, w3, s3, w2, s2)) of expert `ex`, or of MoE `moe`'s routed stacks (None): moe_ffn's inputs."""
+    fmt = (ex or moe.experts[moe.local.start]).w1.fmt
+    if ex is None:
+        return fmt, tuple(getattr(moe, f"stack_{w}{a}", None) for w in ("w1", "w3", "w2") for a in ("", "_scale"))
+    return fmt, tuple(getattr(getattr(ex, w), a, None) for w in ("w1", "w3", "w2") for a in ("weight", "scale"))
+
