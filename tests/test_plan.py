@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from deepinfer_bench.bench import plan
-from deepinfer_bench.golden import GOLDEN_DIR
+from deepinfer_bench.bench.golden import GOLDEN_DIR
 
 
 @pytest.fixture(scope="module")

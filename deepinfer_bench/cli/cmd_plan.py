@@ -1,5 +1,5 @@
 """`deepinfer plan`: the predicted cost of a decode step per layer type, region and stage (library:
-deepinfer_bench/plan.py)."""
+deepinfer_bench/bench/plan.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Annotated
 import pandas as pd
 import typer
 
-from deepinfer_bench.cli.app import app
 from deepinfer_bench.bench.report import DEFAULT_OUT_DIR, REPO_ROOT, err_console, render_df, save_results
+from deepinfer_bench.cli.app import app
 
 DEFAULT_PLAN_MODEL = REPO_ROOT / "golden" / "configs" / "deepseek-v4-flash"
 
@@ -56,9 +56,11 @@ def plan_cmd(
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
-    """Per layer type (sliding, CSA, HCA, hash-routed, MTP) and per region and stage: bytes read, FLOPs,
-    collectives, graph launches, and the predicted ms = max(bytes / HBM BW, FLOPs / peak) + launches x overhead +
-    collectives x (latency + bytes / link BW). Table + CSV + meta.json + stacked-bar PNG."""
+    """Predict a decode step's cost on a trn2 (or this CPU) per layer type, region and stage.
+
+    Per layer type (sliding, CSA, HCA, hash-routed, MTP) and per region and stage: bytes read, FLOPs, collectives,
+    graph launches, and the predicted ms = max(bytes / HBM BW, FLOPs / peak) + launches x overhead + collectives x
+    (latency + bytes / link BW). Table + CSV + meta.json + stacked-bar PNG."""
     from deepinfer_bench.bench import plan
 
     if instance not in plan.INSTANCES:
