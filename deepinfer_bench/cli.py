@@ -9,8 +9,10 @@ import deepinfer_bench.cmd_generate  # noqa: F401
 import deepinfer_bench.cmd_golden  # noqa: F401
 import deepinfer_bench.cmd_kernels  # noqa: F401
 import deepinfer_bench.cmd_matrix  # noqa: F401
+import deepinfer_bench.cmd_reference  # noqa: F401
 import deepinfer_bench.cmd_regions  # noqa: F401
 import deepinfer_bench.cmd_serve  # noqa: F401
+import deepinfer_bench.cmd_slice  # noqa: F401
 from deepinfer_bench import cmd_env  # noqa: F401
 from deepinfer_bench.app import app
 

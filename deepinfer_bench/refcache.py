@@ -1,7 +1,8 @@
 """The golden cache: HF reference runs (fp32 and bf16 logits, teacher-forced; per-layer captures on request)
 computed once and stored content-addressed, so any later run - on a trn2 host without transformers too - reads
-them back. Key: the model's bytes (config.json + *.safetensors), the token sequences, the dtypes, the captured
-prompts and the format; nothing of the engine's run (backend, cp / TP, KV dtype) enters it.
+them back. Key: the model's bytes (config.json + *.safetensors), the token sequences, the dtypes and the format; a
+prompt's per-layer captures sit beside its logits, made when first asked for. Nothing of the engine's run
+(backend, cp / TP, KV dtype) enters the key.
 """
 
 from __future__ import annotations
@@ -57,77 +58,91 @@ def model_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def reference_key(digest: str, seqs: list[Sequence], per_layer: list[str]) -> str:
-    body = {"format": FORMAT, "model": digest, "dtypes": list(DTYPES), "per_layer": sorted(per_layer),
+def reference_key(digest: str, seqs: list[Sequence]) -> str:
+    body = {"format": FORMAT, "model": digest, "dtypes": list(DTYPES),
             "sequences": [[s.name, list(s.prompt_ids), list(s.forced)] for s in seqs]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def get_reference(model_dir: str | Path, cfg: ModelConfig, seqs: list[Sequence], per_layer: list[str] = (),
                   cache_dir: str | Path | None = None, make: bool = True) -> Reference:
-    """The reference for `seqs` on the model in `model_dir`: read from `cache_dir` (default_cache_dir) when there,
-    else made with HF transformers (`make`) and stored there."""
+    """The reference for `seqs` on the model in `model_dir` (and the per-layer captures of the prompts named in
+    `per_layer`): read from `cache_dir` (default_cache_dir) where there, else made with HF transformers (`make`)
+    and stored there - the logits under the key's dir, each prompt's captures beside them."""
     model_dir = Path(model_dir)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    per_layer = list(per_layer)
-    key = reference_key(model_digest(model_dir), seqs, per_layer)
+    key = reference_key(model_digest(model_dir), seqs)
     where = cache_dir / key
-    if (where / "reference.safetensors").exists():
-        return _read(where, key)
+    have = (where / "reference.safetensors").exists()
+    missing = [n for n in per_layer if not (where / f"layers-{n}.safetensors").exists()]
+    if have and not missing:
+        return _read(where, key, list(per_layer))
     if not make:
-        raise ReferenceMissing(f"no reference {key} in {cache_dir}")
+        raise ReferenceMissing(f"no reference {key} in {cache_dir}"
+                               f"{' with the per-layer captures of ' + str(missing) if have else ''}")
     try:
         import transformers  # noqa: F401
     except ImportError as e:
         raise ReferenceMissing(f"no reference {key} in {cache_dir} and transformers is not installed: make it on a "
-                               f"CPU box with `deepinfer reference --model-dir {model_dir} --out DIR` and pass "
-                               f"--reference DIR") from e
-    ref = _make(model_dir, cfg, seqs, per_layer, key)
-    _write(where, ref, model_dir, seqs, per_layer)
-    return ref
+                               f"CPU box with `deepinfer reference --model-dir {model_dir} --out DIR` (with the same "
+                               f"--per-layer prompts) and pass --reference DIR") from e
+    run = seqs if not have else [s for s in seqs if s.name in missing]
+    logits, layers = _make(model_dir, cfg, run, missing)
+    where.mkdir(parents=True, exist_ok=True)
+    if not have:
+        _write_logits(where, key, logits, model_dir, seqs)
+    for name in missing:
+        _save(where / f"layers-{name}.safetensors", {f"{d}.{m}": layers[d][name][m] for d in DTYPES
+                                                     for m in layers[d][name]}, key)
+    return _read(where, key, list(per_layer))
 
 
-def _make(model_dir: Path, cfg: ModelConfig, seqs: list[Sequence], per_layer: list[str], key: str) -> Reference:
+def _make(model_dir: Path, cfg: ModelConfig, seqs: list[Sequence], per_layer: list[str]) -> tuple[dict, dict]:
+    """HF teacher-forced runs of `seqs` in every dtype of DTYPES: ({dtype: {prompt: logits}}, {dtype: {prompt:
+    {module: captures}}} for the prompts in `per_layer`)."""
     from deepinfer_bench.reference import build_hf_model, hf_forced
     from engine.loader import load_checkpoint
 
     bad = [s.name for s in seqs if max(s.prompt_ids + s.forced) >= cfg.vocab_size]
     if bad:
-        raise ValueError(f"token ids past the model's vocabulary ({cfg.vocab_size}) in {bad}")
+        raise ReferenceMissing(f"token ids past the model's vocabulary ({cfg.vocab_size}) in {bad}")
     state = load_checkpoint(model_dir, cfg, dtype=torch.float32)
-    ref = Reference(key=key, logits={}, layers={})
+    logits: dict = {}
+    layers: dict = {}
     for dtype in DTYPES:
         model = build_hf_model(cfg, state, dtype=getattr(torch, dtype))
-        ref.logits[dtype], ref.layers[dtype] = {}, {}
+        logits[dtype], layers[dtype] = {}, {}
         for s in seqs:
-            logits, cap = hf_forced(model, s.prompt_ids, s.forced, capture=s.name in per_layer)
-            ref.logits[dtype][s.name] = logits.contiguous()
+            lg, cap = hf_forced(model, s.prompt_ids, s.forced, capture=s.name in per_layer)
+            logits[dtype][s.name] = lg.contiguous()
             if cap:
-                ref.layers[dtype][s.name] = {k: v.contiguous() for k, v in cap.items()}
+                layers[dtype][s.name] = {k: v.contiguous() for k, v in cap.items()}
         del model
-    return ref
+    return logits, layers
 
 
-def _write(where: Path, ref: Reference, model_dir: Path, seqs: list[Sequence], per_layer: list[str]) -> None:
-    import transformers
+def _save(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
+    """Write through a temporary name, so a reader never sees half a file."""
     from safetensors.torch import save_file
 
-    where.mkdir(parents=True, exist_ok=True)
-    tensors = {f"logits.{d}.{n}": t for d, per in ref.logits.items() for n, t in per.items()}
-    tensors.update({f"layers.{d}.{n}.{m}": t for d, per in ref.layers.items() for n, mods in per.items()
-                    for m, t in mods.items()})
-    tmp = where / "reference.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "key": ref.key})
-    ref.meta = {"format": FORMAT, "key": ref.key, "model_dir": str(model_dir), "dtypes": list(DTYPES),
-                "per_layer": per_layer, "torch_version": torch.__version__,
-                "transformers_version": transformers.__version__,
-                "reference": "HF DeepseekV4ForCausalLM eager, teacher-forced (one forward of prompt + forced[:-1])",
-                "sequences": [{"name": s.name, "prompt_ids": s.prompt_ids, "forced": s.forced} for s in seqs]}
-    (where / "meta.json").write_text(json.dumps(ref.meta))
-    tmp.replace(where / "reference.safetensors")
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "key": key})
+    tmp.replace(path)
 
 
-def _read(where: Path, key: str) -> Reference:
+def _write_logits(where: Path, key: str, logits: dict, model_dir: Path, seqs: list[Sequence]) -> None:
+    import transformers
+
+    meta = {"format": FORMAT, "key": key, "model_dir": str(model_dir), "dtypes": list(DTYPES),
+            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "reference": "HF DeepseekV4ForCausalLM eager, teacher-forced (one forward of prompt + forced[:-1])",
+            "sequences": [{"name": s.name, "prompt_ids": s.prompt_ids, "forced": s.forced} for s in seqs]}
+    (where / "meta.json").write_text(json.dumps(meta))
+    _save(where / "reference.safetensors", {f"{d}.{n}": t for d, per in logits.items() for n, t in per.items()},
+          key)
+
+
+def _read(where: Path, key: str, per_layer: list[str]) -> Reference:
     from safetensors.torch import load_file
 
     meta = json.loads((where / "meta.json").read_text())
@@ -135,10 +150,10 @@ def _read(where: Path, key: str) -> Reference:
         raise ReferenceMissing(f"{where}: format {meta.get('format')!r}, this deepinfer reads {FORMAT!r}")
     ref = Reference(key=key, logits={}, layers={}, meta=meta)
     for name, t in load_file(str(where / "reference.safetensors")).items():
-        kind, dtype, rest = name.split(".", 2)
-        if kind == "logits":
-            ref.logits.setdefault(dtype, {})[rest] = t
-        else:
-            prompt, module = rest.rsplit(".", 1)
+        dtype, prompt = name.split(".", 1)
+        ref.logits.setdefault(dtype, {})[prompt] = t
+    for prompt in per_layer:
+        for name, t in load_file(str(where / f"layers-{prompt}.safetensors")).items():
+            dtype, module = name.split(".", 1)
             ref.layers.setdefault(dtype, {}).setdefault(prompt, {})[module] = t
     return ref
