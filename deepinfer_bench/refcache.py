@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,9 +22,11 @@ DTYPES = ("float32", "bfloat16")
 
 
 def default_cache_dir() -> Path:
-    """$DEEPINFER_REFERENCE_CACHE, else ~/.cache/deepinfer/reference."""
-    env = os.environ.get("DEEPINFER_REFERENCE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "deepinfer" / "reference"
+    """DEEPINFER_REFERENCE_CACHE (engine/envs.py), else the user's deepinfer cache."""
+    from engine.envs import cache_root, get_envs
+
+    env = get_envs().DEEPINFER_REFERENCE_CACHE
+    return Path(env).expanduser() if env else cache_root() / "reference"
 
 
 class ReferenceMissing(GoldenError):
