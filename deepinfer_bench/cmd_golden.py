@@ -29,11 +29,13 @@ def golden_cmd(
 ) -> None:
     """Run every golden prompt through the engine's serving path (scheduler, KV pool, greedy sampler; on --cp
     ranks) and compare tokens and logits with the HF reference outputs. Exit 1 on any mismatch. fp32: greedy,
-    tokens exact, logits within 1e-3. Other dtypes: teacher-forced on the golden's tokens, the three-way verdict
-    against the HF reference of the model in fp32 and in the run's dtype (deepinfer_bench/verdict.py);
-    --per-layer PROMPT names where the engine first leaves the reference's noise band. With --numerics
-    official: golden/tiny-official against DeepSeek's own inference code (golden/official, or golden/official-fp32
-    for --dtype float32), teacher-forced, by the statistical bounds of deepinfer_bench/golden.py OFFICIAL_TOL."""
+    tokens exact, logits within 1e-3 (with --reference and a golden of another model, e.g. a slice:
+    teacher-forced against the reference's fp32 logits, the same bounds). Other dtypes: teacher-forced on the
+    golden's tokens, the three-way verdict against the HF reference of the model in fp32 and in the run's dtype
+    (deepinfer_bench/verdict.py); --per-layer PROMPT names where the engine first leaves the reference's noise
+    band. With --numerics official: golden/tiny-official against DeepSeek's own inference code (golden/official,
+    or golden/official-fp32 for --dtype float32), teacher-forced, by the statistical bounds of
+    deepinfer_bench/golden.py OFFICIAL_TOL."""
     import dataclasses
 
     from deepinfer_bench.golden import (
@@ -52,7 +54,7 @@ def golden_cmd(
     cfg = engine.model_config()
     golden_dir = golden_dir or default_golden
     threeway = three_way(engine.numerics, engine.dtype)
-    _, prompts = load_golden(golden_dir, cfg, check_model=not threeway)
+    _, prompts = load_golden(golden_dir, cfg, check_model=False)  # sizes the workload; run_golden checks the model
     config = engine.config(cfg, workload=workload(prompts))
     c = config.cache
     err_console.print(f"[dim]golden: model {engine.model_dir}, {config.model.dtype}, cp {config.cp}, backend "
@@ -84,7 +86,9 @@ def golden_cmd(
     n = len(run.table)
     style = "green" if run.ok else "red"
     toks = f"{int(run.table['tokens_matched'].sum())}/{int(run.table['tokens_total'].sum())}"
-    what = "teacher-forced top-1 = golden" if str(config.model.numerics) == "official" else "greedy tokens identical"
+    what = "teacher-forced top-1 = golden" if str(config.model.numerics) == "official" else \
+        "teacher-forced top-1 = reference" if run.meta["comparison"].startswith("teacher-forced, exact") else \
+        "greedy tokens identical"
     if threeway:
         t = run.table
         err_console.print(f"[{style}]{run.n_match}/{n} prompts within the reference's {config.model.dtype} noise"

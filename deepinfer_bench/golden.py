@@ -149,8 +149,7 @@ def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | 
     dirs = default_dirs(overrides.get("numerics") or "hf", overrides.get("dtype") or "float32")
     model_dir = Path(model_dir or dirs[0])
     cfg = ModelConfig.from_json(model_dir)
-    _, prompts = load_golden(Path(golden_dir or dirs[1]), cfg,
-                             check_model=not three_way(overrides.get("numerics"), overrides.get("dtype")))
+    _, prompts = load_golden(Path(golden_dir or dirs[1]), cfg, check_model=False)  # sizes only: run_golden checks
     return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), workload=workload(prompts), **overrides)
 
 
@@ -436,7 +435,8 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     dtype = str(config.model.dtype)
     official = str(config.model.numerics) == "official"
     threeway = three_way(config.model.numerics, dtype)
-    meta, prompts = load_golden(golden_dir, cfg, check_model=not threeway)
+    exact_ref = not official and not threeway and reference_dir is not None  # fp32 against the given reference
+    meta, prompts = load_golden(golden_dir, cfg, check_model=not (threeway or exact_ref))
     from engine import run_job
     from engine.backends import measured_on
 
@@ -457,14 +457,14 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     if per_layer and config.cp > 1:
         raise GoldenError("--per-layer captures one rank's layers: run it with --cp 1")
     ref = None
-    if threeway or per_layer:
+    if threeway or per_layer or exact_ref:
         from deepinfer_bench.refcache import Sequence, get_reference
 
         if config.model.model_dir is None:
             raise GoldenError("the three-way verdict needs the model's directory (its reference is made from it)")
         seqs = [Sequence(p.name, p.prompt_ids, p.output_ids) for p in prompts]
         ref = get_reference(config.model.model_dir, cfg, seqs, per_layer=list(per_layer), cache_dir=reference_dir)
-    forced = [p.output_ids for p in prompts] if (official or threeway) else None
+    forced = [p.output_ids for p in prompts] if (official or threeway or exact_ref) else None
     chosen = [p for p in prompts if p.name in per_layer]
     res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts],
                                         progress, forced, [(p.prompt_ids, p.output_ids) for p in chosen]))
@@ -476,12 +476,16 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
         for p, lg in zip(prompts, res["logits"], strict=True):
             row, tokens[p.name] = compare_three_way(p, lg, ref.logits["float32"][p.name], ref.logits[dtype][p.name])
             rows.append(row)
+    elif exact_ref:
+        rows = [compare_exact(p, lg, ref.logits["float32"][p.name]) for p, lg in zip(prompts, res["logits"],
+                                                                                  strict=True)]
     else:
         rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, res["outs"], res["logits"], strict=True)]
     if config.spec.enabled:  # per prompt: the drafts its verify steps carried, and the share the target accepted
         for row, (drafted, accepted) in zip(rows, res["drafts"], strict=True):
             row["drafted"], row["acceptance_rate"] = drafted, accepted / drafted if drafted else float("nan")
     comparison = ("teacher-forced, statistical (OFFICIAL_TOL)" if official else
+                  "teacher-forced, exact against the reference's fp32 logits" if exact_ref else
                   "teacher-forced, three-way (deepinfer_bench/verdict.py)" if threeway else "greedy, per token")
     run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference",
@@ -514,6 +518,19 @@ def _per_layer(name: str, caps: dict[str, torch.Tensor], ref: Any, dtype: str, c
     ratios = list(cfg.compress_ratios[: cfg.n_layers])
     return PerLayer(prompt=name, table=pd.DataFrame(layer_table(rows, ratios)), positions=pd.DataFrame(rows),
                     first=first_divergence(rows))
+
+
+def compare_exact(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor) -> dict[str, Any]:
+    """An fp32 teacher-forced run against the reference's fp32 logits (a model without a committed golden, e.g. a
+    slice, given `--reference`): every step's argmax the reference's and logits within FP32_LOGIT_TOL."""
+    n = len(fp32)
+    hit = logits[:n].argmax(-1) == fp32.argmax(-1)
+    miss = (~hit).nonzero()
+    dlogit = float((logits[:n] - fp32).abs().max())
+    ok = bool(hit.all()) and dlogit <= FP32_LOGIT_TOL
+    return {"prompt": g.name, "kind": g.kind, "prompt_len": len(g.prompt_ids), "tokens_matched": int(hit.sum()),
+            "tokens_total": n, "first_divergent_step": int(miss[0]) if len(miss) else -1, "max_abs_dlogit": dlogit,
+            "logit_tol": FP32_LOGIT_TOL, "verdict": "match" if ok else "mismatch"}
 
 
 THREE_WAY_COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",

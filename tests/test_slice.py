@@ -62,6 +62,38 @@ def test_slice_of_a_sharded_official_checkpoint(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "the model has layers 0-2" in bad.output
 
 
+def _one_prompt_golden(where: Path, name: str) -> Path:
+    """A golden dir holding one prompt of the committed golden (its token sequence is what gets scored)."""
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer_bench.golden import GOLDEN_DIR
+
+    where.mkdir(parents=True)
+    meta = json.loads((GOLDEN_DIR / "golden.json").read_text())
+    meta["prompts"] = [p for p in meta["prompts"] if p["name"] == name]
+    (where / "golden.json").write_text(json.dumps(meta))
+    tensors = load_file(str(GOLDEN_DIR / "golden.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith(name + ".")}, str(where / "golden.safetensors"))
+    return where
+
+
+def test_golden_on_a_slice_with_a_reference_made_by_deepinfer_reference(tmp_path: Path) -> None:
+    """slice -> `deepinfer reference` -> `deepinfer golden --model-dir SLICE --reference DIR` (fp32: teacher-forced
+    against the reference's fp32 logits, top-1 and 1e-3), the way a trn2 host uses a slice."""
+    full, out, refs = tmp_path / "full", tmp_path / "slice", tmp_path / "refs"
+    write_model(full, PRESETS["test"].config(layers=3, mtp=0, hash_layers=1), seed=5)
+    cli = CliRunner()
+    assert cli.invoke(app, ["slice", "--model-dir", str(full), "--layers", "1-2", "--experts", "4",
+                            "--out", str(out)]).exit_code == 0
+    golden = _one_prompt_golden(tmp_path / "golden1", "text_fox")
+    res = cli.invoke(app, ["reference", "--model-dir", str(out), "--golden-dir", str(golden), "--out", str(refs)])
+    assert res.exit_code == 0, res.output
+    res = cli.invoke(app, ["golden", "--model-dir", str(out), "--golden-dir", str(golden), "--reference", str(refs),
+                           "--out", str(tmp_path / "runs")])
+    assert res.exit_code == 0, res.output
+    assert "1/1 prompts match" in res.output
+
+
 @pytest.mark.slow
 def test_slice_of_a_flash_width_checkpoint(tmp_path: Path) -> None:
     """Real V4-Flash layer widths (D 4096, 64 x 512 heads, FP8 / FP4 as stored), 2 layers + MTP, 8 experts and a
