@@ -60,6 +60,9 @@ class Envs:
     DEEPINFER_HOST_KERNEL_CACHE: str = _flag(
         "", "Directory of the compiled --kernels host libraries (empty: $XDG_CACHE_HOME/deepinfer/host_kernels, "
         "else ~/.cache/deepinfer/host_kernels)")
+    DEEPINFER_REFERENCE_CACHE: str = _flag(
+        "", "Directory of the HF reference cache of `deepinfer golden` / `deepinfer reference` (empty: "
+        "$XDG_CACHE_HOME/deepinfer/reference, else ~/.cache/deepinfer/reference)")
     DEEPINFER_TRACEBACK: bool = _flag(False, "Show full Python tracebacks for user-facing errors (bad config, "
                                              "checkpoint, layout...) instead of one clear line")
     # Recorded, not interpreted: third-party variables that change what a Neuron run does.

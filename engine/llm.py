@@ -388,23 +388,42 @@ def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]]
                        max_new_tokens: int | SequenceABC[int], on_step: Callable[[], None] | None = None,
                        finals: list[RequestOutput] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Every prompt as a greedy request (`ignore_eos`, `max_tokens` each) through `engine`'s scheduler; returns per
-    prompt the generated ids and the fp32 logits [n, vocab] each of them was sampled from (via `on_logits`). The
-    golden check and the engine tests use it, so they check the loop the server runs. `on_step()` runs after every
-    engine step (the golden reads device counters there); `finals` receives each prompt's final RequestOutput (in
-    prompt order)."""
+    prompt the generated ids and the fp32 logits [n, vocab] each of them was sampled from (`drive_with_logits`)."""
+    return drive_with_logits(engine, prompts, max_new_tokens, on_step=on_step, finals=finals)
+
+
+def drive_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]],
+                      max_new_tokens: int | SequenceABC[int] | None = None,
+                      forced: SequenceABC[SequenceABC[int]] | None = None, on_step: Callable[[], None] | None = None,
+                      finals: list[RequestOutput] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The one greedy / teacher-forced driver: every prompt as a greedy request (`ignore_eos`, `max_tokens` each)
+    through `engine`'s scheduler - the loop the server runs - recording the fp32 logits [n, vocab] of every emitted
+    token (via `on_logits`). With `forced`, the sampler is replaced by the given tokens (teacher forcing: every step
+    is scored on the reference's own context; `max_tokens` = their count) and the returned ids are those tokens;
+    else the ids are the engine's greedy picks. `on_step()` runs after every engine step (the golden reads device
+    counters there); `finals` receives each prompt's final RequestOutput (in prompt order)."""
     import torch
 
-    news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if forced is not None:
+        news = [len(f) for f in forced]
+    elif max_new_tokens is None:
+        raise ValueError("drive_with_logits needs max_new_tokens or forced")
+    else:
+        news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in news]
     rows: dict[str, list[torch.Tensor]] = {}
 
     def record(request_ids: list[str], logits: torch.Tensor) -> None:
         for rid, row in zip(request_ids, logits, strict=True):
             rows.setdefault(rid, []).append(row.float().clone())
 
-    prev, engine.on_logits = engine.on_logits, record
+    prev, sampler = engine.on_logits, engine.sampler
+    engine.on_logits = record
+    if forced is not None:
+        queue = {id(p): list(f) for p, f in zip(params, forced, strict=True)}
+        engine.sampler = lambda logits, ps, gens: [queue[id(p)].pop(0) for p in ps]
     try:
-        rids = [engine.add_request(list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, news, strict=True)]
+        rids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
         outs: dict[str, list[int]] = {}
         last: dict[str, RequestOutput] = {}
         while engine.has_unfinished():
@@ -415,7 +434,7 @@ def greedy_with_logits(engine: LLMEngine, prompts: SequenceABC[SequenceABC[int]]
             if on_step is not None:
                 on_step()
     finally:
-        engine.on_logits = prev
+        engine.on_logits, engine.sampler = prev, sampler
     if finals is not None:
         finals.extend(last[r] for r in rids)
     return [outs[r] for r in rids], [torch.stack(rows[r]) for r in rids]

@@ -114,7 +114,7 @@ def test_cli_golden_takes_the_shared_engine_options(tmp_path: Path, monkeypatch:
 
     seen = {}
 
-    def fake_run(config, golden_dir=None, progress=False):
+    def fake_run(config, golden_dir=None, progress=False, **kw):
         seen["config"] = config
         raise SystemExit(0)
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import engine
-from deepinfer_bench.golden import GOLDEN_DIR
+from deepinfer_bench.bench.golden import GOLDEN_DIR
 from engine import host_kernels as H
 from engine.config import EngineConfig
 from engine.llm import greedy_with_logits

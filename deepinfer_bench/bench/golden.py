@@ -28,12 +28,8 @@ MAGIC, FORMAT_VERSION = "deepinfer-golden", 1
 REGENERATE = "pip install -e '.[reference]' && python golden/make_golden.py"
 # fp32 must match the fp32 HF reference to ~1e-5; 1e-3 leaves room for summation order, nothing more.
 FP32_LOGIT_TOL = 1e-3
-# bf16 vs the fp32 reference: bf16 has 8 mantissa bits and the residual streams are re-rounded at every mHC site, so
-# logits move by O(1) on the tiny model. The tolerance is set just above HF's OWN bf16 run of the same weights against
-# its fp32 golden (scripts/calibrate_bf16_tol.py measures that; docs/golden_tolerances.md keeps the history), so an
-# engine no worse than the reference's own bf16 passes. A greedy divergence only counts as agreement when the
-# reference's own top-2 margin at that step is within the tolerance (a near tie that bf16 may legitimately flip).
-BF16_LOGIT_TOL = 5.0
+# Any other dtype is judged three-way against the HF reference in fp32 and in that dtype
+# (deepinfer_bench/bench/verdict.py): no fixed logit tolerance.
 
 COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
            "max_abs_dlogit", "logit_tol", "verdict"]
@@ -55,6 +51,10 @@ class GoldenRun:
     collectives: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     kernels: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=KERNEL_COLUMNS))
+    tokens: dict[str, pd.DataFrame] = field(default_factory=dict)  # three-way: per prompt, per token
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # the engine's, per prompt
+    reference: Any = None  # three-way: the refcache.Reference
+    per_layer: list[Any] = field(default_factory=list)  # PerLayer per --per-layer prompt
 
     @property
     def n_match(self) -> int:
@@ -65,7 +65,11 @@ class GoldenRun:
         return self.n_match == len(self.table)
 
 
-def load_golden(golden_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Any], list[GoldenPrompt]]:
+def load_golden(golden_dir: Path, cfg: ModelConfig,
+                check_model: bool = True) -> tuple[dict[str, Any], list[GoldenPrompt]]:
+    """The golden's meta and prompts; `check_model`: the golden must have been made for `cfg` (its logits are
+    compared). The three-way verdict takes only the golden's token sequences (its references are made for the
+    model at hand: deepinfer_bench/bench/refcache.py), so any golden whose ids fit the vocabulary serves."""
     from safetensors.torch import load_file
 
     meta_path, data_path = golden_dir / "golden.json", golden_dir / "golden.safetensors"
@@ -76,10 +80,14 @@ def load_golden(golden_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Any], lis
     if meta.get("magic") != MAGIC or meta.get("format_version") != FORMAT_VERSION:
         raise GoldenError(f"{meta_path}: format {meta.get('magic')!r} v{meta.get('format_version')}, this deepinfer "
                           f"reads {MAGIC!r} v{FORMAT_VERSION}; regenerate with: {REGENERATE}")
-    if meta.get("config_hash") != cfg.config_hash() and not _same_main_model(meta, cfg):
+    if check_model and meta.get("config_hash") != cfg.config_hash() and not _same_main_model(meta, cfg):
         raise GoldenError(f"{meta_path} was made for config {meta.get('config_hash')}, the model's config is "
                           f"{cfg.config_hash()}; regenerate with: {REGENERATE}")
     tensors = load_file(str(data_path))
+    if not check_model:
+        big = [p["name"] for p in meta["prompts"] if max(p["prompt_ids"] + p["output_ids"]) >= cfg.vocab_size]
+        if big:
+            raise GoldenError(f"{meta_path}: token ids past the model's vocabulary ({cfg.vocab_size}) in {big}")
     prompts = [GoldenPrompt(name=p["name"], kind=p["kind"], prompt_ids=tensors[f"{p['name']}.prompt_ids"].tolist(),
                             output_ids=tensors[f"{p['name']}.output_ids"].tolist(),
                             logits=tensors[f"{p['name']}.logits"].float()) for p in meta["prompts"]]
@@ -138,7 +146,7 @@ def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | 
     dirs = default_dirs(overrides.get("numerics") or "hf", overrides.get("dtype") or "float32")
     model_dir = Path(model_dir or dirs[0])
     cfg = ModelConfig.from_json(model_dir)
-    _, prompts = load_golden(Path(golden_dir or dirs[1]), cfg)
+    _, prompts = load_golden(Path(golden_dir or dirs[1]), cfg, check_model=False)  # sizes only: run_golden checks
     return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), workload=workload(prompts), **overrides)
 
 
@@ -201,47 +209,61 @@ def kernel_dispatches(dispatcher: Any) -> list[dict[str, Any]]:
 def forced_with_logits(engine: Any, prompts: list[list[int]], forced: list[list[int]],
                        on_step: Callable[[], None] | None = None,
                        finals: list[Any] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Teacher forcing through the engine's serving loop: every prompt as a greedy request whose tokens are the
-    reference's (`forced`, not the engine's argmax), so each step is scored on the reference's own context; returns
-    per prompt the forced ids and the fp32 logits [n, vocab] the engine computed for each of them (the engine's own
-    pick is their argmax). Up to the first step where that argmax differs it is the free-running greedy run."""
-    from engine.llm import SamplingParams
+    """Teacher forcing through the engine's serving loop (`engine.llm.drive_with_logits` with `forced`): per prompt
+    the forced ids and the fp32 logits [n, vocab] the engine computed for each of them (the engine's own pick is
+    their argmax). Up to the first step where that argmax differs it is the free-running greedy run."""
+    from engine.llm import drive_with_logits
 
-    params = [SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True) for f in forced]
-    queue = {id(p): list(f) for p, f in zip(params, forced, strict=True)}
-    rows: dict[str, list[torch.Tensor]] = {}
-    sampler, prev = engine.sampler, engine.on_logits
+    return drive_with_logits(engine, prompts, forced=forced, on_step=on_step, finals=finals)
 
-    def force(logits: torch.Tensor, ps: list[Any], gens: list[Any]) -> list[int]:
-        return [queue[id(p)].pop(0) for p in ps]
 
-    def record(request_ids: list[str], logits: torch.Tensor) -> None:
-        for rid, row in zip(request_ids, logits, strict=True):
-            rows.setdefault(rid, []).append(row.float().clone())
+def capture_layers(engine: Any, prompt_ids: list[int], forced: list[int]) -> dict[str, torch.Tensor]:
+    """One prompt alone through the engine's serving loop, teacher-forced, capturing the residual streams after
+    every layer's attention half ("attn") and MoE half ("ffn") at every position: {module: fp32 [layers,
+    positions, hc, dim]}. The layers run as their two halves (the fused native `decode_layer` computes bit for
+    bit the halves one by one: engine/model/block.py), so both halves are seen at decode positions too."""
+    from engine.llm import drive_with_logits
 
-    engine.sampler, engine.on_logits = force, record
+    model = engine.runner.model
+    grabbed: dict[str, dict[int, list[torch.Tensor]]] = {m: {} for m in ("attn", "ffn")}
+
+    def wrap(fn: Callable[..., torch.Tensor], module: str, layer: int) -> Callable[..., torch.Tensor]:
+        def run(*args: Any) -> torch.Tensor:
+            y = fn(*args)
+            grabbed[module].setdefault(layer, []).append(y.detach().float().clone())
+            return y
+        return run
+
+    for blk in model.layers:
+        blk.attn_half = wrap(blk.attn_half, "attn", blk.layer_id)
+        blk.ffn_half = wrap(blk.ffn_half, "ffn", blk.layer_id)
+        blk._decode_layer = lambda *args: None
     try:
-        rids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
-        outs: dict[str, list[int]] = {}
-        last: dict[str, Any] = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    outs[o.request_id], last[o.request_id] = list(o.output_token_ids), o
-            if on_step is not None:
-                on_step()
+        drive_with_logits(engine, [prompt_ids], forced=[forced])
     finally:
-        engine.sampler, engine.on_logits = sampler, prev
-    if finals is not None:
-        finals.extend(last[r] for r in rids)
-    return [outs[r] for r in rids], [torch.stack(rows[r]) for r in rids]
+        for blk in model.layers:
+            for name in ("attn_half", "ffn_half", "_decode_layer"):
+                blk.__dict__.pop(name, None)
+    want = len(prompt_ids) + len(forced) - 1
+    out = {}
+    for module, per in grabbed.items():
+        steps = [torch.cat(per[i]) if per.get(i) else None for i in range(len(model.layers))]
+        if any(s is None or s.shape[0] != want for s in steps):
+            got = [0 if s is None else s.shape[0] for s in steps]
+            raise GoldenError(f"--per-layer captured {got} positions per layer, expected {want}: the capture needs "
+                              f"the layers run eagerly as modules, one sequence at a time, no preemption (this "
+                              f"backend / graph mode compiles them away?)")
+        out[module] = torch.stack(steps)
+    return out
 
 
 def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progress: bool,
-                forced: list[list[int]] | None = None) -> dict[str, Any]:
+                forced: list[list[int]] | None = None,
+                per_layer: list[tuple[list[int], list[int]]] = ()) -> dict[str, Any]:
     """On rank 0: every prompt as a greedy request, with the logits each token was sampled from (`progress`: a bar
-    of generated tokens on stderr); with `forced`, teacher-forced on those tokens (`forced_with_logits`)."""
-    from engine.llm import greedy_with_logits
+    of generated tokens on stderr); with `forced`, teacher-forced on those tokens (`forced_with_logits`); then each
+    (prompt, forced) of `per_layer` alone, its layers captured (`capture_layers`)."""
+    from engine.llm import drive_with_logits
     from engine.stack import blas_mode
     counters = _StepCounters(engine)
     engine.runner.dispatcher.reset()
@@ -251,19 +273,18 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
             advance(engine.stats().num_generated_tokens)
 
         finals: list[Any] = []
-        if forced is None:
-            outs, logits = greedy_with_logits(engine, prompts, max_new, on_step=on_step, finals=finals)
-        else:
-            outs, logits = forced_with_logits(engine, prompts, forced, on_step=on_step, finals=finals)
+        outs, logits = drive_with_logits(engine, prompts, max_new, forced=forced, on_step=on_step, finals=finals)
     runner, stats = engine.runner, engine.stats()
     regions = getattr(runner, "regions", None)
-    return {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
-            "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
-            "region_launches": regions.launches if regions is not None else 0,
-            "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
-            "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner),
-            "host_math": blas_mode(), "speculative": engine.spec_stats.to_dict(),
-            "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals]}
+    res = {"outs": outs, "logits": logits, "collectives": runner.par.report(), "steps": stats.num_steps,
+           "preemptions": stats.num_preemptions, "graph_mode": str(runner.graph_mode),
+           "region_launches": regions.launches if regions is not None else 0,
+           "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
+           "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner),
+           "host_math": blas_mode(), "speculative": engine.spec_stats.to_dict(),
+           "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals]}
+    res["layers"] = [capture_layers(engine, p, f) for p, f in per_layer]  # after the counters: not counted there
+    return res
 
 
 @contextlib.contextmanager
@@ -293,24 +314,19 @@ def _weight_summary(runner: Any) -> dict[str, Any]:
             "memory": placed.as_dict() if placed is not None else "device"}  # host: huge pages or why not
 
 
-def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str) -> dict[str, Any]:
+def compare(g: GoldenPrompt, out: list[int], logits: torch.Tensor, dtype: str = "float32") -> dict[str, Any]:
+    """An fp32 greedy run against the fp32 golden: tokens identical, logits within FP32_LOGIT_TOL up to and
+    including the first divergent step."""
     n = len(g.output_ids)
     out, logits = out[:n], logits[:n]
     diverge = next((i for i, (a, b) in enumerate(zip(out, g.output_ids, strict=True)) if a != b), None)
     upto = n if diverge is None else diverge + 1  # logits are comparable up to and including the divergent step
     dlogit = float((logits[:upto] - g.logits[:upto]).abs().max())
-    tol = FP32_LOGIT_TOL if dtype == "float32" else BF16_LOGIT_TOL
     matched = sum(a == b for a, b in zip(out, g.output_ids, strict=True))
-    if diverge is None:
-        verdict = "match" if dlogit <= tol else "mismatch"
-    elif dtype != "float32" and dlogit <= tol:
-        top2 = g.logits[diverge].topk(2).values
-        verdict = "match" if float(top2[0] - top2[1]) <= tol else "mismatch"
-    else:
-        verdict = "mismatch"
+    verdict = "match" if diverge is None and dlogit <= FP32_LOGIT_TOL else "mismatch"
     return {"prompt": g.name, "kind": g.kind, "prompt_len": len(g.prompt_ids), "tokens_matched": matched,
             "tokens_total": n, "first_divergent_step": -1 if diverge is None else diverge,
-            "max_abs_dlogit": dlogit, "logit_tol": tol, "verdict": verdict}
+            "max_abs_dlogit": dlogit, "logit_tol": FP32_LOGIT_TOL, "verdict": verdict}
 
 
 @dataclass(frozen=True)
@@ -386,40 +402,92 @@ def compare_official(runs: list[tuple[GoldenPrompt, torch.Tensor]], dtype: str) 
     return rows
 
 
-def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progress: bool = False) -> GoldenRun:
-    """Every golden prompt through an engine built from `config` (on its cp ranks); one row per prompt. The
-    config's model must be the one the golden was made for (checked by config hash). `progress`: a bar of the
-    generated tokens on stderr while it runs."""
+def three_way(numerics: Any, dtype: Any) -> bool:
+    """Whether a run is judged by the three-way verdict (deepinfer_bench/bench/verdict.py): hf numerics in any dtype but
+    fp32 (fp32 keeps its exact check; official numerics compare with the official code's own goldens)."""
+    return str(numerics or "hf") != "official" and str(dtype or "float32") != "float32"
+
+
+@dataclass
+class PerLayer:
+    """`--per-layer`: the layer x module x position-bucket table, every position's row, the first divergence
+    (None: every position inside the noise band) and the prompt it was captured on."""
+
+    prompt: str
+    table: pd.DataFrame
+    positions: pd.DataFrame
+    first: dict[str, Any] | None
+
+
+def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progress: bool = False,
+               reference_dir: str | Path | None = None, per_layer: list[str] = ()) -> GoldenRun:
+    """Every golden prompt through an engine built from `config` (on its cp ranks); one row per prompt. fp32: the
+    config's model must be the one the golden was made for (checked by config hash), tokens and logits exact.
+    Any other dtype (hf numerics): teacher-forced on the golden's tokens and judged by the three-way verdict against
+    the HF reference of this model in fp32 and in the run's dtype (refcache: read from `reference_dir` / the
+    default cache, made when absent); `per_layer`: prompt names whose every layer is captured and compared too.
+    `progress`: a bar of the generated tokens on stderr while it runs."""
     golden_dir = Path(golden_dir or GOLDEN_DIR)
     cfg = config.model.config
-    meta, prompts = load_golden(golden_dir, cfg)
+    dtype = str(config.model.dtype)
+    official = str(config.model.numerics) == "official"
+    threeway = three_way(config.model.numerics, dtype)
+    exact_ref = not official and not threeway and reference_dir is not None  # fp32 against the given reference
+    meta, prompts = load_golden(golden_dir, cfg, check_model=not (threeway or exact_ref))
     from engine import run_job
     from engine.backends import measured_on
 
-    official = str(config.model.numerics) == "official"
-    dtype = str(config.model.dtype)
     if official:
         check_official_golden(meta, dtype, golden_dir)
-        if config.spec.enabled:  # verify steps accept by the target's own argmax: no teacher forcing through them
-            raise GoldenError("--numerics official compares teacher-forced, one token per step: run it without "
-                              "--speculative")
     elif meta.get("numerics"):
         raise GoldenError(f"{golden_dir} holds the official code's numerics ({meta['numerics']}): compare with "
                           f"--numerics official")
-    forced = [p.output_ids for p in prompts] if official else None
+    if (official or threeway) and config.spec.enabled:  # verify steps accept by the target's own argmax
+        raise GoldenError(f"--dtype {dtype}{' --numerics official' if official else ''} compares teacher-forced, one "
+                          f"token per step: run it without --speculative")
+    names = [p.name for p in prompts]
+    unknown = [n for n in per_layer if n not in names]
+    if unknown:
+        raise GoldenError(f"--per-layer prompt(s) {unknown} not in the golden; it has {names}")
+    if per_layer and official:
+        raise GoldenError("--per-layer compares with the HF reference: run it with --numerics hf")
+    if per_layer and config.cp > 1:
+        raise GoldenError("--per-layer captures one rank's layers: run it with --cp 1")
+    ref = None
+    if threeway or per_layer or exact_ref:
+        from deepinfer_bench.bench.refcache import Sequence, get_reference
+
+        if config.model.model_dir is None:
+            raise GoldenError("the three-way verdict needs the model's directory (its reference is made from it)")
+        seqs = [Sequence(p.name, p.prompt_ids, p.output_ids) for p in prompts]
+        ref = get_reference(config.model.model_dir, cfg, seqs, per_layer=list(per_layer), cache_dir=reference_dir)
+    forced = [p.output_ids for p in prompts] if (official or threeway or exact_ref) else None
+    chosen = [p for p in prompts if p.name in per_layer]
     res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts],
-                                        progress, forced))
+                                        progress, forced, [(p.prompt_ids, p.output_ids) for p in chosen]))
+    tokens: dict[str, pd.DataFrame] = {}
     if official:
         rows = compare_official([(p, lg) for p, lg in zip(prompts, res["logits"], strict=True)], dtype)
+    elif threeway:
+        rows = []
+        for p, lg in zip(prompts, res["logits"], strict=True):
+            row, tokens[p.name] = compare_three_way(p, lg, ref.logits["float32"][p.name], ref.logits[dtype][p.name])
+            rows.append(row)
+    elif exact_ref:
+        rows = [compare_exact(p, lg, ref.logits["float32"][p.name]) for p, lg in zip(prompts, res["logits"],
+                                                                                  strict=True)]
     else:
         rows = [compare(p, o, lg, dtype) for p, o, lg in zip(prompts, res["outs"], res["logits"], strict=True)]
     if config.spec.enabled:  # per prompt: the drafts its verify steps carried, and the share the target accepted
         for row, (drafted, accepted) in zip(rows, res["drafts"], strict=True):
             row["drafted"], row["acceptance_rate"] = drafted, accepted / drafted if drafted else float("nan")
+    comparison = ("teacher-forced, statistical (OFFICIAL_TOL)" if official else
+                  "teacher-forced, exact against the reference's fp32 logits" if exact_ref else
+                  "teacher-forced, three-way (deepinfer_bench/bench/verdict.py)" if threeway else "greedy, per token")
     run_meta = {"golden_dir": str(golden_dir), "engine_config": config.to_dict(),
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference",
                                                     "numerics")},
-                "comparison": "teacher-forced, statistical (OFFICIAL_TOL)" if official else "greedy, per token",
+                "comparison": comparison, "reference_key": ref.key if ref is not None else None,
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
@@ -428,9 +496,59 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     if config.spec.enabled:
         run_meta["speculative"] = {"method": str(config.spec.method),
                                    "num_speculative_tokens": config.spec.num_speculative_tokens, **res["speculative"]}
-    columns = COLUMNS + (["drafted", "acceptance_rate"] if config.spec.enabled else [])
-    return GoldenRun(table=pd.DataFrame(rows, columns=columns), meta=run_meta, collectives=res["collectives"],
-                     steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
+    columns = (THREE_WAY_COLUMNS if threeway else COLUMNS) + (["drafted", "acceptance_rate"] if config.spec.enabled
+                                                              else [])
+    run = GoldenRun(table=pd.DataFrame(rows, columns=columns), meta=run_meta, collectives=res["collectives"],
+                    steps=res["steps"], kernels=pd.DataFrame(res["kernels"], columns=KERNEL_COLUMNS))
+    run.tokens = tokens
+    run.logits = {p.name: lg for p, lg in zip(prompts, res["logits"], strict=True)}
+    run.reference = ref
+    run.per_layer = [_per_layer(p.name, caps, ref, dtype, cfg) for p, caps in zip(chosen, res["layers"], strict=True)]
+    return run
+
+
+def _per_layer(name: str, caps: dict[str, torch.Tensor], ref: Any, dtype: str, cfg: ModelConfig) -> PerLayer:
+    from deepinfer_bench.bench.verdict import first_divergence, layer_table, position_rows
+
+    exact = FP32_LOGIT_TOL if dtype == "float32" else None  # fp32: the exact check's room for summation order
+    rows = position_rows(caps, ref.layers[dtype][name], ref.layers["float32"][name], exact_tol=exact)
+    ratios = list(cfg.compress_ratios[: cfg.n_layers])
+    return PerLayer(prompt=name, table=pd.DataFrame(layer_table(rows, ratios)), positions=pd.DataFrame(rows),
+                    first=first_divergence(rows))
+
+
+def compare_exact(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor) -> dict[str, Any]:
+    """An fp32 teacher-forced run against the reference's fp32 logits (a model without a committed golden, e.g. a
+    slice, given `--reference`): every step's argmax the reference's and logits within FP32_LOGIT_TOL."""
+    n = len(fp32)
+    hit = logits[:n].argmax(-1) == fp32.argmax(-1)
+    miss = (~hit).nonzero()
+    dlogit = float((logits[:n] - fp32).abs().max())
+    ok = bool(hit.all()) and dlogit <= FP32_LOGIT_TOL
+    return {"prompt": g.name, "kind": g.kind, "prompt_len": len(g.prompt_ids), "tokens_matched": int(hit.sum()),
+            "tokens_total": n, "first_divergent_step": int(miss[0]) if len(miss) else -1, "max_abs_dlogit": dlogit,
+            "logit_tol": FP32_LOGIT_TOL, "verdict": "match" if ok else "mismatch"}
+
+
+THREE_WAY_COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
+                     "tokens_passed", "first_failing_step", "kld_mean", "kld_p99", "kld_max", "kld_expected_mean",
+                     "sigma_ratio_median", "sigma_ratio_max", "max_abs_dlogit", "logit_tol", "verdict"]
+
+
+def compare_three_way(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor,
+                      expected: torch.Tensor) -> tuple[dict[str, Any], pd.DataFrame]:
+    """One prompt's teacher-forced logits against the reference in fp32 and in the run's dtype: (its row:
+    `tokens_matched` = top-1 agreement with fp32, `first_divergent_step` = first step whose argmax is not fp32's,
+    the verdict.py summary; its per-token table)."""
+    from deepinfer_bench.bench.verdict import TOKEN_COLUMNS, prompt_summary, token_table
+
+    toks = token_table(logits, expected, fp32)
+    s = prompt_summary(toks)
+    miss = [t["step"] for t in toks if not t["top1"]]
+    row = {"prompt": g.name, "kind": g.kind, "prompt_len": len(g.prompt_ids), "tokens_matched": s["top1"],
+           "first_divergent_step": miss[0] if miss else -1, "logit_tol": float("nan"),
+           **{k: v for k, v in s.items() if k != "top1"}}
+    return row, pd.DataFrame(toks, columns=TOKEN_COLUMNS)
 
 
 def collectives_per_layer(coll: dict[str, int], steps: int) -> pd.DataFrame:

@@ -86,3 +86,30 @@ def hf_greedy(model: DeepseekV4ForCausalLM, prompt_ids: list[int],
                     use_cache=True)
         cache = out.cache
     return tokens, torch.stack(rows) if rows else torch.empty(0, model.config.vocab_size)
+
+
+@torch.no_grad()
+def hf_forced(model: DeepseekV4ForCausalLM, prompt_ids: list[int], forced: list[int],
+              capture: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Teacher forcing in one forward: the prompt followed by the forced tokens but the last. Returns fp32 logits
+    [len(forced), vocab] (row i: the distribution forced[i] is scored from) and, with `capture`, the residual streams
+    at every position after each layer's attention half ("attn": what enters `ffn_hc`) and after the whole layer
+    ("ffn"), fp32 [n_layers, positions, hc_mult, dim] each."""
+    if not prompt_ids or not forced:
+        raise ValueError("empty prompt or no forced tokens")
+    ids = torch.tensor([list(prompt_ids) + list(forced[:-1])], dtype=torch.long)
+    grabbed: dict[str, list[torch.Tensor]] = {"attn": [], "ffn": []}
+    hooks = []
+    if capture:
+        for layer in model.model.layers:
+            hooks.append(layer.ffn_hc.register_forward_pre_hook(
+                lambda m, args: grabbed["attn"].append(args[0][0].float().clone())))
+            hooks.append(layer.register_forward_hook(
+                lambda m, args, out: grabbed["ffn"].append(out[0].float().clone())))
+    try:
+        out = model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = out.logits[0, len(prompt_ids) - 1:].float()
+    return logits, {k: torch.stack(v) for k, v in grabbed.items() if v}

@@ -10,8 +10,10 @@ import deepinfer_bench.cli.cmd_golden  # noqa: F401
 import deepinfer_bench.cli.cmd_kernels  # noqa: F401
 import deepinfer_bench.cli.cmd_matrix  # noqa: F401
 import deepinfer_bench.cli.cmd_plan  # noqa: F401
+import deepinfer_bench.cli.cmd_reference  # noqa: F401
 import deepinfer_bench.cli.cmd_regions  # noqa: F401
 import deepinfer_bench.cli.cmd_serve  # noqa: F401
+import deepinfer_bench.cli.cmd_slice  # noqa: F401
 from deepinfer_bench.cli import cmd_env  # noqa: F401
 from deepinfer_bench.cli.app import app
 

@@ -56,7 +56,7 @@ def plan_cmd(
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
-    """Predict a decode step's cost on a trn2 (or this CPU) per layer type, region and stage.
+    """Predict a decode step's cost per layer type, region and stage on a trn2 or this CPU.
 
     Per layer type (sliding, CSA, HCA, hash-routed, MTP) and per region and stage: bytes read, FLOPs, collectives,
     graph launches, and the predicted ms = max(bytes / HBM BW, FLOPs / peak) + launches x overhead + collectives x

@@ -32,7 +32,7 @@ def regions_cmd(
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
-    """Time decode steps per region graph and stage (and per host-kernel call with --timing).
+    """Time decode steps per region graph and stage (per host-kernel call with --timing).
 
     Runs decode steps through the region graphs; per region and stage: calls, p50/p90 ms, share of the step, per
     layer and summed over layers; graph launches per step; the measured step time; with --timing on the host

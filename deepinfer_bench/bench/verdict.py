@@ -1,0 +1,158 @@
+"""The three-way verdict of a non-fp32 run: the engine (target) against the reference in fp32 (baseline) and in the
+run's dtype (expected), teacher-forced on one token sequence. Per token, per prompt; and per hidden-state row for
+`deepinfer golden --per-layer`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# The pass rule and its thresholds, from the vLLM Neuron accuracy framework (AWS Neuron docs,
+# vllm-neuron/docs/design/accuracy/logit_validation_design.md: "two-way vs three-way (FP32 baseline / BF16 expected /
+# Neuron target) comparison with Bhattacharyya-coefficient and sigma-ratio pass criteria", and its top-k tolerance
+# map). Stated here and nowhere else; nothing below is calibrated on this project's models. How this module reads
+# them (the docs give the names and thresholds; these are the definitions used):
+# * error of a run = its logits minus the fp32 baseline's, over the vocabulary (for a hidden state: over its
+#   elements); sigma-ratio = std(target error) / std(expected error): the target is no noisier than an honest run
+#   of the reference in the same dtype when <= SIGMA_RATIO_MAX;
+# * Bhattacharyya coefficient of the two error distributions, each a normal N(mean, std) fitted to its errors:
+#   sqrt(2 s1 s2 / (s1^2 + s2^2)) * exp(-(m1 - m2)^2 / (4 (s1^2 + s2^2))); >= BHATTACHARYYA_MIN: the target's
+#   error is statistically the expected one (allows a sigma-ratio up to ~1.15 at equal means);
+# * the static fallback (two-way, target against expected): for each k of TOPK_TOL the expected run's top-k tokens
+#   ("all": the vocabulary), relative error max |target - expected| / max |expected| over them <= the map's value.
+# A token passes on sigma-ratio OR Bhattacharyya OR the fallback; a prompt passes when every token passes.
+SIGMA_RATIO_MAX = 1.0
+BHATTACHARYYA_MIN = 0.99
+TOPK_TOL: dict[int | str, float] = {5: 0.011, 50: 0.02, 1000: 0.03, "all": 0.05}
+
+TOKEN_COLUMNS = ["step", "sigma_ratio", "bhattacharyya", "topk_ok", "kld", "kld_expected", "top1", "max_abs_dlogit",
+                 "passed"]
+
+
+def error_stats(target: torch.Tensor, expected: torch.Tensor, baseline: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows [N, K] (logits over the vocabulary, or flattened hidden states): per row the sigma-ratio and the
+    Bhattacharyya coefficient of the target's and the expected run's errors against the baseline, and the L-inf of
+    the target's error. An expected run identical to the baseline (an fp32 run) has no noise: every row whose
+    target error is not exactly zero gets sigma-ratio inf."""
+    t, e, b = (x.double() for x in (target, expected, baseline))
+    et, ee = t - b, e - b
+    st, se = et.std(-1, unbiased=False), ee.std(-1, unbiased=False)
+    mt, me = et.mean(-1), ee.mean(-1)
+    sigma = torch.where(se > 0, st / se.clamp_min(1e-300), torch.where(st > 0, math.inf, 0.0))
+    var = st.square() + se.square()
+    bc = torch.where(var > 0, torch.sqrt(2 * st * se / var.clamp_min(1e-300))
+                     * torch.exp(-(mt - me).square() / (4 * var.clamp_min(1e-300))), torch.ones_like(var))
+    return {"sigma_ratio": sigma, "bhattacharyya": bc, "max_abs_err": et.abs().amax(-1),
+            "passed": (sigma <= SIGMA_RATIO_MAX) | (bc >= BHATTACHARYYA_MIN)}
+
+
+def topk_ok(target: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """The static fallback per row: for every k of TOPK_TOL, the relative error over the expected's top-k <= tol."""
+    ok = torch.ones(target.shape[0], dtype=torch.bool)
+    for k, tol in TOPK_TOL.items():
+        kk = expected.shape[-1] if k == "all" else min(int(k), expected.shape[-1])
+        idx = expected.topk(kk, dim=-1).indices
+        e, t = expected.gather(-1, idx).double(), target.gather(-1, idx).double()
+        rel = (t - e).abs().amax(-1) / e.abs().amax(-1).clamp_min(1e-30)
+        ok &= rel <= tol
+    return ok
+
+
+def kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) per row, P and Q the softmax of the logits (P: the fp32 reference)."""
+    lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def token_table(target: torch.Tensor, expected: torch.Tensor, baseline: torch.Tensor) -> list[dict[str, Any]]:
+    """One row per teacher-forced step (TOKEN_COLUMNS) of logits [N, vocab] each."""
+    n = min(len(target), len(expected), len(baseline))
+    target, expected, baseline = target[:n], expected[:n], baseline[:n]
+    st = error_stats(target, expected, baseline)
+    fb = topk_ok(target, expected)
+    kl, kl_e = kld(baseline, target), kld(baseline, expected)
+    top1 = target.argmax(-1) == baseline.argmax(-1)
+    return [{"step": i, "sigma_ratio": float(st["sigma_ratio"][i]), "bhattacharyya": float(st["bhattacharyya"][i]),
+             "topk_ok": bool(fb[i]), "kld": float(kl[i]), "kld_expected": float(kl_e[i]), "top1": bool(top1[i]),
+             "max_abs_dlogit": float(st["max_abs_err"][i]), "passed": bool(st["passed"][i] or fb[i])}
+            for i in range(n)]
+
+
+def prompt_summary(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per prompt: KLD mean / p99 / max against the fp32 reference (and the expected run's own, for scale), top-1
+    agreement, median and max sigma-ratio, tokens passed, the first failing step (-1: none) and the verdict."""
+    kl = torch.tensor([t["kld"] for t in tokens], dtype=torch.float64)
+    kl_e = torch.tensor([t["kld_expected"] for t in tokens], dtype=torch.float64)
+    sig = torch.tensor([t["sigma_ratio"] for t in tokens], dtype=torch.float64)
+    fail = [t["step"] for t in tokens if not t["passed"]]
+    return {"tokens_total": len(tokens), "top1": sum(t["top1"] for t in tokens),
+            "tokens_passed": len(tokens) - len(fail), "first_failing_step": fail[0] if fail else -1,
+            "kld_mean": float(kl.mean()), "kld_p99": float(kl.quantile(0.99)), "kld_max": float(kl.max()),
+            "kld_expected_mean": float(kl_e.mean()), "sigma_ratio_median": float(sig.median()),
+            "sigma_ratio_max": float(sig.max()), "max_abs_dlogit": max(t["max_abs_dlogit"] for t in tokens),
+            "verdict": "match" if not fail else "mismatch"}
+
+
+MODULES = ("attn", "ffn")  # the residual streams after a layer's attention half, and after its MoE half
+
+
+def position_rows(target: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                  baseline: dict[str, torch.Tensor], exact_tol: float | None = None) -> list[dict[str, Any]]:
+    """Per (layer, module, position) of captures {module: [layers, positions, hc, dim]}: the three-way rule on the
+    position's streams (sigma-ratio, Bhattacharyya; no top-k fallback: that is for logits), the L-inf error and
+    the cosine of target and baseline. `exact_tol` (an fp32 run, whose expected run is the baseline itself: no
+    noise band): a position is outside when its L-inf error exceeds it."""
+    rows = []
+    for module in MODULES:
+        if module not in target:
+            continue
+        t, e, b = (x[module].flatten(2).float() for x in (target, expected, baseline))
+        n = min(t.shape[1], e.shape[1], b.shape[1])
+        for layer in range(t.shape[0]):
+            st = error_stats(t[layer, :n], e[layer, :n], b[layer, :n])
+            cos = torch.nn.functional.cosine_similarity(t[layer, :n].double(), b[layer, :n].double(), dim=-1)
+            for pos in range(n):
+                rows.append({"layer": layer, "module": module, "position": pos,
+                             "sigma_ratio": float(st["sigma_ratio"][pos]),
+                             "bhattacharyya": float(st["bhattacharyya"][pos]),
+                             "max_abs_err": float(st["max_abs_err"][pos]),
+                             "cosine": float(cos[pos]),
+                             "outside": (float(st["max_abs_err"][pos]) > exact_tol) if exact_tol is not None
+                             else not bool(st["passed"][pos])})
+    return rows
+
+
+def layer_table(rows: list[dict[str, Any]], ratios: list[int], bucket: int = 64) -> list[dict[str, Any]]:
+    """Rows of `position_rows` grouped by (layer, module, position bucket): positions outside the noise band, worst
+    sigma-ratio, lowest Bhattacharyya, largest error; and for each compression ratio m of the model the residues
+    (position mod m) of the positions outside ("outside_mod4": "3" for the off-by-one visibility bug)."""
+    groups: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["layer"], r["module"], r["position"] // bucket), []).append(r)
+    mods = sorted({m for m in ratios if m > 1})
+    out = []
+    for (layer, module, b), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], MODULES.index(kv[0][1]), kv[0][2])):
+        bad = [r["position"] for r in rs if r["outside"]]
+        row = {"layer": layer, "module": module, "positions": f"{b * bucket}-{b * bucket + bucket - 1}",
+               "layer_ratio": ratios[layer] if layer < len(ratios) else 0, "n": len(rs), "outside": len(bad),
+               "sigma_ratio_max": max(r["sigma_ratio"] for r in rs),
+               "bhattacharyya_min": min(r["bhattacharyya"] for r in rs),
+               "max_abs_err": max(r["max_abs_err"] for r in rs), "cosine_min": min(r["cosine"] for r in rs)}
+        for m in mods:
+            row[f"outside_mod{m}"] = " ".join(str(v) for v in sorted({p % m for p in bad}))
+        out.append(row)
+    return out
+
+
+def first_divergence(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first (layer, module) in forward order with positions outside the noise band, and those positions;
+    None when every position is inside."""
+    order = sorted({(r["layer"], MODULES.index(r["module"])) for r in rows})
+    for layer, mi in order:
+        bad = [r["position"] for r in rows if r["layer"] == layer and r["module"] == MODULES[mi] and r["outside"]]
+        if bad:
+            return {"layer": layer, "module": MODULES[mi], "positions": bad}
+    return None

@@ -1,0 +1,166 @@
+"""The three-way verdict (deepinfer_bench/bench/verdict.py), the reference cache (refcache.py) and `--per-layer`: known
+bugs seeded into the engine by test-only patches are named at the right layer, module and positions."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.model.attention as A
+from deepinfer_bench.bench import verdict as V
+from deepinfer_bench.bench.golden import GOLDEN_DIR, golden_config, load_golden, run_golden
+from deepinfer_bench.bench.refcache import ReferenceMissing, Sequence, get_reference
+from engine.config import ModelConfig
+from engine.model.layers import rope_inv_freq
+
+PROMPT = "ids_64"  # 64 prompt positions (one prefill step) + 31 decode positions 64..94
+
+
+def _noise(seed: int, shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_error_stats_pass_within_the_expected_noise_and_fail_beyond_it() -> None:
+    base = _noise(0, (4, 1000), 3.0)
+    expected = base + _noise(1, (4, 1000), 0.1)
+    same = base + _noise(2, (4, 1000), 0.1)  # another run exactly as noisy: inside the band
+    worse = base + _noise(3, (4, 1000), 0.3)  # three times the expected noise: outside
+    s = V.error_stats(same, expected, base)
+    assert s["passed"].all() and (s["bhattacharyya"] > 0.99).all()
+    w = V.error_stats(worse, expected, base)
+    assert not w["passed"].any()
+    assert torch.allclose(w["sigma_ratio"], torch.full((4,), 3.0, dtype=torch.float64), rtol=0.1)
+    exact = V.error_stats(same, base, base)  # expected = baseline (an fp32 run): no band at all
+    assert torch.isinf(exact["sigma_ratio"]).all() and not exact["passed"].any()
+
+
+def test_topk_fallback_and_token_table() -> None:
+    expected = _noise(4, (3, 2000), 3.0)
+    assert V.topk_ok(expected.clone(), expected).all()
+    off = expected.clone()
+    off[1, expected[1].argmax()] += 1.0  # the top token moves by ~10 %
+    assert V.topk_ok(off, expected).tolist() == [True, False, True]
+    rows = V.token_table(off, expected, expected)
+    assert [r["passed"] for r in rows] == [True, False, True]
+    assert rows[1]["kld"] > 0 and rows[0]["kld"] == 0
+    s = V.prompt_summary(rows)
+    assert (s["first_failing_step"], s["tokens_passed"], s["verdict"]) == (1, 2, "mismatch")
+
+
+def test_layer_table_names_the_residues_of_the_positions_outside() -> None:
+    rows = [{"layer": layer, "module": m, "position": p, "sigma_ratio": 1.0, "bhattacharyya": 1.0,
+             "max_abs_err": 0.0, "cosine": 1.0, "outside": layer == 1 and m == "ffn" and p % 4 == 3}
+            for layer in range(2) for m in V.MODULES for p in range(40)]
+    table = V.layer_table(rows, [0, 4])
+    hit = [r for r in table if r["outside"]]
+    assert [(r["layer"], r["module"], r["outside"], r["outside_mod4"]) for r in hit] == [(1, "ffn", 10, "3")]
+    assert V.first_divergence(rows) == {"layer": 1, "module": "ffn", "positions": list(range(3, 40, 4))}
+
+
+@pytest.fixture(scope="module")
+def one_prompt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(golden dir holding only PROMPT of the committed golden, a reference cache dir shared by this module)."""
+    from safetensors.torch import load_file, save_file
+
+    where = tmp_path_factory.mktemp("golden1")
+    meta = json.loads((GOLDEN_DIR / "golden.json").read_text())
+    meta["prompts"] = [p for p in meta["prompts"] if p["name"] == PROMPT]
+    (where / "golden.json").write_text(json.dumps(meta))
+    tensors = load_file(str(GOLDEN_DIR / "golden.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith(PROMPT + ".")}, str(where / "golden.safetensors"))
+    return where, tmp_path_factory.mktemp("refcache")
+
+
+def test_reference_cache_is_made_once_and_read_back(one_prompt: tuple[Path, Path], monkeypatch) -> None:
+    golden, cache = one_prompt
+    cfg = ModelConfig.from_json(GOLDEN_DIR / "tiny")
+    _, (p,) = load_golden(golden, cfg)
+    seqs = [Sequence(p.name, p.prompt_ids, p.output_ids)]
+    ref = get_reference(GOLDEN_DIR / "tiny", cfg, seqs, cache_dir=cache)
+    # the fp32 reference, teacher-forced in one forward, is the HF golden's greedy run (cached decode) to 1e-4
+    assert (ref.logits["float32"][p.name] - p.logits).abs().max() < 1e-4
+    assert 0.1 < (ref.logits["bfloat16"][p.name] - p.logits).abs().max() < 10  # bf16 is another run
+    import deepinfer_bench.bench.refcache as R
+
+    monkeypatch.setattr(R, "_make", lambda *a: pytest.fail("the cached reference was made again"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # a trn2 host: no transformers, the cache suffices
+    again = get_reference(GOLDEN_DIR / "tiny", cfg, seqs, cache_dir=cache)
+    assert again.key == ref.key and torch.equal(again.logits["bfloat16"][p.name], ref.logits["bfloat16"][p.name])
+    with pytest.raises(ReferenceMissing, match="transformers is not installed"):
+        get_reference(GOLDEN_DIR / "tiny", cfg, [Sequence(p.name, p.prompt_ids, p.output_ids[:-1])],
+                      cache_dir=cache)
+
+
+# The seeded bugs: test-only patches of the engine, each undone by monkeypatch.
+def _rope_base_in_layer_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    init = A.Attention.__init__
+
+    def patched(self, cfg, layer_id, par=None):
+        init(self, cfg, layer_id, par)
+        if layer_id == 2:
+            r = self.rope
+            r.key = (r.key[0], r.key[1] * 4, r.key[2])  # another key: layer 2 gets its own (wrong) table
+            r.inv_freq = rope_inv_freq(*r.key)
+
+    monkeypatch.setattr(A.Attention, "__init__", patched)
+
+
+def _entries_visible_one_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of the ratio-16 layer (layer 2) see compressed entry w at position 16 w + 14, one position
+    before its block closes (the community port's off-by-one, there at ratio 4)."""
+    visible = A.Attention._visible
+
+    def patched(self, pos):
+        if self.ratio != 16:
+            return visible(self, pos)
+        v = ((pos + 2) // self.ratio)[:, None]
+        return v, self._entry_ids(v)
+
+    monkeypatch.setattr(A.Attention, "_visible", patched)
+
+
+def _ring_drops_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    write = A.write_ring
+
+    def patched(win_kv, slots, rows, kv):
+        keep = rows != win_kv.shape[1] - 1
+        if isinstance(slots, torch.Tensor) and slots.shape == rows.shape:
+            slots = slots[keep]
+        write(win_kv, slots, rows[keep], kv[keep])
+
+    monkeypatch.setattr(A, "write_ring", patched)
+
+
+def _per_layer(one_prompt: tuple[Path, Path], dtype: str = "float32"):
+    golden, cache = one_prompt
+    run = run_golden(golden_config(golden_dir=golden, dtype=dtype, kernels="reference"), golden, reference_dir=cache,
+                     per_layer=[PROMPT])
+    return run, run.per_layer[0]
+
+
+@pytest.mark.slow
+def test_per_layer_clean_engine_stays_inside_everywhere(one_prompt: tuple[Path, Path]) -> None:
+    run, pl = _per_layer(one_prompt)
+    assert run.ok and pl.first is None, pl.table.to_string()
+    assert len(pl.positions) == 4 * 2 * 95 and (pl.table["outside"] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, layer, positions", [
+    (_rope_base_in_layer_2, 2, list(range(1, 95))),  # every position but 0, where every rotation is the identity
+    (_entries_visible_one_early, 2, [78, 94]),  # the decode positions = 14 mod 16
+    (_ring_drops_last_row, 0, list(range(64, 95))),  # every decode step reads a ring missing a row of its window
+])
+def test_per_layer_names_the_seeded_bug(one_prompt: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, bug,
+                                        layer: int, positions: list[int]) -> None:
+    bug(monkeypatch)
+    run, pl = _per_layer(one_prompt)
+    assert not run.ok
+    assert pl.first == {"layer": layer, "module": "attn", "positions": positions}, pl.table.to_string()
+    earlier = pl.table[(pl.table["layer"] < layer) | ((pl.table["layer"] == layer) & (pl.table["module"] != "attn")
+                                                      & (pl.table["outside"] == 0))]
+    assert (earlier["outside"] == 0).all()
