@@ -83,7 +83,8 @@ class ModelRunner:
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,
                              cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER,
                              spare=config.spare_positions, kv_dtype=str(cache.kv_cache_dtype),
-                             index_keys=index_key_format(config.model.numerics))
+                             index_keys=index_key_format(config.model.numerics),
+                             snapshots=config.scheduler_cache.prefix_snapshots)
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         self.keep_hidden = config.spec.enabled
         self.capture = str(config.spec.method) == "dspark"
@@ -100,6 +101,18 @@ class ModelRunner:
         with self.backend.grad_context():
             self.cache.reset_slot(slot)
             self.backend.step_end()  # a graph of its own: the next step's graph does not depend on which slots freed
+
+    def save_prefix_state(self, slot: int, snap: int) -> None:
+        """Prefix caching: copy slot `slot`'s state into snapshot `snap` (engine/kv_cache.py)."""
+        with self.backend.grad_context():
+            self.cache.save_state(slot, snap)
+            self.backend.step_end()
+
+    def restore_prefix_state(self, slot: int, snap: int) -> None:
+        """Prefix caching: slot `slot`'s state from snapshot `snap` (a cached prefix's, before its suffix runs)."""
+        with self.backend.grad_context():
+            self.cache.restore_state(slot, snap)
+            self.backend.step_end()
 
     def forward(self, steps: list[SeqStep], input_ids: torch.Tensor, logit_index: torch.Tensor | None = None,
                 return_hidden: bool = False) -> torch.Tensor:

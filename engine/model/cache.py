@@ -280,11 +280,12 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                  layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu", scratch: bool = False,
-                 spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8") -> None:
+                 spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8", snapshots: int = 0) -> None:
         """Under context parallelism (cp > 1) this holds one rank's share: win/cp ring rows and block_size/(m*cp)
         entries per block (engine/parallel.py). `spare`: draft positions past the last accepted token that the
         slot state must hold without displacing anything (speculative decoding; see the module docstring).
-        `kv_dtype` "auto" | "fp8" and `index_keys` "fp8" | "fp4": the stores' layout (module docstring)."""
+        `kv_dtype` "auto" | "fp8" and `index_keys` "fp8" | "fp4": the stores' layout (module docstring).
+        `snapshots`: copies of a slot's state kept for prefix caching (`save_state`)."""
         for lid in layer_ids:
             m = cfg.compress_ratios[lid]
             if m and block_size % (m * cp):
@@ -313,6 +314,36 @@ class KVCache:
                 self.where[lid] = (m, i)
         self.layers: dict[int, LayerCache] = {lid: self.layer_view(lid, self.roots[self.where[lid][0]])
                                               for lid in layer_ids}
+        # Prefix caching: snapshots of the slot state at a cached block boundary P (engine/kv_cache.py). The window
+        # ring (every row: it is indexed by position) and, on CSA ratios, the compressor and indexer partial states
+        # (the block before P is pooled with the first block after it). HCA states are not kept: at a boundary the
+        # current block is empty and HCA pools no previous block, so a reset slot is already that state.
+        self.snap_roots: dict[int, dict[str, torch.Tensor]] = {}
+        if snapshots:
+            for m, roots in self.roots.items():
+                csa = ModelConfig.ratio_is_csa(m)
+                keep = [n for n in roots if "_pool" not in n and (n.startswith("win_kv") or csa)]
+                self.snap_roots[m] = {n: torch.zeros((roots[n].shape[0], snapshots, *roots[n].shape[2:]),
+                                                     dtype=roots[n].dtype, device=roots[n].device) for n in keep}
+
+    def save_state(self, slot: int, snap: int) -> None:
+        """Copy slot `slot`'s snapshot-kept state (every layer) into snapshot `snap`."""
+        self._copy_state(slot, snap, save=True)
+
+    def restore_state(self, slot: int, snap: int) -> None:
+        """Slot `slot`'s state from snapshot `snap` (the slot was reset: the states a snapshot omits are reset)."""
+        self._copy_state(slot, snap, save=False)
+
+    def _copy_state(self, slot: int, snap: int, save: bool) -> None:
+        if not self.snap_roots:
+            raise RuntimeError("this KV cache keeps no prefix snapshots (prefix caching is off)")
+        for m, snaps in self.snap_roots.items():
+            for name, st in snaps.items():
+                live = self.roots[m][name]
+                if save:
+                    st[:, snap].copy_(live[:, slot])
+                else:
+                    live[:, slot].copy_(st[:, snap])
 
     def layer_view(self, lid: int, roots: dict[str, torch.Tensor]) -> LayerCache:
         """Layer `lid`'s tensors as views of `roots` (the roots of its ratio); cheap, so graphs call it inside."""
@@ -330,7 +361,9 @@ class KVCache:
                 t.index_fill_(1, idx, float("-inf") if name.endswith("_score") else 0.0)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for roots in self.roots.values() for t in roots.values())
+        """Bytes of the state tensors, prefix snapshots included."""
+        return sum(t.numel() * t.element_size() for group in (self.roots, self.snap_roots)
+                   for roots in group.values() for t in roots.values())
 
     @property
     def bytes_per_token(self) -> float:
