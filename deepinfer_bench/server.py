@@ -181,7 +181,8 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
         metric("requests_rejected_total", "counter", "Requests refused with an error.", [(label, counters.rejected)])
 
         def spec(name: str, doc: str, samples: list[tuple[str, float]]) -> None:
-            """Speculative decoding under vLLM's spec_decode metric names (its dashboards work unchanged)."""
+            """Counters under vLLM's metric names (its dashboards work unchanged): speculative decoding, prefix
+            caching."""
             lines.extend([f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} counter"])
             lines.extend(f"vllm:{name}_total{labels} {value:g}" for labels, value in samples)
 
@@ -191,6 +192,9 @@ def create_app(engine: LLMEngine | None, tokenizer: TextCodec | None, config: Se
              [(label, es.spec_num_accepted_tokens)])
         spec("spec_decode_num_accepted_tokens_per_pos", "Accepted drafts per draft position.",
              [(f'{{model_name="{model}",position="{i}"}}', n) for i, n in enumerate(es.spec_accepted_per_pos)])
+        spec("prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up at admission.",
+             [(label, es.prefix_cache_queries)])
+        spec("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.", [(label, es.prefix_cache_hits)])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     def counted(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
