@@ -247,7 +247,9 @@ class CacheConfig:
     # reuse the KV blocks and slot state of cached prompt prefixes (engine/kv_cache.py); None: EngineConfig turns
     # it on where it is exact (one rank, no DSpark head), a bare CacheConfig (scheduler tests) leaves it off
     enable_prefix_caching: bool | None = None
-    num_prefix_snapshots: int = 0  # slot-state snapshots of cached prefixes (0: max_num_seqs)
+    # slot-state snapshots of cached prefixes, one per block boundary kept (0: one per 4 pool blocks, at least one
+    # per slot); each is about one slot's fixed state (window rings, CSA compressor states)
+    num_prefix_snapshots: int = 0
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
@@ -266,7 +268,9 @@ class CacheConfig:
     @property
     def prefix_snapshots(self) -> int:
         """Slot-state snapshots the prefix cache keeps (0 when it is off)."""
-        return (self.num_prefix_snapshots or self.max_num_seqs) if self.enable_prefix_caching else 0
+        if not self.enable_prefix_caching:
+            return 0
+        return self.num_prefix_snapshots or max(self.max_num_seqs, self.num_kv_blocks // 4)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -226,8 +226,17 @@ class BlockManager:
         if k == 0 or k * self.block_size <= start or end - k * self.block_size > spare or seq.num_cached_blocks < k:
             return None
         key = self.block_hashes(seq, k)[k - 1]
-        if key not in self._cached:
-            return None
+        return self._new_snapshot(seq, k) if key in self._cached else None
+
+    def reserve_snapshot(self, seq: Sequence, p_end: int) -> int | None:
+        """Before a prefill chunk of `seq` passes block boundary `p_end` (<= its token count): the snapshot the chunk
+        saves the slot state at `p_end` to as it runs (eager chunks), or None when one of that prefix exists."""
+        return self._new_snapshot(seq, p_end // self.block_size) if self.prefix_caching else None
+
+    def _new_snapshot(self, seq: Sequence, k: int) -> int | None:
+        """A snapshot for the state after `seq`'s first k blocks (the least recently used one reused when all are
+        taken), keyed by the k-th block's chain hash with the token after it; None if that key has one."""
+        key = self.block_hashes(seq, k)[k - 1]
         if key in self._snaps:
             self._snaps.move_to_end(key)
             return None

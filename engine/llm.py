@@ -134,6 +134,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_cache,
                                    config.graph.scheduler_buckets(config.cache.max_num_batched_tokens))
         self.scheduler.need_next_token = config.spec.enabled
+        self.scheduler.chunk_taps = bool(getattr(runner, "chunk_taps", False))
         self.sampler = Sampler()
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model_dir)
         self.eos_token_id = self.model_config.eos_token_id

@@ -12,9 +12,11 @@ or it was rejected on arrival), so every request finishes and none starves. A re
 
 With prefix caching (`enable_prefix_caching`, engine/kv_cache.py) a request admitted with nothing computed (new or
 preempted) starts after its longest cached prefix: its table starts with the cached blocks and the engine restores
-the slot state from the prefix's snapshot (`take_restores`) before the step. A prefill chunk that crosses a block
-boundary is cut to end on the last one it crosses, so that every boundary a prefill passes is the end of a step,
-where the slot state can be saved (`take_snapshots`, after the step); decode steps end on each boundary in turn.
+the slot state from the prefix's snapshot (`take_restores`) before the step. The slot state at every block
+boundary a sequence passes is saved to a snapshot: by the chunk itself as it passes it (`chunk_taps`: eager prefill
+chunks, `Sequence.snap_taps`), or after a step that ends on it (`take_snapshots`: decode steps end on each boundary
+in turn; where chunks cannot save - chunk graphs, speculative decoding's draft layer - a prefill chunk that crosses
+a boundary is cut to end on the last one it crosses, which costs one more step per prompt).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Scheduler:
                                           enable_prefix_caching=self.prefix_caching,
                                           num_snapshots=config.prefix_snapshots)
         self.need_next_token = False  # a draft layer's slot state at a boundary reads the token after it (MTP)
+        self.chunk_taps = False  # the runner's prefill chunks save the state at the boundaries they pass
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.prefix_hits = 0  # of which found cached (vLLM's prefix_cache_hits)
         self._restores: list[tuple[int, int]] = []
@@ -211,6 +214,13 @@ class Scheduler:
             plan[seq] = n
             budget -= n
         batch.entries = list(plan.items())
+        if self.prefix_caching and self.chunk_taps:
+            bs = cfg.block_size
+            for seq, n in batch.entries:
+                if n > 1:
+                    first = seq.num_computed_tokens // bs + 1
+                    seq.snap_taps = tuple((k * bs, j) for k in range(first, (seq.num_computed_tokens + n) // bs + 1)
+                                          if (j := bm.reserve_snapshot(seq, k * bs)) is not None)
         return batch
 
     def fit_chunk(self, n: int) -> int:
@@ -228,7 +238,7 @@ class Scheduler:
     def _on_boundary(self, seq: Sequence, n: int) -> int:
         """A prefill chunk of n tokens cut to end on the last block boundary it crosses (prefix caching: the slot
         state is saved at step ends only); unchanged when it crosses none."""
-        if not self.prefix_caching or n <= 1:
+        if not self.prefix_caching or self.chunk_taps or n <= 1:
             return n
         bs, start = self.config.block_size, seq.num_computed_tokens
         last = (start + n) // bs * bs
@@ -239,6 +249,7 @@ class Scheduler:
         far as `settle` says); blocks now fully computed are keyed in the prefix cache."""
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+            seq.snap_taps = ()
             if not seq.draft_token_ids:
                 self.block_manager.cache_full_blocks(seq)
 

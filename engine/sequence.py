@@ -53,6 +53,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.num_cached_tokens = 0  # prompt positions the last admission took from the prefix cache
+        self.snap_taps: tuple[tuple[int, int], ...] = ()  # this step's (block boundary, snapshot) saves (runner)
         self.finish_reason: str | None = None
         self.output_text = ""  # detokenised output (engine fills it when a tokenizer is present)
         self.num_preemptions = 0

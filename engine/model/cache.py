@@ -151,6 +151,8 @@ class LayerCache:
     cmp_pool_scale: torch.Tensor | None = None
     cmp_pool_rope: torch.Tensor | None = None
     idx_pool_scale: torch.Tensor | None = None
+    # prefix caching: this layer's views of the slot-state snapshots (KVCache.snap_roots), eager chunks write them
+    snap: LayerCache | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -325,6 +327,9 @@ class KVCache:
                 keep = [n for n in roots if "_pool" not in n and (n.startswith("win_kv") or csa)]
                 self.snap_roots[m] = {n: torch.zeros((roots[n].shape[0], snapshots, *roots[n].shape[2:]),
                                                      dtype=roots[n].dtype, device=roots[n].device) for n in keep}
+            for lid, lc in self.layers.items():
+                m, i = self.where[lid]
+                lc.snap = LayerCache(ratio=m, **{name: t[i] for name, t in self.snap_roots[m].items()})
 
     def save_state(self, slot: int, snap: int) -> None:
         """Copy slot `slot`'s snapshot-kept state (every layer) into snapshot `snap`."""
@@ -371,16 +376,37 @@ class KVCache:
         return self.layout.per_token
 
 
+def tap_ring(lc: LayerCache, slot: int, start: int, kv: torch.Tensor, taps: tuple[tuple[int, int], ...],
+             win: int) -> None:
+    """Prefix caching, in a chunk of one sequence (positions [start, start + len(kv)), cp = 1): for each (P, j) in
+    `taps`, the window-ring rows a query at block boundary P reads (positions [P - win + 1, P)) into snapshot j,
+    the earlier positions' rows copied as stored, the chunk's written as the ring write does (same bytes)."""
+    ring, snap = lc.win_store, lc.snap.win_store
+    wl = ring.shape[1]
+    dev = kv.device
+    for p_end, j in taps:
+        lo = max(0, p_end - win + 1)
+        old = torch.arange(lo, max(lo, min(start, p_end)), device=dev) % wl
+        if old.numel():
+            for st, lt in zip(snap.tensors(), ring.tensors(), strict=True):
+                st[j, old] = lt[slot, old]
+        new = torch.arange(max(lo, start), p_end, device=dev)
+        if new.numel():
+            write_ring(snap, j, new % wl, kv[new - start])
+
+
 @dataclass
 class SeqStep:
     """One sequence's share of a step: tokens [token_start, token_start + n) of the flat input are its positions
-    [start, start + n)."""
+    [start, start + n). `snaps`: (block boundary P, snapshot j) pairs in (start, start + n] whose slot state the
+    chunk saves as it passes them (prefix caching; eager chunks only)."""
 
     slot: int
     start: int
     n: int
     token_start: int
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    snaps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
