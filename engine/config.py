@@ -247,8 +247,8 @@ class CacheConfig:
     # reuse the KV blocks and slot state of cached prompt prefixes (engine/kv_cache.py); None: EngineConfig turns
     # it on where it is exact (one rank, no DSpark head), a bare CacheConfig (scheduler tests) leaves it off
     enable_prefix_caching: bool | None = None
-    # slot-state snapshots of cached prefixes, one per block boundary kept (0: one per 4 pool blocks, at least one
-    # per slot); each is about one slot's fixed state (window rings, CSA compressor states)
+    # slot-state snapshots of cached prefixes, one per block boundary kept (0: one per 32 pool blocks, at least two
+    # per slot); each is about one slot's fixed state (window rings, CSA compressor states: ~10 pool blocks on V4)
     num_prefix_snapshots: int = 0
 
     def __post_init__(self) -> None:
@@ -270,7 +270,7 @@ class CacheConfig:
         """Slot-state snapshots the prefix cache keeps (0 when it is off)."""
         if not self.enable_prefix_caching:
             return 0
-        return self.num_prefix_snapshots or max(self.max_num_seqs, self.num_kv_blocks // 4)
+        return self.num_prefix_snapshots or max(2 * self.max_num_seqs, self.num_kv_blocks // 32)
 
     @property
     def max_blocks_per_seq(self) -> int:
