@@ -74,7 +74,8 @@ def save_pareto(df: pd.DataFrame, path: str | Path, ax: Axes, title: str = "") -
                           xytext=(4, 4), fontsize=7)
     if len(pts):
         f = frontier(pts)
-        axis.plot(f["total"], f["per_user"], "k--", linewidth=1, alpha=0.6, label="Pareto frontier")
+        axis.plot(f["total"], f["per_user"], "k--", linewidth=1, alpha=0.6, marker="s", markersize=10,
+                  markerfacecolor="none", label="Pareto frontier")
     axis.axhline(1000.0 / MLPERF_TPOT_MS, color="red", linestyle=":", linewidth=1,
                  label=f"MLPerf Interactive: TPOT <= {MLPERF_TPOT_MS:g} ms"
                        + (f", p99 TTFT <= {MLPERF_TTFT_P99_MS / 1000:g} s (filled: both met)"
