@@ -244,11 +244,19 @@ class CacheConfig:
     block_size: int = 128  # token positions per block; a multiple of every compress ratio x cp
     max_model_len: int = 4096  # longest prompt + output
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # window ring + compressed pool: compute dtype, or FP8 + scales
+    # reuse the KV blocks and slot state of cached prompt prefixes (engine/kv_cache.py); None: EngineConfig turns
+    # it on where it is exact (one rank, no DSpark head), a bare CacheConfig (scheduler tests) leaves it off
+    enable_prefix_caching: bool | None = None
+    # slot-state snapshots of cached prefixes, one per block boundary kept (0: one per 32 pool blocks, at least two
+    # per slot); each is about one slot's fixed state (window rings, CSA compressor states: ~10 pool blocks on V4)
+    num_prefix_snapshots: int = 0
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
                               "max_model_len"))
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype, "kv_cache_dtype"))
+        if not isinstance(self.num_prefix_snapshots, int) or self.num_prefix_snapshots < 0:
+            raise ValueError(f"num_prefix_snapshots must be an int >= 0, got {self.num_prefix_snapshots!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs} (every running sequence decodes one token per step)")
@@ -256,6 +264,13 @@ class CacheConfig:
     @property
     def pool_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+    @property
+    def prefix_snapshots(self) -> int:
+        """Slot-state snapshots the prefix cache keeps (0 when it is off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.num_prefix_snapshots or max(2 * self.max_num_seqs, self.num_kv_blocks // 32)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -399,10 +414,39 @@ class EngineConfig:
                              f"{', '.join(str(m * cp) for m in bad)}); the default for this model is "
                              f"{default_block_size(cfg, cp)}")
         check_numerics(cfg, self.model.numerics, self.cache.kv_cache_dtype, self.model.weights)
+        self._resolve_prefix_caching()
         if self.cache.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.cache.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self._resolve_spec()
+
+    def _resolve_prefix_caching(self) -> None:
+        """--enable-prefix-caching given where it is not exact (`prefix_caching_blocker`): one error line."""
+        why = self.prefix_caching_blocker
+        if self.cache.enable_prefix_caching and why:
+            raise ValueError(f"--enable-prefix-caching is not exact with {why}; use --no-enable-prefix-caching")
+
+    @property
+    def prefix_caching_blocker(self) -> str:
+        """Why prefix caching would not be exact here ("" where it is): it is where the whole decode state of a
+        prefix is this process's pool blocks and slot (engine/kv_cache.py), so not under cp > 1 (the other ranks'
+        shares) nor with a DSpark head (its draft context is not in the slot state)."""
+        if self.parallel.cp > 1:
+            return "cp > 1 (each rank holds a share of the state)"
+        if self.spec.method is Speculative.DSPARK:
+            return "--speculative dspark (its draft context is not in the slot state)"
+        return ""
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine caches prefixes: as given, else (auto) wherever it is exact, like vLLM's default."""
+        want = self.cache.enable_prefix_caching
+        return bool(want) if want is not None else not self.prefix_caching_blocker
+
+    @property
+    def scheduler_cache(self) -> CacheConfig:
+        """The cache config the scheduler runs with: prefix caching resolved to on or off."""
+        return dataclasses.replace(self.cache, enable_prefix_caching=self.prefix_caching)
 
     def _resolve_spec(self) -> None:
         """Speculation needs the checkpoint's draft head (its `mtp.*` weights loaded) and a number of drafts: the

@@ -51,6 +51,11 @@ class ModelRunnerLike(Protocol):
 
     def free_slot(self, slot: int) -> None: ...
 
+    # prefix caching (engine/kv_cache.py): save a slot's state to a snapshot, restore a slot from one
+    def save_prefix_state(self, slot: int, snap: int) -> None: ...
+
+    def restore_prefix_state(self, slot: int, snap: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -105,6 +110,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # prefix caching (vLLM's prefix_cache_queries / _hits): prompt tokens looked up at admission, and found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass
@@ -123,7 +131,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike, *, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.model_config = config.model.config
-        self.scheduler = Scheduler(config.cache, config.graph.scheduler_buckets(config.cache.max_num_batched_tokens))
+        self.scheduler = Scheduler(config.scheduler_cache,
+                                   config.graph.scheduler_buckets(config.cache.max_num_batched_tokens))
+        self.scheduler.need_next_token = config.spec.enabled
+        self.scheduler.chunk_taps = bool(getattr(runner, "chunk_taps", False))
         self.sampler = Sampler()
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model_dir)
         self.eos_token_id = self.model_config.eos_token_id
@@ -204,6 +215,8 @@ class LLMEngine:
         outputs, self._c.pending = self._c.pending, []
         batch = self.scheduler.schedule()
         self._release_slots()
+        for slot, snap in self.scheduler.take_restores():  # prefix hits: the slot state at the cached prefix
+            self.runner.restore_prefix_state(slot, snap)
         if batch.is_empty:
             return outputs
         outputs += self._execute(batch)
@@ -254,6 +267,8 @@ class LLMEngine:
         outputs = [self._emit(batch.entries[i][0], *emitted[i], i in verify) for i in sorted(emitted)]
         if self.config.spec.enabled:
             self._draft(batch, starts)
+        for slot, snap in self.scheduler.take_snapshots(batch, starts, self.config.spare_positions):
+            self.runner.save_prefix_state(slot, snap)
         return outputs
 
     def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor, verified: bool) -> RequestOutput:
@@ -368,7 +383,9 @@ class LLMEngine:
                            num_steps=self._c.steps, spec_num_drafts=self.spec_stats.num_drafts,
                            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
                            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-                           spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))
+                           spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+                           prefix_cache_queries=self.scheduler.prefix_queries,
+                           prefix_cache_hits=self.scheduler.prefix_hits)
 
     def reset_peak_usage(self) -> None:
         self.scheduler.block_manager.reset_peak()

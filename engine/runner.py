@@ -84,8 +84,12 @@ class ModelRunner:
         self.cache = KVCache(cfg, cache.max_num_seqs, cache.num_kv_blocks, cache.block_size, self.dtype, layer_ids,
                              cp=self.par.cp, device=self.device, scratch=graph.mode is not GraphMode.EAGER,
                              spare=config.spare_positions, kv_dtype=str(cache.kv_cache_dtype),
-                             index_keys=index_key_format(config.model.numerics))
+                             index_keys=index_key_format(config.model.numerics),
+                             snapshots=config.scheduler_cache.prefix_snapshots)
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
+        # prefix caching: eager prefill chunks save the slot state at the block boundaries they pass (engine/model/
+        # cache.py `tap_ring`); not chunk graphs, nor with a draft layer (its ring is written by the draft pass)
+        self.chunk_taps = bool(self.cache.snap_roots) and not self.chunk_graphs and not config.spec.enabled
         self.keep_hidden = config.spec.enabled
         self.proposer = drafting.proposer_for(config.spec.method)
         self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
@@ -102,6 +106,18 @@ class ModelRunner:
         with self.backend.grad_context():
             self.cache.reset_slot(slot)
             self.backend.step_end()  # a graph of its own: the next step's graph does not depend on which slots freed
+
+    def save_prefix_state(self, slot: int, snap: int) -> None:
+        """Prefix caching: copy slot `slot`'s state into snapshot `snap` (engine/kv_cache.py)."""
+        with self.backend.grad_context():
+            self.cache.save_state(slot, snap)
+            self.backend.step_end()
+
+    def restore_prefix_state(self, slot: int, snap: int) -> None:
+        """Prefix caching: slot `slot`'s state from snapshot `snap` (a cached prefix's, before its suffix runs)."""
+        with self.backend.grad_context():
+            self.cache.restore_state(slot, snap)
+            self.backend.step_end()
 
     def forward(self, steps: list[SeqStep], input_ids: torch.Tensor, logit_index: torch.Tensor | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
@@ -225,12 +241,14 @@ class DistributedRunner:
         self._send(("stop",))
 
 
-def _describe(batch: Seq[tuple[SequenceLike, int]]) -> tuple[list[tuple[int, int, int, int, list[int]]], list[int]]:
+def _describe(batch: Seq[tuple[SequenceLike, int]]) -> tuple[list[tuple], list[int]]:
+    """(slot, start, n, token offset, block table[, prefix-cache snapshot taps]) per entry, and the flat ids."""
     steps, ids, offset = [], [], 0
     for seq, n in batch:
         start = seq.num_computed_tokens
         ids.extend(seq.step_token_ids(start, n))
-        steps.append((seq.slot, start, n, offset, list(seq.block_table)))
+        taps = tuple(getattr(seq, "snap_taps", ()))
+        steps.append((seq.slot, start, n, offset, list(seq.block_table), *((taps,) if taps else ())))
         offset += n
     return steps, ids
 
@@ -241,14 +259,14 @@ def _logit_index(desc: list[tuple[int, int, int, int, list[int]]], full: Seq[int
     if not full:
         return None
     rows: list[int] = []
-    for i, (_, _, n, off, _) in enumerate(desc):
+    for i, (_, _, n, off, *_) in enumerate(desc):
         rows.extend(range(off, off + n) if i in full else (off + n - 1,))
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _to_steps(desc: list[tuple[int, int, int, int, list[int]]]) -> list[SeqStep]:
-    return [SeqStep(slot=s, start=st, n=n, token_start=off, block_table=torch.tensor(bt, dtype=torch.long))
-            for s, st, n, off, bt in desc]
+def _to_steps(desc: list[tuple]) -> list[SeqStep]:
+    return [SeqStep(slot=d[0], start=d[1], n=d[2], token_start=d[3], block_table=torch.tensor(d[4], dtype=torch.long),
+                    snaps=d[5] if len(d) > 5 else ()) for d in desc]
 
 
 def worker_loop(runner: ModelRunner) -> None:

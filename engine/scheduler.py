@@ -9,6 +9,14 @@ preempted (recompute: blocks and slot freed, requeued at the front of the waitin
 a sequence never preempts an older one. The oldest request can therefore always progress (it fits the empty pool,
 or it was rejected on arrival), so every request finishes and none starves. A request that can never fit
 (prompt + max_tokens over `max_model_len`, or more blocks than the whole pool) is rejected on arrival.
+
+With prefix caching (`enable_prefix_caching`, engine/kv_cache.py) a request admitted with nothing computed (new or
+preempted) starts after its longest cached prefix: its table starts with the cached blocks and the engine restores
+the slot state from the prefix's snapshot (`take_restores`) before the step. The slot state at every block
+boundary a sequence passes is saved to a snapshot: by the chunk itself as it passes it (`chunk_taps`: eager prefill
+chunks, `Sequence.snap_taps`), or after a step that ends on it (`take_snapshots`: decode steps end on each boundary
+in turn; where chunks cannot save - chunk graphs, speculative decoding's draft layer - a prefill chunk that crosses
+a boundary is cut to end on the last one it crosses, which costs one more step per prompt).
 """
 
 from __future__ import annotations
@@ -59,7 +67,15 @@ class Scheduler:
         defers (`fit_chunk`)."""
         self.config = config
         self.chunk_buckets = tuple(chunk_buckets)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs)
+        self.prefix_caching = bool(config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs,
+                                          enable_prefix_caching=self.prefix_caching,
+                                          num_snapshots=config.prefix_snapshots)
+        self.need_next_token = False  # a draft layer's slot state at a boundary reads the token after it (MTP)
+        self.chunk_taps = False  # the runner's prefill chunks save the state at the boundaries they pass
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of which found cached (vLLM's prefix_cache_hits)
+        self._restores: list[tuple[int, int]] = []
         self.waiting: list[Sequence] = []  # sorted by arrival order
         self.running: list[Sequence] = []  # sorted by arrival order
         self.num_preemptions = 0
@@ -102,6 +118,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_restores(self) -> list[tuple[int, int]]:
+        """(slot, snapshot) pairs of the prefix hits admitted since the last call: the engine restores each slot's
+        state from the snapshot (after resetting the freed slots, before the step)."""
+        out, self._restores = self._restores, []
+        return out
+
+    def take_snapshots(self, batch: ScheduledBatch, starts: list[int], spare: int = 0) -> list[tuple[int, int]]:
+        """After `batch` ran (tokens appended, drafts made): (slot, snapshot) pairs to save, one for each running
+        sequence that ended its step on a cached block boundary with no snapshot yet (`spare`: positions past the
+        boundary the slot state still holds exactly)."""
+        out = []
+        for (seq, _), start in zip(batch.entries, starts, strict=True):
+            if seq.status is SequenceStatus.RUNNING and seq.slot is not None:
+                snap = self.block_manager.snapshot_for(seq, start, spare)
+                if snap is not None:
+                    out.append((seq.slot, snap))
+        return out
+
     def take_freed_slots(self) -> list[int]:
         """Slots released since the last call; the engine resets their state in the runner before reuse."""
         slots, self._freed_slots = self._freed_slots, []
@@ -120,7 +154,7 @@ class Scheduler:
                 budget -= plan[seq]
         for seq in self.running:
             if budget and seq not in plan and seq.num_uncomputed_tokens:
-                plan[seq] = self.fit_chunk(min(seq.num_uncomputed_tokens, budget))
+                plan[seq] = self._on_boundary(seq, self.fit_chunk(min(seq.num_uncomputed_tokens, budget)))
                 budget -= plan[seq]
 
         # Reserve blocks oldest first; a sequence may only evict sequences newer than itself.
@@ -154,12 +188,25 @@ class Scheduler:
         # to preempt (the pool is contended: admitting now would only be evicted again).
         while not batch.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = self.fit_chunk(min(seq.num_uncomputed_tokens, budget,
-                                   bm.max_coverable_tokens(seq) - seq.num_computed_tokens))
+            hit, snap = bm.find_prefix(seq, self.need_next_token) if self.prefix_caching else ([], None)
+            if hit:
+                bm.take_prefix(seq, hit)
+                seq.num_computed_tokens = len(hit) * cfg.block_size
+            n = self._on_boundary(seq, self.fit_chunk(min(seq.num_uncomputed_tokens, budget,
+                                                          bm.max_coverable_tokens(seq) - seq.num_computed_tokens)))
             if n < 1 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                if hit:  # not admitted after all: the cached blocks go back as they were
+                    bm.free(seq)
+                    seq.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
+            if self.prefix_caching:
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += seq.num_computed_tokens
+                seq.num_cached_tokens = seq.num_computed_tokens
             bm.allocate(seq, seq.num_computed_tokens + n)
+            if snap is not None and hit:
+                self._restores.append((seq.slot, snap))
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
@@ -167,6 +214,13 @@ class Scheduler:
             plan[seq] = n
             budget -= n
         batch.entries = list(plan.items())
+        if self.prefix_caching and self.chunk_taps:
+            bs = cfg.block_size
+            for seq, n in batch.entries:
+                if n > 1:
+                    first = seq.num_computed_tokens // bs + 1
+                    seq.snap_taps = tuple((k * bs, j) for k in range(first, (seq.num_computed_tokens + n) // bs + 1)
+                                          if (j := bm.reserve_snapshot(seq, k * bs)) is not None)
         return batch
 
     def fit_chunk(self, n: int) -> int:
@@ -181,11 +235,23 @@ class Scheduler:
         down = max((b for b in bk if b <= n), default=0)
         return down if down and up - n > n - down else n
 
+    def _on_boundary(self, seq: Sequence, n: int) -> int:
+        """A prefill chunk of n tokens cut to end on the last block boundary it crosses (prefix caching: the slot
+        state is saved at step ends only); unchanged when it crosses none."""
+        if not self.prefix_caching or self.chunk_taps or n <= 1:
+            return n
+        bs, start = self.config.block_size, seq.num_computed_tokens
+        last = (start + n) // bs * bs
+        return last - start if last > start else n
+
     def advance(self, batch: ScheduledBatch) -> None:
         """After the runner executed `batch`: those tokens are now in the KV state (a verify step's drafts only as
-        far as `settle` says)."""
+        far as `settle` says); blocks now fully computed are keyed in the prefix cache."""
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
+            seq.snap_taps = ()
+            if not seq.draft_token_ids:
+                self.block_manager.cache_full_blocks(seq)
 
     def settle(self, seq: Sequence) -> None:
         """After a verify step appended the accepted drafts and the bonus token: everything before the last token is
@@ -194,6 +260,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.block_manager.trim(seq, seq.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
 
     # ---- internals ------------------------------------------------------------------------------------------
     @staticmethod

@@ -48,6 +48,12 @@ class Sequence:
         self.slot: int | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # prefix caching (engine/kv_cache.py): chain hashes of the full blocks hashed so far (they depend on the
+        # tokens only, so they survive a preemption), and how many of block_table's blocks are keyed in the cache
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.num_cached_tokens = 0  # prompt positions the last admission took from the prefix cache
+        self.snap_taps: tuple[tuple[int, int], ...] = ()  # this step's (block boundary, snapshot) saves (runner)
         self.finish_reason: str | None = None
         self.output_text = ""  # detokenised output (engine fills it when a tokenizer is present)
         self.num_preemptions = 0

@@ -27,7 +27,9 @@ def fake_config(max_num_seqs: int = 4, budget: int = 32, num_kv_blocks: int = 16
                 max_model_len: int = 256, *, vocab_size: int = 97, eos_token_id: int = NO_EOS,
                 model_dir: str | None = None, **settings) -> EngineConfig:
     """An engine config for the fake runner: a sliding-only ModelConfig (any block size fits) of its vocabulary
-    (with an MTP layer when `speculative` is among the settings)."""
+    (with an MTP layer when `speculative` is among the settings). Prefix caching is off unless the settings turn
+    it on: the tests that count steps, blocks and recomputed tokens are about the engine without it."""
+    settings.setdefault("enable_prefix_caching", False)
     mtp = int(settings.get("speculative", "none") != "none")
     cfg = ModelConfig(vocab_size=vocab_size, n_layers=1, n_mtp_layers=mtp, n_hash_layers=0,
                       compress_ratios=(0,) * (1 + mtp), eos_token_id=eos_token_id,
@@ -49,12 +51,26 @@ class FakeRunner:
         self.num_calls = 0
         self.num_tokens = 0
         self.freed: list[int] = []
+        self.snapshots: dict[int, tuple[int, list[int]]] = {}  # prefix caching: snapshot -> (position, hashes)
+        self.restored: list[tuple[int, int]] = []
 
     def free_slot(self, slot: int) -> None:
         self.slot_pos[slot] = 0
         self.slot_hashes[slot] = [0]
         self.draft_tail[slot] = 0
         self.freed.append(slot)
+
+    def save_prefix_state(self, slot: int, snap: int) -> None:
+        """Prefix caching: keep the slot's hash state as snapshot `snap`."""
+        self.snapshots[snap] = (self.slot_pos[slot], list(self.slot_hashes[slot]))
+
+    def restore_prefix_state(self, slot: int, snap: int) -> None:
+        """A reset slot takes snapshot `snap`'s state; the sequence may resume at any position it holds (a wrong
+        prefix or position shows in the logits: they hash the tokens)."""
+        assert self.slot_pos[slot] == 0, f"restore into slot {slot}, which was not reset"
+        pos, hashes = self.snapshots[snap]
+        self.slot_pos[slot], self.slot_hashes[slot], self.draft_tail[slot] = pos, list(hashes), pos
+        self.restored.append((slot, snap))
 
     def execute(self, batch: list, full_logits=()) -> torch.Tensor:
         """Logits [R, V]: per entry its last token's row, or a row per chunk token for entries in `full_logits`."""
@@ -168,6 +184,18 @@ class ByteRunner(FakeRunner):
                          step_delay_s=step_delay_s)
         self.fail_at_step = fail_at_step
         self.batch_sizes: list[int] = []
+
+    def save_prefix_state(self, slot: int, snap: int) -> None:
+        """Prefix caching: keep the slot's hash state as snapshot `snap`."""
+        self.snapshots[snap] = (self.slot_pos[slot], list(self.slot_hashes[slot]))
+
+    def restore_prefix_state(self, slot: int, snap: int) -> None:
+        """A reset slot takes snapshot `snap`'s state; the sequence may resume at any position it holds (a wrong
+        prefix or position shows in the logits: they hash the tokens)."""
+        assert self.slot_pos[slot] == 0, f"restore into slot {slot}, which was not reset"
+        pos, hashes = self.snapshots[snap]
+        self.slot_pos[slot], self.slot_hashes[slot], self.draft_tail[slot] = pos, list(hashes), pos
+        self.restored.append((slot, snap))
 
     def execute(self, batch: list, full_logits=()) -> torch.Tensor:
         if self.fail_at_step is not None and self.num_calls + 1 >= self.fail_at_step:

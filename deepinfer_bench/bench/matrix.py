@@ -237,9 +237,11 @@ def save_plot(df: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     ok = df[df["status"] == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in ((axes[0], "ttft_ms_p50", "TTFT p50 (ms)"), (axes[1], "tpot_ms_p50", "TPOT p50 (ms)")):
-        for (i, o), part in ok.groupby(["input_len", "output_len"], sort=True):
+        keys = (["variant"] if "variant" in ok else []) + ["input_len", "output_len"]
+        for key, part in ok.groupby(keys, sort=True):
             part = part.sort_values("batch_size")
-            ax.plot(part["batch_size"], part[metric], marker="o", label=f"in={i} out={o}")
+            *v, i, o = key
+            ax.plot(part["batch_size"], part[metric], marker="o", label=" ".join([*map(str, v), f"in={i} out={o}"]))
         ax.set_xlabel("batch size")
         ax.set_ylabel(label)
         sizes = sorted(int(b) for b in ok["batch_size"].unique())

@@ -8,6 +8,12 @@ TPOT = (E2EL - TTFT) / (output_tokens - 1) per request with > 1 output token; E2
 
 Prompts are random token ids (exact `input_len`, no client tokenizer needed), `ignore_eos: true`, so every request
 produces exactly `output_len` tokens. Library code: returns a DataFrame, never prints.
+
+Chat traces (`turns` > 1 or `shared_prefix_len` > 0): every conversation opens with the same system prompt of
+`shared_prefix_len` ids, and each turn sends the whole history plus `input_len` new ids; the history stands the
+reply in as `output_len` fresh ids (a client without the tokenizer cannot turn the streamed text back into ids),
+so the previous turn's prompt - not its reply - is the cacheable prefix of the next. At most `concurrency`
+conversations in flight, each turn after the previous one's answer.
 """
 
 from __future__ import annotations
@@ -117,9 +123,13 @@ class ServeMatrix:
     token_id_low: int = 10  # random prompt ids in [low, high); high defaults to the model's vocab (capped)
     token_id_high: int | None = None
     timeout_s: float = 600.0
+    shared_prefix_len: int = 0  # chat trace: the system prompt every conversation shares (module docstring)
+    turns: int = 1  # chat trace: turns per conversation (num_prompts conversations per cell)
 
     def __post_init__(self) -> None:
         axes.check_axes(self, ("concurrency", "input_len", "output_len"))
+        if self.shared_prefix_len < 0 or self.turns < 1:
+            raise ValueError(f"matrix {self.name!r}: shared_prefix_len must be >= 0 and turns >= 1")
         if self.prompts_per_concurrency < 1 or self.min_prompts < 1 or self.warmup < 0:
             raise ValueError(f"matrix {self.name!r}: prompts_per_concurrency/min_prompts must be >= 1, warmup >= 0")
 
@@ -206,10 +216,21 @@ async def run_cell(client: httpx.AsyncClient, base_url: str, info: ServerInfo, m
     rng = random.Random(f"{m.seed}-{concurrency}-{input_len}-{output_len}")
     url = f"{base_url}/v1/completions"
 
-    def payload() -> dict[str, Any]:
-        return {"model": info.model, "prompt": [rng.randrange(m.token_id_low, hi) for _ in range(input_len)],
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(m.token_id_low, hi) for _ in range(n)]
+
+    def payload(prompt: list[int] | None = None) -> dict[str, Any]:
+        return {"model": info.model, "prompt": ids(input_len) if prompt is None else prompt,
                 "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.0,
                 "logprobs": None, "stream": True, "stream_options": {"include_usage": True}}
+
+    if m.turns > 1 or m.shared_prefix_len:
+        longest = m.shared_prefix_len + m.turns * input_len + (m.turns - 1) * output_len
+        if info.max_model_len is not None and longest + output_len > info.max_model_len:
+            row.update(status="skipped", skip_reason=f"the last turn ({longest} + {output_len} tokens) > "
+                                                     f"max_model_len={info.max_model_len}")
+            return row, []
+        return await _chat_cell(client, url, m, concurrency, input_len, output_len, headers, ids, payload, row)
 
     for _ in range(m.warmup):
         await send_completion(client, url, payload(), headers, input_len)
@@ -228,6 +249,37 @@ async def run_cell(client: httpx.AsyncClient, base_url: str, info: ServerInfo, m
     else:
         results = await asyncio.gather(*(one(p) for p in payloads))
     row.update(summarize(list(results), time.perf_counter() - t0))
+    errors = sorted({r.error for r in results if not r.success})
+    if row["failed"]:
+        row.update(status="failed" if not row["completed"] else "partial", skip_reason="; ".join(errors)[:200])
+    return row, errors
+
+
+async def _chat_cell(client: httpx.AsyncClient, url: str, m: ServeMatrix, concurrency: int, input_len: int,
+                     output_len: int, headers: dict[str, str], ids: Callable[[int], list[int]],
+                     payload: Callable[[list[int]], dict[str, Any]], row: dict[str, Any],
+                     ) -> tuple[dict[str, Any], list[str]]:
+    """A chat-trace cell (module docstring): `num_prompts` conversations of `turns` turns; one row over all turns."""
+    system = ids(m.shared_prefix_len)
+    for _ in range(m.warmup):
+        await send_completion(client, url, payload(ids(m.shared_prefix_len + input_len)), headers,
+                              m.shared_prefix_len + input_len)
+    convs = [[ids(input_len) for _ in range(m.turns)] for _ in range(row["num_prompts"])]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def conversation(turns: list[list[int]]) -> list[RequestResult]:
+        async with sem:
+            history, out = list(system), []
+            for k, user in enumerate(turns):
+                history += user
+                out.append(await send_completion(client, url, payload(list(history)), headers, len(history)))
+                if k + 1 < len(turns):
+                    history += ids(output_len)
+            return out
+
+    t0 = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*(conversation(c) for c in convs)) for r in rs]
+    row.update(summarize(results, time.perf_counter() - t0), num_prompts=len(results))
     errors = sorted({r.error for r in results if not r.success})
     if row["failed"]:
         row.update(status="failed" if not row["completed"] else "partial", skip_reason="; ".join(errors)[:200])
@@ -262,14 +314,18 @@ def run_serve_matrix(base_url: str, matrix: ServeMatrix, *, api_key: str | None 
 
 
 def pivot_tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """(title, table) per p50 metric and output length: rows concurrency, columns input length."""
+    """(title, table) per p50 metric, output length (and variant, when the sweep has several): rows concurrency,
+    columns input length."""
     out = []
+    keys = (["variant"] if "variant" in df else []) + ["output_len"]
     for metric in ("ttft_ms_p50", "tpot_ms_p50"):
-        for o, part in df[df.status != "skipped"].groupby("output_len"):
+        for key, part in df[df.status != "skipped"].groupby(keys):
+            *v, o = key
             pivot = part.pivot(index="concurrency", columns="input_len", values=metric)
             pivot.columns = [f"in={c}" for c in pivot.columns]
             pivot.index = pivot.index.astype(str)  # keep ints ints through a row-wise formatter
-            out.append((f"{metric} (output_len={o}; rows concurrency, columns input_len)", pivot.reset_index()))
+            out.append((" ".join([*map(str, v), f"{metric} (output_len={o}; rows concurrency, columns input_len)"]),
+                        pivot.reset_index()))
     return out
 
 

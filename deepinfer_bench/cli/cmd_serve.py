@@ -51,7 +51,9 @@ def serve_cmd(
 
 @bench_app.command("serve")
 def bench_serve_cmd(
-    base_url: str = typer.Option("http://127.0.0.1:8000", help="Server root (with or without /v1)."),
+    base_url: list[str] = typer.Option(["http://127.0.0.1:8000"], help="Server root (with or without /v1); repeat "
+                                       "as LABEL=URL to sweep several servers (e.g. plain=..., spec=..., "
+                                       "prefix=...: one per engine variant) into one CSV with a `variant` column."),
     matrix: str = typer.Option("serve_quick", help="Matrix name in matrices/ or a TOML path."),
     out: Path = typer.Option(DEFAULT_OUT_DIR, help="Results folder (a new run folder each time)."),
     api_key: str | None = typer.Option(None, help="Bearer token for the server."),
@@ -77,13 +79,26 @@ def bench_serve_cmd(
 
     import httpx
 
-    try:
-        df, info = run_serve_matrix(base_url, m, api_key=api_key, progress=progress)
-    except httpx.HTTPError as e:  # the server is not there, or /v1/models failed
-        err_console.print(f"[red]cannot benchmark {base_url}: {type(e).__name__}: {e}[/red]")
-        raise typer.Exit(2) from None
+    targets = [tuple(u.split("=", 1)) if "=" in u.split("://", 1)[0] else ("", u) for u in base_url]
+    if len(targets) > 1 and (any(not label for label, _ in targets) or len({lb for lb, _ in targets}) < len(targets)):
+        raise typer.BadParameter("several servers need distinct labels: --base-url LABEL=URL", param_hint="--base-url")
+    dfs = []
+    for label, url in targets:
+        if label:
+            err_console.print(f"variant [bold]{label}[/bold]: {url}")
+        try:
+            part, info = run_serve_matrix(url, m, api_key=api_key, progress=progress)
+        except httpx.HTTPError as e:  # the server is not there, or /v1/models failed
+            err_console.print(f"[red]cannot benchmark {url}: {type(e).__name__}: {e}[/red]")
+            raise typer.Exit(2) from None
+        if label:
+            part.insert(0, "variant", label)
+        dfs.append(part)
+    df = pd.concat(dfs, ignore_index=True)
+    base_url = ", ".join(f"{label}={url}" if label else url for label, url in targets)
     render_df(df, f"Serving sweep: {m.name} against {info.model}",
-              columns=["concurrency", "input_len", "output_len", "completed", "failed", "ttft_ms_p50",
+              columns=(["variant"] if "variant" in df else []) + [
+                  "concurrency", "input_len", "output_len", "completed", "failed", "ttft_ms_p50",
                        "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "e2el_ms_p50", "output_tok_s",
                        "status"])
     for title, table in pivot_tables(df):
@@ -94,6 +109,10 @@ def bench_serve_cmd(
     path = save_results(df, out, f"serve-{m.name}", meta={
         "kind": "serve", "base_url": base_url, "model": info.model, "root": info.root, "matrix": m.name,
         "matrix_def": {k: getattr(m, k) for k in m.__dataclass_fields__}})
-    err_console.print(f"wrote {path}")
+    from deepinfer_bench.bench.pareto import SERVE, save_pareto
+
+    png = save_pareto(df, path.with_name(path.stem + "-pareto.png"), SERVE,
+                      title=f"{m.name} against {info.model}: points labelled with concurrency")
+    err_console.print(f"wrote {path} and {png}")
     if (df.status == "failed").any():
         raise typer.Exit(1)

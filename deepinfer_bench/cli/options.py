@@ -61,6 +61,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     block_size: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None
 
     def overrides(self) -> dict[str, Any]:
         """What the user set, under EngineConfig's flat names."""
@@ -153,6 +154,10 @@ _OPTIONS: dict[str, Any] = {
     "block_size": Annotated[int | None, _opt("--block-size", min=1, help="Token positions per KV block (a multiple "
                                              "of every compress ratio x cp).")],
     "max_model_len": Annotated[int | None, _opt("--max-model-len", min=1, help="Longest prompt + output.")],
+    "enable_prefix_caching": Annotated[bool | None, _opt("--enable-prefix-caching/--no-enable-prefix-caching",
+                                                         help="Reuse the KV blocks and slot state of cached prompt "
+                                                         "prefixes (vLLM's flag; default: on where exact, i.e. one "
+                                                         "rank and no DSpark head).", show_default=False)],
 }
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 

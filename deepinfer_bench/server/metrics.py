@@ -59,4 +59,7 @@ def prometheus_text(st: LoopStats, counters: Counters, alive: bool, served_model
          [(label, es.spec_num_accepted_tokens)])
     spec("spec_decode_num_accepted_tokens_per_pos", "Accepted drafts per draft position.",
          [(f'{{model_name="{model}",position="{i}"}}', n) for i, n in enumerate(es.spec_accepted_per_pos)])
+    spec("prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up at admission.",
+         [(label, es.prefix_cache_queries)])
+    spec("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.", [(label, es.prefix_cache_hits)])
     return "\n".join(lines) + "\n"

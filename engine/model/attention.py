@@ -17,7 +17,16 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.cache import LayerCache, SeqStep, StepPlan, gather_entries, gather_pool, ring_keys, write_ring
+from engine.model.cache import (
+    LayerCache,
+    SeqStep,
+    StepPlan,
+    gather_entries,
+    gather_pool,
+    ring_keys,
+    tap_ring,
+    write_ring,
+)
 from engine.model.compressor import Compressor, Indexer
 from engine.model.layers import Linear, RMSNorm, Rope, _empty
 from engine.model.ops import OpsUser
@@ -342,14 +351,20 @@ class Attention(OpsUser, nn.Module):
         tail = max(0, n - wl * cp)  # the last positions the ring holds (no negative slice start: XLA does not clamp)
         keep = qpos[tail:]
         keep_own = self._owned(keep)
+        snap = cache.snap if s.snaps else None  # prefix caching: save the slot state at the boundaries passed
+        if snap is not None:
+            tap_ring(cache, s.slot, start, kv, s.snaps, win)  # before the ring write below overwrites older rows
         write_ring(cache.win_store, s.slot, (keep[keep_own] // cp) % wl, kv[tail:][keep_own])
         g = _Group(rows=rows, q=q[None], keys=keys[None], valid=valid[None])
         if self.ratio:
+            taps = [(p, snap.cmp_kv[j], snap.cmp_score[j]) for p, j in s.snaps] \
+                if snap is not None and snap.cmp_kv is not None else ()
             self.compressor.chunk(*aux["c"], start, cache.cmp_kv[s.slot], cache.cmp_score[s.slot], cache.cmp_store,
-                                  s.block_table, self.rope, cache.dtype)
+                                  s.block_table, self.rope, cache.dtype, taps)
             if self.indexer is not None:
+                taps = [(p, snap.idx_kv[j], snap.idx_score[j]) for p, j in s.snaps] if taps else ()
                 self.indexer.compressor.chunk(*aux["i"], start, cache.idx_kv[s.slot], cache.idx_score[s.slot],
-                                              cache.idx_store, s.block_table, self.rope, cache.dtype)
+                                              cache.idx_store, s.block_table, self.rope, cache.dtype, taps)
             aux_q = (aux["q"][0][None], aux["q"][1][None]) if "q" in aux else None
             visible = ((qpos + 1) // self.ratio)[None]
             self._entries(g, cache, s.block_table[None], visible, aux_q, self._entry_ids(visible))

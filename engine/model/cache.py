@@ -151,6 +151,8 @@ class LayerCache:
     cmp_pool_scale: torch.Tensor | None = None
     cmp_pool_rope: torch.Tensor | None = None
     idx_pool_scale: torch.Tensor | None = None
+    # prefix caching: this layer's views of the slot-state snapshots (KVCache.snap_roots), eager chunks write them
+    snap: LayerCache | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -280,11 +282,12 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                  layer_ids: list[int], cp: int = 1, device: torch.device | str = "cpu", scratch: bool = False,
-                 spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8") -> None:
+                 spare: int = 0, kv_dtype: str = "auto", index_keys: str = "fp8", snapshots: int = 0) -> None:
         """Under context parallelism (cp > 1) this holds one rank's share: win/cp ring rows and block_size/(m*cp)
         entries per block (engine/parallel.py). `spare`: draft positions past the last accepted token that the
         slot state must hold without displacing anything (speculative decoding; see the module docstring).
-        `kv_dtype` "auto" | "fp8" and `index_keys` "fp8" | "fp4": the stores' layout (module docstring)."""
+        `kv_dtype` "auto" | "fp8" and `index_keys` "fp8" | "fp4": the stores' layout (module docstring).
+        `snapshots`: copies of a slot's state kept for prefix caching (`save_state`)."""
         for lid in layer_ids:
             m = cfg.compress_ratios[lid]
             if m and block_size % (m * cp):
@@ -313,6 +316,39 @@ class KVCache:
                 self.where[lid] = (m, i)
         self.layers: dict[int, LayerCache] = {lid: self.layer_view(lid, self.roots[self.where[lid][0]])
                                               for lid in layer_ids}
+        # Prefix caching: snapshots of the slot state at a cached block boundary P (engine/kv_cache.py). The window
+        # ring (every row: it is indexed by position) and, on CSA ratios, the compressor and indexer partial states
+        # (the block before P is pooled with the first block after it). HCA states are not kept: at a boundary the
+        # current block is empty and HCA pools no previous block, so a reset slot is already that state.
+        self.snap_roots: dict[int, dict[str, torch.Tensor]] = {}
+        if snapshots:
+            for m, roots in self.roots.items():
+                csa = ModelConfig.ratio_is_csa(m)
+                keep = [n for n in roots if "_pool" not in n and (n.startswith("win_kv") or csa)]
+                self.snap_roots[m] = {n: torch.zeros((roots[n].shape[0], snapshots, *roots[n].shape[2:]),
+                                                     dtype=roots[n].dtype, device=roots[n].device) for n in keep}
+            for lid, lc in self.layers.items():
+                m, i = self.where[lid]
+                lc.snap = LayerCache(ratio=m, **{name: t[i] for name, t in self.snap_roots[m].items()})
+
+    def save_state(self, slot: int, snap: int) -> None:
+        """Copy slot `slot`'s snapshot-kept state (every layer) into snapshot `snap`."""
+        self._copy_state(slot, snap, save=True)
+
+    def restore_state(self, slot: int, snap: int) -> None:
+        """Slot `slot`'s state from snapshot `snap` (the slot was reset: the states a snapshot omits are reset)."""
+        self._copy_state(slot, snap, save=False)
+
+    def _copy_state(self, slot: int, snap: int, save: bool) -> None:
+        if not self.snap_roots:
+            raise RuntimeError("this KV cache keeps no prefix snapshots (prefix caching is off)")
+        for m, snaps in self.snap_roots.items():
+            for name, st in snaps.items():
+                live = self.roots[m][name]
+                if save:
+                    st[:, snap].copy_(live[:, slot])
+                else:
+                    live[:, slot].copy_(st[:, snap])
 
     def layer_view(self, lid: int, roots: dict[str, torch.Tensor]) -> LayerCache:
         """Layer `lid`'s tensors as views of `roots` (the roots of its ratio); cheap, so graphs call it inside."""
@@ -330,7 +366,9 @@ class KVCache:
                 t.index_fill_(1, idx, float("-inf") if name.endswith("_score") else 0.0)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for roots in self.roots.values() for t in roots.values())
+        """Bytes of the state tensors, prefix snapshots included."""
+        return sum(t.numel() * t.element_size() for group in (self.roots, self.snap_roots)
+                   for roots in group.values() for t in roots.values())
 
     @property
     def bytes_per_token(self) -> float:
@@ -338,16 +376,37 @@ class KVCache:
         return self.layout.per_token
 
 
+def tap_ring(lc: LayerCache, slot: int, start: int, kv: torch.Tensor, taps: tuple[tuple[int, int], ...],
+             win: int) -> None:
+    """Prefix caching, in a chunk of one sequence (positions [start, start + len(kv)), cp = 1): for each (P, j) in
+    `taps`, the window-ring rows a query at block boundary P reads (positions [P - win + 1, P)) into snapshot j,
+    the earlier positions' rows copied as stored, the chunk's written as the ring write does (same bytes)."""
+    ring, snap = lc.win_store, lc.snap.win_store
+    wl = ring.shape[1]
+    dev = kv.device
+    for p_end, j in taps:
+        lo = max(0, p_end - win + 1)
+        old = torch.arange(lo, max(lo, min(start, p_end)), device=dev) % wl
+        if old.numel():
+            for st, lt in zip(snap.tensors(), ring.tensors(), strict=True):
+                st[j, old] = lt[slot, old]
+        new = torch.arange(max(lo, start), p_end, device=dev)
+        if new.numel():
+            write_ring(snap, j, new % wl, kv[new - start])
+
+
 @dataclass
 class SeqStep:
     """One sequence's share of a step: tokens [token_start, token_start + n) of the flat input are its positions
-    [start, start + n)."""
+    [start, start + n). `snaps`: (block boundary P, snapshot j) pairs in (start, start + n] whose slot state the
+    chunk saves as it passes them (prefix caching; eager chunks only)."""
 
     slot: int
     start: int
     n: int
     token_start: int
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    snaps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -64,9 +64,11 @@ class Compressor(OpsUser, nn.Module):
 
     # -- one sequence, n new tokens --------------------------------------------------------------------------------
     def chunk(self, kv: torch.Tensor, score: torch.Tensor, start: int, st_kv: torch.Tensor, st_score: torch.Tensor,
-              pool: torch.Tensor, table: torch.Tensor, rope: Rope, dtype: torch.dtype) -> None:
+              pool: torch.Tensor, table: torch.Tensor, rope: Rope, dtype: torch.dtype, taps: tuple = ()) -> None:
         """Feed tokens at positions [start, start+n) (kv/score [n, coff*D], ape not added) through the slot state
-        `st_kv/st_score` [S, coff*D]; every block that closes becomes an entry written to `pool` via `table`."""
+        `st_kv/st_score` [S, coff*D]; every block that closes becomes an entry written to `pool` via `table`.
+        `taps` (prefix caching): (block boundary P in (start, start+n], state kv, state score) - the rows the block
+        after P reads of the block before it (CSA; HCA reads none) go into that state (a snapshot's)."""
         m, n, rows = self.ratio, kv.shape[0], st_kv.shape[0]
         dev = kv.device
         r0 = start % m  # tokens of the current block already in the state
@@ -86,6 +88,11 @@ class Compressor(OpsUser, nn.Module):
             pooled = self.ops.compress_pool(blocks_kv, blocks_sc, self.overlap, *prev)  # [W, D]
             w = torch.arange(start // m, start // m + n_close, device=dev)
             self._store(self.finish(pooled, w * m, rope, dtype), w, pool, table)
+        if self.overlap:
+            for p_end, t_kv, t_sc in taps:
+                q = torch.arange(p_end - m, p_end, device=dev)
+                t_kv[self._state_rows(q, rows)] = seq_kv[q - (start - r0)]
+                t_sc[self._state_rows(q, rows)] = seq_sc[q - (start - r0)]
         keep = max(0, n - rows)  # the last `rows` tokens: distinct rows
         st_kv.index_copy_(0, self._state_rows(pos[keep:], rows), kv[keep:])
         st_score.index_copy_(0, self._state_rows(pos[keep:], rows), score[keep:])

@@ -68,7 +68,7 @@ def make_auth_app():
 IDS_VOCAB = 97
 
 
-def make_ids_app(num_speculative_tokens: int = 0, **engine_kw: object):
+def make_ids_app(num_speculative_tokens: int = 0, enable_prefix_caching: bool = False, **engine_kw: object):
     """The real engine over `FakeRunner` (random logits after every prefix: logprobs are worth comparing), token ids
     only (no tokenizer: logprob tokens are "token_id:ID"). `app.state.engine_loop.engine.runner` has the reference.
     `num_speculative_tokens` > 0: speculative decoding with `SpecFakeRunner`'s partly wrong drafts."""
@@ -78,7 +78,7 @@ def make_ids_app(num_speculative_tokens: int = 0, **engine_kw: object):
     kw = {"max_num_seqs": 8, "budget": 16, "num_kv_blocks": 64, "block_size": 8, "max_model_len": 128, **engine_kw}
     spec = {"speculative": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else {}
     cfg = fake_config(kw["max_num_seqs"], kw["budget"], kw["num_kv_blocks"], kw["block_size"], kw["max_model_len"],
-                      vocab_size=IDS_VOCAB, **spec)
+                      vocab_size=IDS_VOCAB, enable_prefix_caching=enable_prefix_caching, **spec)
     runner = (SpecFakeRunner if spec else FakeRunner)(kw["max_num_seqs"], kw["num_kv_blocks"], kw["block_size"],
                                                       kw["max_model_len"], IDS_VOCAB)
     engine = LLMEngine(cfg, runner, tokenizer=None)

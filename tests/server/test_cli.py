@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from deepinfer_bench.bench.serve_sweep import COLUMNS, load_serve_matrix
 from deepinfer_bench.cli import app
-from deepinfer_bench.server import serve as serving
+from deepinfer_bench.server.api import serve as serving
 from engine.config import ModelConfig
 
 TINY = Path(__file__).resolve().parents[2] / "golden" / "tiny"
@@ -109,7 +109,38 @@ def test_bench_serve_command(live_server: str, tmp_path: Path) -> None:
     df = pd.read_csv(csv)
     assert list(df.columns) == COLUMNS and len(df) == 2 and (df.status == "ok").all()
     assert (csv.parent / "meta.json").exists()
+    assert (csv.parent / "serve-tiny_sweep-pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert "online / offline" in r.output
+
+
+def test_bench_serve_variants_and_chat_trace(live_server: str, tmp_path: Path) -> None:
+    """Two labelled servers (the same one here) swept with a multi-turn chat trace: one CSV with a variant column,
+    every turn a request, and the Pareto PNG."""
+    mpath = tmp_path / "chat.toml"
+    mpath.write_text("concurrency = [1, 2]\ninput_len = [4]\noutput_len = [3]\nmin_prompts = 2\n"
+                     "prompts_per_concurrency = 1\ntoken_id_high = 200\nshared_prefix_len = 9\nturns = 3\n")
+    r = runner.invoke(app, ["bench", "serve", "--base-url", f"a={live_server}", "--base-url", f"b={live_server}/v1",
+                            "--matrix", str(mpath), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    (csv,) = (tmp_path / "out").glob("serve-chat-*/serve-chat.csv")
+    df = pd.read_csv(csv)
+    assert df["variant"].tolist() == ["a", "a", "b", "b"] and (df.status == "ok").all()
+    assert df["completed"].tolist() == [6, 6, 6, 6]  # 2 conversations x 3 turns per cell
+    # the prompts grow turn by turn: 9 + 4, 9 + 4 + 3 + 4, 9 + 4 + 3 + 4 + 3 + 4 tokens
+    assert df["mean_prompt_tokens"].tolist() == [(13 + 20 + 27) / 3] * 4
+    assert (csv.parent / "serve-chat-pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert runner.invoke(app, ["bench", "serve", "--base-url", live_server, "--base-url", live_server,
+                               "--matrix", str(mpath), "--out", str(tmp_path / "o2")]).exit_code == 2
+
+
+@pytest.mark.parametrize("name", ["serve_sweep", "inferencex_8k1k", "chat_multiturn"])
+def test_sweep_presets_parse(name: str) -> None:
+    m = load_serve_matrix(name)
+    assert min(m.concurrency) == 1 and max(m.concurrency) >= 64
+    if name == "inferencex_8k1k":
+        assert (m.input_len, m.output_len, max(m.concurrency)) == ((8192,), (1024,), 128)
+    if name == "chat_multiturn":
+        assert m.shared_prefix_len > 0 and m.turns > 1
 
 
 def test_bench_serve_without_a_server_is_a_clear_error(tmp_path: Path) -> None:
