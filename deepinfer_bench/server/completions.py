@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deepinfer_bench.server.api import chat
+from deepinfer_bench.server import chat
 from deepinfer_bench.server.protocol import (
     APIError,
     chat_logprobs,

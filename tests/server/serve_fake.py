@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from deepinfer_bench.server.api import serve as serving
+from deepinfer_bench.server import serve as serving
 from tests.server import fakes
 
 

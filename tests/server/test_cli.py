@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from deepinfer_bench.bench.serve_sweep import COLUMNS, load_serve_matrix
 from deepinfer_bench.cli import app
-from deepinfer_bench.server.api import serve as serving
+from deepinfer_bench.server import serve as serving
 from engine.config import ModelConfig
 
 TINY = Path(__file__).resolve().parents[2] / "golden" / "tiny"
