@@ -29,13 +29,15 @@ def compile_graphs(config: Any, out: Path) -> tuple[pd.DataFrame, Path]:
     import engine
     from deepinfer_bench.report import base_meta
     from engine.backends import backend_class, measured_on
-    from engine.envs import apply_env
+    from engine.envs import apply_env, get_envs
     from engine.stack import probe
 
     cls = backend_class(config.backend)
-    env = cls.compile_only_env() if hasattr(cls, "compile_only_env") else {}
+    env = cls.compile_only_env(Path(out)) if hasattr(cls, "compile_only_env") else {}
+    if "TORCH_NEURONX_DEBUG_DIR" in dict(get_envs().recorded):
+        env.pop("TORCH_NEURONX_DEBUG_DIR", None)  # the user's artifact folder is kept
     if env:
-        apply_env(env)  # before the engine (and the backend's runtime) starts
+        apply_env(env)  # before the engine (and the backend's runtime) starts: before anything compiles
     eng = engine.build(config)
     backend = eng.runner.backend
     rows = backend.export_graphs(eng.runner, Path(out))

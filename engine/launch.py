@@ -185,9 +185,11 @@ def run_job(config: EngineConfig, fn: Callable[..., Any], args: tuple = (), *, t
         return fn(build(config, threads=threads), *args)
     from engine.backends import backend_class
 
-    backend_class(config.backend).check_parallel(config.parallel.cp)  # refuse up front what ranks could not run
+    cls = backend_class(config.backend)
+    cls.check_parallel(config.parallel.cp)  # refuse up front what ranks could not run
     import torch
 
     total = _threads(threads) or torch.get_num_threads()
     return launch(_engine_job, config.parallel.cp, (config, fn, args), timeout_s=timeout_s, kill_at=kill_at,
-                  setup=functools.partial(_setup_rank, config), threads=max(1, total // config.parallel.cp))
+                  setup=functools.partial(_setup_rank, config), threads=max(1, total // config.parallel.cp),
+                  rank_env=getattr(cls, "rank_env", None))
