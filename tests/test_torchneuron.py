@@ -341,3 +341,17 @@ def test_standin_without_its_extra_is_one_line(envs, monkeypatch: pytest.MonkeyP
     assert "neuron-standin needs torch_mlir and jax" in line and "pip install -e '.[neuron-standin]'" in line
     code, out, err = run_main(["compile", "--backend", "neuron-standin", "--out", str(tmp_path / "g")], capsys)
     assert code == 2 and "[neuron-standin]" in err and not (tmp_path / "g").exists()
+
+
+def test_measured_on_states_what_the_probe_found(envs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bringup's "Measured on" line: without TorchNeuron it says so; with it, the version and whether a device is
+    visible (no longer "on a Neuron device" regardless)."""
+    from engine.backends.torchneuron import TorchNeuronBackend
+
+    monkeypatch.setitem(__import__("sys").modules, "torch_neuronx", None)
+    assert TorchNeuronBackend.measured_on().startswith("nothing of TorchNeuron")
+    fake_torchneuron.install(monkeypatch, device=False)
+    assert TorchNeuronBackend.measured_on().endswith("compile only, no Neuron device visible")
+    assert "torch-neuronx 2.13.3.1" in TorchNeuronBackend.measured_on()
+    fake_torchneuron.install(monkeypatch, device=True)
+    assert TorchNeuronBackend.measured_on().endswith("on a Neuron device (/dev/neuron*)")

@@ -116,9 +116,9 @@ def chunk_specs(runner: Any) -> list[GraphSpec]:
 
 
 def graph_specs(runner: Any) -> list[GraphSpec]:
-    """Every graph the runner's RegionRunner knows: the decode graphs, the prefill chunk graphs, then whatever it
-    lists itself (`export_specs(runner)`)."""
-    specs = decode_specs(runner) + chunk_specs(runner)
+    """Every graph a step of the runner can run: the decode graphs, the prefill chunk graphs where the engine runs
+    chunks as graphs (GraphConfig.chunk_graphs), then whatever the RegionRunner lists itself (`export_specs`)."""
+    specs = decode_specs(runner) + (chunk_specs(runner) if runner.config.graph.chunk_graphs else [])
     extra = getattr(runner.regions, "export_specs", None)
     if extra is not None:
         specs.extend(extra(runner))
