@@ -263,9 +263,14 @@ class TorchNeuronBackend:
         """TorchNeuron's Dynamo backend with the graph named `name` (`options={"model_name": name}`: the SDK names its
         artifacts and metrics by it), counting each graph it compiles and the seconds its compile call takes
         (neuronx-cc runs there or at the graph's first call; `counters` prefers the SDK's own metrics)."""
+        from engine.backends.portable import source_problems
+
         neuron = torch._dynamo.lookup_backend("neuron")
 
         def named(gm: Any, example_inputs: list[Any]) -> Any:
+            problems = source_problems(gm)  # what Neuron's lowering gets wrong without an error (portable.py)
+            if problems:
+                raise ValueError(f"{name}: " + "; ".join(problems[:5]))
             return neuron(gm, example_inputs, options={"model_name": name})
 
         return counted_compiler(named, self._counters)
