@@ -89,6 +89,9 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
         state.clear()  # the model holds what it needs; the rest goes now (peak memory = the weights once)
     with backend.grad_context():
         model.to(backend.device)  # weights and RoPE tables on the engine's device (a no-op on the host)
+    from nki_kernels.reference import luts_on
+
+    luts_on(backend.device)  # the FP8 / FP4 decode tables too, before any graph captures them
     return ModelRunner(config, model, par, backend, dispatcher)
 
 

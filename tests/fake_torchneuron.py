@@ -50,6 +50,7 @@ class FakeSDK:
     compiled: list[dict[str, Any]] = field(default_factory=list)  # one per graph the "neuron" backend compiled
     artifact_dir: Path | None = None
     fail: str | None = None  # a compile error to raise
+    fail_on: dict[str, str] = field(default_factory=dict)  # graph name -> NCC code only its artifact log names
     metrics: list[Metric] = field(default_factory=list)
     output: Any = None  # kernel launch -> outputs (default: one tensor shaped like the first operand)
 
@@ -132,13 +133,15 @@ class FakeSDK:
         if self.artifact_dir.is_dir():
             folder = self.artifact_dir / name
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "log-neuron-cc.txt").write_text(f"compiling {name}\n" + (f"ERROR [{self.fail}]\n"
-                                                                            if self.fail else ""))
+            err = self.fail or self.fail_on.get(name)
+            (folder / "log-neuron-cc.txt").write_text(f"compiling {name}\n" + (f"ERROR [{err}]\n" if err else ""))
         self.compiled.append({"name": name, "shapes": [tuple(t.shape) for t in tensors],
                               "devices": sorted({t.device.type for t in tensors}), "compile_only": compile_only})
         self.metrics.append(Metric(f"key{len(self.metrics)}", f"{name}_0_inference_0", name))
         if self.fail is not None:
             raise RuntimeError(f"neuronx-cc failed: {self.fail}")
+        if name in self.fail_on:
+            raise RuntimeError("neuronx-cc returned 70")  # the code is in the graph's artifact log only
         return gm.forward
 
     def get_dynamo_metrics(self) -> list[Metric]:

@@ -355,3 +355,27 @@ def test_measured_on_states_what_the_probe_found(envs, monkeypatch: pytest.Monke
     assert "torch-neuronx 2.13.3.1" in TorchNeuronBackend.measured_on()
     fake_torchneuron.install(monkeypatch, device=True)
     assert TorchNeuronBackend.measured_on().endswith("on a Neuron device (/dev/neuron*)")
+
+
+def test_compile_neuron_names_every_graph_and_reads_their_artifacts(sdk_no_device, envs, capsys: pytest.CaptureFixture,
+                                                                    tmp_path: Path) -> None:
+    """`deepinfer compile --backend neuron` under the fake, no device: the debug folder is set before the first
+    compile, every graph reaches the neuron backend named and on meta tensors (the fake refuses anything else), the
+    graph count printed first is what compiled, and a failure's NCC code is read from that graph's own artifacts."""
+    import json
+
+    sdk = sdk_no_device
+    out = tmp_path / "graphs"
+    sdk.fail_on["layer_4_hash_b1_nb1"] = "NCC_IXTP002"
+    code, _, err = run_main(["compile", "--backend", "neuron", "--max-num-seqs", "1", "--max-model-len", "16",
+                             "--max-num-batched-tokens", "8", "--out", str(out)], capsys)
+    assert code == 1, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = manifest["graphs"]
+    assert [c["name"] for c in sdk.compiled] == [r["graph"] for r in rows] and len(rows) == manifest["budget"]["total"]
+    assert all(c["devices"] == ["meta"] and c["compile_only"] for c in sdk.compiled)
+    assert sdk.artifact_dir == out / "artifacts" and manifest["compile_env"]["TORCH_NEURONX_DEBUG_DIR"] == str(
+        out / "artifacts")
+    failed = [(r["graph"], r["ncc_error"]) for r in rows if r["status"] == "fail"]
+    assert failed == [("layer_4_hash_b1_nb1", "NCC_IXTP002")]
+    assert f"{len(rows)} graphs:" in err.split("compiling the graphs")[0]
