@@ -379,3 +379,15 @@ def test_compile_neuron_names_every_graph_and_reads_their_artifacts(sdk_no_devic
     failed = [(r["graph"], r["ncc_error"]) for r in rows if r["status"] == "fail"]
     assert failed == [("layer_4_hash_b1_nb1", "NCC_IXTP002")]
     assert f"{len(rows)} graphs:" in err.split("compiling the graphs")[0]
+
+
+def test_nki_kernels_at_lnc_2_are_refused_in_one_line(sdk, envs) -> None:
+    """The kernels do not split work by program id: at NEURON_LOGICAL_NC_CONFIG=2 both physical cores would write
+    every output, so `--kernels nki` needs LNC 1 (the first-contact default)."""
+    from engine.backends.torchneuron import TorchNeuronBackend
+
+    TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))  # LNC unset: 1
+    envs(NEURON_LOGICAL_NC_CONFIG="2")
+    with pytest.raises(ValueError, match="--kernels nki at NEURON_LOGICAL_NC_CONFIG=2"):
+        TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))
+    TorchNeuronBackend(fake_config(backend="neuron", kernels="reference"))
