@@ -31,6 +31,7 @@ def envs(monkeypatch: pytest.MonkeyPatch):
 
     for k in ("NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
               "RANK", "TORCH_NEURONX_NEFF_CACHE_DIR", "TORCH_NEURONX_HLO_CACHE_DIR", "TORCH_NEURONX_COMPILE_ONLY",
+              "TORCH_NEURONX_HLO_COMPILE_CACHE", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
               "TORCH_NEURONX_DEBUG_DIR", "NEURON_CC_FLAGS", "NEURON_PLATFORM_TARGET_OVERRIDE",
               "TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS", "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION",
               "XDG_CACHE_HOME"):
@@ -91,6 +92,8 @@ def test_each_rank_env_is_made_by_the_parent_one_core_of_its_own(envs, tmp_path:
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "1" and env["NEURON_CC_FLAGS"] == "-O1"
     assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "deepinfer" / "neff" / "rank1")
     assert env["TORCH_NEURONX_HLO_CACHE_DIR"] == str(tmp_path / "deepinfer" / "hlo" / "rank1")
+    assert env["TORCH_NEURONX_HLO_COMPILE_CACHE"] == "1"
+    assert env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] == str(tmp_path / "deepinfer" / "neff_local" / "rank1")
     assert env["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1" and "TORCH_NEURONX_COMPILE_ONLY" not in env
     envs(NEURON_RT_VISIBLE_CORES="4-7", NEURON_LOGICAL_NC_CONFIG="2", NEURON_CC_FLAGS="-O2")
     env = TorchNeuronBackend.rank_env(1, 4)

@@ -169,6 +169,9 @@ def worker_env(local_rank: int, lnc: int, recorded: Mapping[str, str], root: Pat
            # race on one folder
            "TORCH_NEURONX_HLO_CACHE_DIR": per_rank_dir(recorded, "TORCH_NEURONX_HLO_CACHE_DIR", local_rank,
                                                        root / "hlo"),
+           "TORCH_NEURONX_HLO_COMPILE_CACHE": recorded.get("TORCH_NEURONX_HLO_COMPILE_CACHE", "1"),
+           "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": per_rank_dir(recorded, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
+                                                              local_rank, root / "neff_local"),
            "NEURON_CC_FLAGS": recorded.get("NEURON_CC_FLAGS", FIRST_CONTACT_CC_FLAGS),
            **_NO_FALLBACK}
     if compile_only:
