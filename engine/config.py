@@ -59,6 +59,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Multi-token entries (prefill chunks, speculative verify steps) run as graphs of C tokens per sequence, C one of
 # these (capped by max_num_batched_tokens: GraphConfig.chunk_sizes); the scheduler cuts chunks to fit them.
 CHUNK_BUCKETS = (8, 32, 128, 512)
+# The first context bucket of TorchNeuron's graphs, in tokens (GraphConfig.min_context_bucket; vLLM Neuron's context
+# buckets start high for the same reason: every bucket is a compile of every structure x batch bucket)
+MIN_CONTEXT_BUCKET = 512
 
 
 class LayoutError(ValueError):
@@ -298,6 +301,11 @@ class GraphConfig:
     # multi-token entries (prefill chunks, verify steps) as chunk-region graphs; None (auto) is resolved with the
     # backend (EngineConfig): on in the graph modes of a device backend, off on the host (eager prefill there)
     chunk_graphs: bool | None = None
+    # tokens of context the first block bucket covers (the block buckets are powers of two from there): below it a
+    # smaller bucket saves little (decode at short context reads weights, not KV) and costs a graph per structure x
+    # batch bucket; None (auto) is resolved with the backend (EngineConfig): MIN_CONTEXT_BUCKET on TorchNeuron, one
+    # block elsewhere
+    min_context_bucket: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode, "graph mode"))
@@ -316,6 +324,13 @@ class GraphConfig:
         if not isinstance(self.moe_capacity, (int, float)) or self.moe_capacity < 0:
             raise ValueError(f"moe_capacity must be a number >= 0, got {self.moe_capacity!r}")
         object.__setattr__(self, "moe_capacity", float(self.moe_capacity))
+        m = self.min_context_bucket
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+            raise ValueError(f"min_context_bucket must be an int >= 0 (tokens), got {m!r}")
+
+    def min_blocks(self, block_size: int) -> int:
+        """The first block bucket, in blocks (at least one)."""
+        return max(1, -(-(self.min_context_bucket or 0) // block_size))
 
     def chunk_sizes(self, max_num_batched_tokens: int) -> tuple[int, ...]:
         """The chunk buckets a step can use: those below max_num_batched_tokens, then the budget itself as the top
@@ -366,6 +381,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     "cp": ("parallel", "cp"),
     "graph_mode": ("graph", "mode"), "batch_buckets": ("graph", "batch_buckets"),
     "chunk_buckets": ("graph", "chunk_buckets"), "chunk_graphs": ("graph", "chunk_graphs"),
+    "min_context_bucket": ("graph", "min_context_bucket"),
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
     "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
     "speculative": ("spec", "method"), "num_speculative_tokens": ("spec", "num_speculative_tokens"),
@@ -400,6 +416,9 @@ class EngineConfig:
             object.__setattr__(self, "graph", dataclasses.replace(self.graph, chunk_graphs=chunks))
         elif self.graph.chunk_graphs and self.graph.mode is GraphMode.EAGER:
             raise ValueError("chunk_graphs needs graph mode regions or layer (eager mode makes no graphs)")
+        if self.graph.min_context_bucket is None:
+            first = MIN_CONTEXT_BUCKET if self.backend in (Backend.NEURON, Backend.NEURON_STANDIN) else 0
+            object.__setattr__(self, "graph", dataclasses.replace(self.graph, min_context_bucket=first))
         requested = Kernels.parse(self.kernels, "kernels")
         kernels, why = resolve_kernels(requested, self.backend)
         for name, value in (("kernels", kernels), ("kernels_requested", requested), ("kernels_why", why)):

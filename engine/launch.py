@@ -89,6 +89,9 @@ def build_runner(config: EngineConfig, par: Parallel | None = None,
         state.clear()  # the model holds what it needs; the rest goes now (peak memory = the weights once)
     with backend.grad_context():
         model.to(backend.device)  # weights and RoPE tables on the engine's device (a no-op on the host)
+    from nki_kernels.reference import luts_on
+
+    luts_on(backend.device)  # the FP8 / FP4 decode tables too, before any graph captures them
     return ModelRunner(config, model, par, backend, dispatcher)
 
 
@@ -185,9 +188,11 @@ def run_job(config: EngineConfig, fn: Callable[..., Any], args: tuple = (), *, t
         return fn(build(config, threads=threads), *args)
     from engine.backends import backend_class
 
-    backend_class(config.backend).check_parallel(config.parallel.cp)  # refuse up front what ranks could not run
+    cls = backend_class(config.backend)
+    cls.check_parallel(config.parallel.cp)  # refuse up front what ranks could not run
     import torch
 
     total = _threads(threads) or torch.get_num_threads()
     return launch(_engine_job, config.parallel.cp, (config, fn, args), timeout_s=timeout_s, kill_at=kill_at,
-                  setup=functools.partial(_setup_rank, config), threads=max(1, total // config.parallel.cp))
+                  setup=functools.partial(_setup_rank, config), threads=max(1, total // config.parallel.cp),
+                  rank_env=getattr(cls, "rank_env", None))

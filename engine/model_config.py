@@ -81,6 +81,20 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a DeepSeek-V4 model."""
 
 
+# The HF model classes this engine runs (V4-Flash / V4-Pro); another class (e.g. DeepseekV41ForCausalLM, V4.1 of
+# Sept 2026) changes the model, so its checkpoint is refused by name before any field is read.
+ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
+def check_architectures(raw: dict[str, Any]) -> None:
+    """One ConfigError naming a model class this engine does not run."""
+    archs = raw.get("architectures") or []
+    other = [a for a in (archs if isinstance(archs, list) else [archs]) if a not in ARCHITECTURES]
+    if other:
+        raise ConfigError(f"{', '.join(map(str, other))} is not a model this engine runs: it runs DeepSeek-V4 "
+                          f"({' / '.join(ARCHITECTURES)}: V4-Flash, V4-Pro and their official inference configs)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """DeepSeek-V4 hyper-parameters, official names (`inference/model.py` `ModelArgs`)."""
@@ -304,7 +318,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Normalise an HF or official config dict. Unknown keys, contradictory spellings and a missing REQUIRED
-        field raise ConfigError (naming the field in both spellings)."""
+        field raise ConfigError (naming the field in both spellings); so does a model class other than DeepSeek-V4's
+        (`architectures`)."""
+        check_architectures(raw)
         out = _normalise(dict(raw))
         missing = [name for name in REQUIRED if name not in out]
         if missing:

@@ -198,13 +198,15 @@ def _default_setup(rank: int, cp: int, port: int, threads: int, timeout_s: float
 
 def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: float | None = None,
            kill_at: tuple[int, int] | None = None,
-           setup: Callable[[int, int, int, int, float], Parallel] | None = None, threads: int | None = None) -> Any:
+           setup: Callable[[int, int, int, int, float], Parallel] | None = None, threads: int | None = None,
+           rank_env: Callable[[int, int], dict[str, str]] | None = None) -> Any:
     """Run `job(par, *args)` on cp ranks (processes) and return rank 0's result.
 
     `setup(rank, cp, port, threads, collective_timeout_s) -> Parallel` runs first in every rank process: it sets the
     process up and joins the job's group (the engine passes its backend's `setup_process` + `join_group`); the
     default sets the host threads and joins over gloo. `threads`: torch threads per rank (default:
-    DEEPINFER_NUM_THREADS or torch's, split between the ranks).
+    DEEPINFER_NUM_THREADS or torch's, split between the ranks). `rank_env(rank, cp)`: variables rank `rank` must
+    have before it imports anything (a runtime that reads them at import), given to its process at start.
 
     Any rank that raises, dies (e.g. SIGKILL) or outlives `timeout_s` ends the job: the others are terminated
     (SIGTERM, then SIGKILL after 5 s) and RankFailed names the rank and its error. `kill_at=(rank, n)` makes that
@@ -222,8 +224,8 @@ def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: flo
     procs = [ctx.Process(target=_rank_main, name=f"deepinfer-rank{r}", daemon=True,
                          args=(r, cp, port, job, args, results, coll_timeout, kill_at, threads, setup))
              for r in range(cp)]
-    for p in procs:
-        p.start()
+    for r, p in enumerate(procs):
+        _start_with_env(p, rank_env(r, cp) if rank_env is not None else {})
     deadline = time.monotonic() + timeout_s
     done: set[int] = set()
     result: Any = None
@@ -265,6 +267,20 @@ def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: flo
         extra = f" (then: {'; '.join(m.splitlines()[0] for m in ordered[1:])})" if len(ordered) > 1 else ""
         raise RankFailed(ordered[0] + extra)
     return result
+
+
+def _start_with_env(proc: Any, env: dict[str, str]) -> None:
+    """Start `proc` with `env` added to its environment (a spawned child copies the parent's at start)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _reap(procs: list[Any], graceful: bool) -> None:

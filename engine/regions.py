@@ -60,12 +60,40 @@ def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
-def block_bucket(n: int, max_blocks: int) -> int:
-    """Power of two >= n, capped at max_blocks (the block-table width a region is compiled for)."""
+def block_bucket(n: int, max_blocks: int, min_blocks: int = 1) -> int:
+    """Power of two >= max(n, min_blocks), capped at max_blocks (the block-table width a region is compiled for):
+    contexts below `min_blocks` blocks share the first bucket (a smaller one would save little and cost a graph)."""
     b = 1
-    while b < n:
+    while b < max(n, min_blocks):
         b *= 2
     return max(n, min(b, max_blocks))
+
+
+def block_buckets(max_blocks: int, min_blocks: int = 1) -> list[int]:
+    """Every block bucket a sequence of up to `max_blocks` blocks can take."""
+    return sorted({block_bucket(n, max_blocks, min_blocks) for n in range(1, max_blocks + 1)})
+
+
+def decode_shapes(max_num_seqs: int, buckets: tuple[int, ...], max_blocks: int,
+                  min_blocks: int = 1) -> list[tuple[int, int]]:
+    """(batch bucket, block bucket) pairs a decode step of up to `max_num_seqs` sequences can take."""
+    bps = sorted({batch_bucket(b, buckets) for b in range(1, max_num_seqs + 1)})
+    return [(bp, nb) for bp in bps for nb in block_buckets(max_blocks, min_blocks)]
+
+
+def chunk_shapes(max_num_seqs: int, max_num_batched_tokens: int, buckets: tuple[int, ...],
+                 chunk_buckets: tuple[int, ...], max_blocks: int, min_blocks: int = 1) -> list[tuple[int, int, int]]:
+    """(batch bucket, chunk bucket, block bucket) triples a chunk run can take when the scheduler caps chunks at the
+    largest chunk bucket: B entries of a bucket C need B x (C_prev + 1) <= max_num_batched_tokens tokens."""
+    out = []
+    nbs = block_buckets(max_blocks, min_blocks)
+    prev = 1
+    for c in chunk_buckets:
+        most = min(max_num_seqs, max(1, max_num_batched_tokens // (prev + 1)))
+        bps = sorted({batch_bucket(b, buckets) for b in range(1, most + 1)})
+        out += [(bp, c, nb) for bp in bps for nb in nbs]
+        prev = c
+    return out
 
 
 def plan_runs(ns: list[int], chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS) -> list[tuple[int, list[int]]]:
@@ -192,7 +220,7 @@ class RegionRunner:
 
     def __init__(self, model: Transformer, cache: KVCache, mode: GraphMode | str, backend: Backend, max_blocks: int,
                  timer: RegionTimer | None = None, buckets: tuple[int, ...] = BATCH_BUCKETS,
-                 chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS) -> None:
+                 chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS, min_blocks: int = 1) -> None:
         mode = GraphMode.parse(mode, "graph mode")
         if mode is GraphMode.EAGER:
             raise ValueError("graph mode 'eager': RegionRunner runs 'regions' or 'layer'")
@@ -200,6 +228,7 @@ class RegionRunner:
             raise ValueError("region graphs need KVCache(scratch=True) (padded rows write to the scratch slot)")
         self.model, self.cache, self.mode, self.backend = model, cache, mode, backend
         self.max_blocks, self.buckets, self.chunk_buckets = max_blocks, buckets, chunk_buckets
+        self.min_blocks = min_blocks  # the first block bucket (GraphConfig.min_context_bucket in blocks)
         self.timer = timer
         self.kinds = ("layer",) if mode is GraphMode.LAYER else ("attn", "moe")
         boundary = backend.boundary(self._split)  # kept out of graphs; used only by the timed graphs
@@ -234,22 +263,12 @@ class RegionRunner:
 
     def decode_shapes(self, max_num_seqs: int) -> list[tuple[int, int]]:
         """(batch bucket, block bucket) pairs a decode step of up to `max_num_seqs` sequences can take."""
-        bps = sorted({batch_bucket(b, self.buckets) for b in range(1, max_num_seqs + 1)})
-        nbs = sorted({block_bucket(n, self.max_blocks) for n in range(1, self.max_blocks + 1)})
-        return [(bp, nb) for bp in bps for nb in nbs]
+        return decode_shapes(max_num_seqs, self.buckets, self.max_blocks, self.min_blocks)
 
     def chunk_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int, int]]:
-        """(batch bucket, chunk bucket, block bucket) triples a chunk run can take when the scheduler caps chunks at
-        the largest chunk bucket: B entries of a bucket C need B x (C_prev + 1) <= max_num_batched_tokens tokens."""
-        out = []
-        nbs = sorted({block_bucket(n, self.max_blocks) for n in range(1, self.max_blocks + 1)})
-        prev = 1
-        for c in self.chunk_buckets:
-            most = min(max_num_seqs, max(1, max_num_batched_tokens // (prev + 1)))
-            bps = sorted({batch_bucket(b, self.buckets) for b in range(1, most + 1)})
-            out += [(bp, c, nb) for bp in bps for nb in nbs]
-            prev = c
-        return out
+        """(batch bucket, chunk bucket, block bucket) triples a chunk run can take (module `chunk_shapes`)."""
+        return chunk_shapes(max_num_seqs, max_num_batched_tokens, self.buckets, self.chunk_buckets, self.max_blocks,
+                            self.min_blocks)
 
     def _split(self, stage: str) -> None:
         if self.timer is not None:
@@ -295,7 +314,7 @@ class RegionRunner:
         b = len(steps)
         bp = batch_bucket(b, self.buckets)
         bs = self.cache.block_size
-        nb = block_bucket(max(s.start // bs + 1 for s in steps), self.max_blocks)
+        nb = block_bucket(max(s.start // bs + 1 for s in steps), self.max_blocks, self.min_blocks)
         packed = torch.zeros(bp, 3 + nb, dtype=torch.long)  # pos, slot, id, table...
         packed[:, 1], packed[:, 3:] = self.cache.num_slots, self.cache.num_blocks
         ids = input_ids.cpu().tolist()  # a no-op copy for a CPU tensor
@@ -329,7 +348,7 @@ class RegionRunner:
         columns the scratch block."""
         bp = batch_bucket(len(steps), self.buckets)
         bs = self.cache.block_size
-        nb = block_bucket(max(-(-(s.start + s.n) // bs) for s in steps), self.max_blocks)
+        nb = block_bucket(max(-(-(s.start + s.n) // bs) for s in steps), self.max_blocks, self.min_blocks)
         packed = torch.zeros(bp, 3 + c + nb, dtype=torch.long)
         packed[:, 2], packed[:, 3 + c:] = self.cache.num_slots, self.cache.num_blocks
         for j, (s, toks) in enumerate(zip(steps, ids, strict=True)):

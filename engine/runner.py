@@ -99,7 +99,8 @@ class ModelRunner:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
                                         max_blocks=cache.max_blocks_per_seq, timer=self.timer,
                                         buckets=graph.batch_buckets,
-                                        chunk_buckets=graph.chunk_sizes(cache.max_num_batched_tokens))
+                                        chunk_buckets=graph.chunk_sizes(cache.max_num_batched_tokens),
+                                        min_blocks=graph.min_blocks(cache.block_size))
 
     # -- execution -------------------------------------------------------------------------------------------------
     def free_slot(self, slot: int) -> None:

@@ -62,7 +62,8 @@ so that the same call is one node of a compiled graph (`fullgraph=True`) and an 
       contiguous CPU tensor, so a cached weight is not copied per call, and a kernel can never write into a weight
       or an activation), the kernel runs through `dispatch` (counted per execution, inside a graph too), the
       NumPy result comes back as torch;
-    * "neuron" on a TorchNeuron device: the op launches `wrap_nki(kernel)[lnc]` (a custom call inside the NEFF);
+    * "neuron" on a TorchNeuron device: the device op (`torch.ops.deepinfer_nki.<kernel>`, registered through
+      `nki_op` only there) launches `wrap_nki(kernel)[(lnc,)]` (a custom call inside the NEFF);
     * "neuron" on another device (torch-xla's lazy tensors, the PyTorch/XLA lane): the torch tensors go unchanged
       to the real `nki.jit` callable (`Kernel.run`), whose PyTorch integration makes the kernel a custom call on
       the device tensors, with no host copy. Its torch result is used as is; operands on more than one device are
@@ -147,9 +148,10 @@ class KernelOps:
     def _run(self, name: str, kernel, args: tuple):
         """Launch kernel `name` on torch operands (plus compile-time scalars); returns torch. Through its torch op
         `torch.ops.deepinfer.<op>` (nki_kernels/torch_ops.py: one graph node when traced; on CPU tensors the op runs
-        the kernel on the host executor, counted; on a TorchNeuron device `wrap_nki(kernel)[lnc]`), except executor
-        "neuron" on a device of another stack (torch-xla): there the real `nki.jit` is called with the torch tensors
-        (its own PyTorch integration, a custom call in the lazy XLA graph)."""
+        the kernel on the host executor, counted; on a TorchNeuron device the device op,
+        `wrap_nki(kernel)[(lnc,)]`), except executor "neuron" on a device of another stack (torch-xla): there the
+        real `nki.jit` is called with the torch tensors (its own PyTorch integration, a custom call in the lazy XLA
+        graph)."""
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         device = tensors[0].device  # the activation (every kernel's first operand)
@@ -160,8 +162,8 @@ class KernelOps:
         if others:
             raise ValueError(f"{name}: kernel operands on {str(device)} and {sorted(others)}; the weights must be on "
                              "the activations' device (nothing is copied between devices here)")
-        if device.type == "neuron":  # TorchNeuron: the op launches wrap_nki(kernel)[lnc] (inside a graph too)
-            return self._ops[kernel.__name__](name, ex, *args)
+        if device.type == "neuron":  # TorchNeuron: the device op launches wrap_nki(kernel)[(lnc,)] (in a graph too)
+            return torch_ops.device_op(torch_ops.op_of(kernel))(name, ex, *args)
         out = dispatch.dispatch(name, kernel, args, ex)[1]  # the PyTorch integration of the real nki.jit
         for o in out if isinstance(out, tuple) else (out,):
             if not isinstance(o, torch.Tensor):

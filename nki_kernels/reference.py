@@ -122,6 +122,15 @@ def ue8m0_decode(scale_u8: torch.Tensor) -> torch.Tensor:
 _LUT_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+def luts_on(device: torch.device | str) -> None:
+    """Make the decode tables' copies on `device` now, before any graph is traced: a graph traced before would
+    capture the CPU table as an input and copy it to the device inside the graph."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        for table in (_E4M3FN_LUT, _E2M1_LUT):
+            _LUT_ON_DEVICE.setdefault((id(table), device), table.to(device))
+
+
 def _lut(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     idx = codes.to(torch.int32).reshape(-1)
     if codes.device != table.device:  # one copy per device, kept: not a host-to-device copy per call

@@ -9,19 +9,21 @@ call as one graph node, `fullgraph=True`, without running it. Implementations:
 * CPU tensors (executors stand-in, simulator, or a standalone "neuron" run): the kernel on NumPy through
   `dispatch.dispatch` (counted per execution, also inside a compiled graph); the one torch <-> NumPy boundary of
   the op path;
-* tensors on a Neuron device (TorchNeuron): `wrap_nki(kernel)[lnc](...)` - TorchNeuron's higher-order op for an
-  `@nki.jit` kernel, which becomes one node of the compiled graph and a custom call in its NEFF. Launched with the
-  LNC of the active Dispatcher (NEURON_LOGICAL_NC_CONFIG, trn2's default 2): `kernel[lnc]` must equal the runtime's
-  LNC or it fails at runtime (nki.md §1.2), and the subscript must be a plain int (§3.1).
-  Launches inside a compiled graph are traced once, so they are counted only when they run eagerly.
+* tensors on a Neuron device (TorchNeuron): the device ops `torch.ops.deepinfer_nki.<name>`, registered only there
+  (`device_op`) through `torch_neuronx.nki_op`, whose body launches TorchNeuron's higher-order op: one
+  `wrap_nki(kernel)` per kernel, built once (the SDK re-traces and re-registers the kernel on every `wrap_nki` call:
+  torch_neuronx/nki_hop.py), launched as `[(lnc,)]` - the April 2026 tree does `tuple(map(int, grid))`, so an int
+  subscript raises there, and later builds accept the tuple too - with the LNC of the active Dispatcher, which must
+  equal NEURON_LOGICAL_NC_CONFIG (NKI 0.7 reads the LNC from it). `nki_op` makes that body the op's fake and traces
+  it into the graph, so it is never registered for host or stand-in graphs (their body runs NumPy). Launches inside
+  a compiled graph are traced once, so they are counted only when they run eagerly.
 
-Registration: on a TorchNeuron process (torch_neuronx with `nki_op` / `wrap_nki` loaded and the real `nki`) through
-`torch_neuronx.nki_op(qualname, mutates_args={})` - TorchNeuron's way of making a kernel wrapper a custom op its
-compiler lowers - with the fake added unless nki_op made one; anywhere else through `torch.library.custom_op` +
-`register_fake`. Either way the schema comes from the typed functions below. Written, not run: the TorchNeuron
-registration and the device launch (no Neuron SDK here). The model's kernel table (kernel_ops.py `KernelOps._run`)
-launches every kernel through these ops; the TorchNeuron CPU stand-in cuts a graph at them and runs each op between
-its compiled pieces (engine/backends/standin_split.py).
+Registration: the host ops through `torch.library.custom_op` + `register_fake`, always; the device ops through
+`nki_op` on a TorchNeuron process (torch_neuronx with `nki_op` / `wrap_nki` loaded and the real `nki`). The schema
+comes from the typed functions below. Written, not run on the SDK: the device registration and launch (no Neuron SDK
+here; tests/fake_torchneuron.py holds them to the SDK's rules). The model's kernel table (kernel_ops.py
+`KernelOps._run`) launches every kernel through these ops; the TorchNeuron CPU stand-in cuts a graph at them and
+runs each op between its compiled pieces (engine/backends/standin_split.py).
 
 This module imports torch and the kernel modules; never `engine`, and torch_neuronx only when it is loaded already
 (TorchNeuron autoloads with torch on a Neuron host).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -74,20 +77,45 @@ def op_of(kernel: _nki.Kernel) -> str:
 
 # ---- what every op does --------------------------------------------------------------------------------------------
 def _launch(op: str, key: str, executor: str, args: tuple) -> Any:
+    """The host op: the kernel on NumPy through `dispatch.dispatch` (CPU tensors only)."""
     kernel = kernel_of(op)
     first = next(a for a in args if isinstance(a, Tensor))
-    if first.device.type == "cpu":
-        host = tuple(_convert.to_np(a, copy=False) if isinstance(a, Tensor) else a for a in args)
-        out = dispatch.dispatch(key, kernel, host, executor)[1]
-        return tuple(_convert.from_np(o) for o in out) if isinstance(out, tuple) else _convert.from_np(out)
-    tnx = torchneuron()
-    if tnx is None:
-        raise RuntimeError(f"{op}: operands on {first.device}, but TorchNeuron (torch_neuronx with wrap_nki) is not "
-                           "loaded in this process")
+    if first.device.type != "cpu":
+        raise RuntimeError(f"{op}: operands on {first.device}: the host op runs CPU tensors; a Neuron device launches "
+                           f"torch.ops.{DEVICE_NAMESPACE}.{op} (KernelOps picks it by the operands' device)")
+    host = tuple(_convert.to_np(a, copy=False) if isinstance(a, Tensor) else a for a in args)
+    out = dispatch.dispatch(key, kernel, host, executor)[1]
+    return tuple(_convert.from_np(o) for o in out) if isinstance(out, tuple) else _convert.from_np(out)
+
+
+_WRAPPED: dict[str, Any] = {}  # op -> wrap_nki(kernel): built once per kernel (wrap_nki re-registers on each call)
+
+
+def wrapped(op: str) -> Any:
+    """TorchNeuron's `wrap_nki(kernel)` of op `op`, built on first use."""
+    w = _WRAPPED.get(op)
+    if w is None:
+        tnx = torchneuron()
+        if tnx is None:
+            raise RuntimeError(f"{op}: a device launch needs TorchNeuron (torch_neuronx with wrap_nki) loaded in this "
+                               "process")
+        w = _WRAPPED[op] = tnx.wrap_nki(kernel_of(op).jitted())
+    return w
+
+
+def _traced(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return torch.compiler.is_compiling() or isinstance(t, FakeTensor | FunctionalTensor)
+
+
+def _device_launch(op: str, key: str, executor: str, args: tuple) -> Any:
+    """The device op's body (traced into the graph by nki_op): `wrap_nki(kernel)[(lnc,)](*args)`."""
     current = dispatch.current()
-    if not torch.compiler.is_compiling():
+    if not _traced(next(a for a in args if isinstance(a, Tensor))):
         current.count(key, "neuron")
-    return tnx.wrap_nki(kernel.jitted())[current.lnc](*args)
+    return wrapped(op)[(current.lnc,)](*args)
 
 
 def torchneuron() -> Any:
@@ -172,23 +200,46 @@ SIGNATURES: dict[str, Callable[..., Any]] = {name: globals()[name] for name in K
 
 
 # ---- registration ---------------------------------------------------------------------------------------------------
+DEVICE_NAMESPACE = "deepinfer_nki"
+
+
 @functools.cache
 def registered() -> str:
-    """Register every op (once per process); returns how: "torchneuron" (nki_op) or "torch.library"."""
-    tnx = torchneuron() if _nki.real_nki() is not None else None
+    """Register every host op (once per process, torch.library); returns "torch.library"."""
     for name, fn in SIGNATURES.items():
-        qualname = f"{NAMESPACE}::{name}"
-        if tnx is not None:
-            tnx.nki_op(qualname, mutates_args={})(fn)
-            try:
-                torch.library.register_fake(qualname, FAKES[name])
-            except RuntimeError as e:  # nki_op registered a fake of its own
-                if "already" not in str(e):
-                    raise
-        else:
-            op = torch.library.custom_op(qualname, fn, mutates_args=())
-            op.register_fake(FAKES[name])
-    return "torchneuron" if tnx is not None else "torch.library"
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=())
+        op.register_fake(FAKES[name])
+    return "torch.library"
+
+
+def _device_body(name: str) -> Callable[..., Any]:
+    """The device op's function: `_device_launch` under the schema of SIGNATURES[name]."""
+
+    def body(key: str, executor: str, *args: Any) -> Any:
+        return _device_launch(name, key, executor, args)
+
+    body.__signature__ = inspect.signature(SIGNATURES[name])  # type: ignore[attr-defined]
+    body.__name__ = body.__qualname__ = name
+    body.__annotations__ = dict(SIGNATURES[name].__annotations__)
+    return body
+
+
+@functools.cache
+def device_registered() -> str:
+    """Register every device op through `torch_neuronx.nki_op` (once per process; only on the device path)."""
+    tnx = torchneuron()
+    if tnx is None or _nki.real_nki() is None:
+        raise RuntimeError("the NKI device ops need TorchNeuron (torch_neuronx with nki_op / wrap_nki) and the real "
+                           "`nki` loaded in this process")
+    for name in SIGNATURES:
+        tnx.nki_op(f"{DEVICE_NAMESPACE}::{name}", mutates_args={})(_device_body(name))
+    return "torchneuron"
+
+
+def device_op(op: str) -> Any:
+    """`torch.ops.deepinfer_nki.<op>`, registered on first use."""
+    device_registered()
+    return getattr(getattr(torch.ops, DEVICE_NAMESPACE), op)
 
 
 def call(kernel: _nki.Kernel, key: str, executor: str, args: tuple) -> Any:

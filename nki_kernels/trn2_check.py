@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--kernel", default=None)
     ap.add_argument("--slow", action="store_true", help="include the cases marked slow")
-    ap.add_argument("--lnc", type=int, default=2, help="launch kernel[lnc]; must equal NEURON_LOGICAL_NC_CONFIG "
-                    "(trn2's default 2; scripts/trn2_check.sh passes it)")
+    ap.add_argument("--lnc", type=int, default=1, help="launch kernel[lnc]; must equal NEURON_LOGICAL_NC_CONFIG "
+                    "(1: the kernels do not split work by program id; scripts/trn2_check.sh exports and passes it)")
     ap.add_argument("--no-device", action="store_true", help="simulator only")
     a = ap.parse_args(argv)
     import pandas as pd

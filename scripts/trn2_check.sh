@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-results/trn2-check-$(date +%Y%m%d-%H%M%S)}
 shift || true
 export NEURON_PLATFORM_TARGET_OVERRIDE=trn2   # the simulator defaults to trn3 without a chip
-export NEURON_LOGICAL_NC_CONFIG=${NEURON_LOGICAL_NC_CONFIG:-2}
+# LNC 1 unless set: the kernels do not split work by program id (engine/backends/torchneuron.py FIRST_CONTACT_LNC)
+export NEURON_LOGICAL_NC_CONFIG=${NEURON_LOGICAL_NC_CONFIG:-1}
 export NKI_PRECISE_FP=${NKI_PRECISE_FP:-1}    # ml_dtypes low precision in the simulator, like the stand-in
 python3 -c "import nki; assert hasattr(nki, 'jit'), 'PyPI placeholder nki installed, not the Neuron SDK'"
 ls /dev/neuron* >/dev/null 2>&1 || echo "no /dev/neuron*: simulator only" >&2

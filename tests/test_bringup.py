@@ -44,7 +44,7 @@ def test_standin_runs_what_it_can_and_lists_the_rest(tmp_path: Path, probe_ok) -
     reasons = dict(zip(df["step"], df["reason"], strict=True))
     assert "Neuron device" in reasons["kernels"] and "cp=2 on --backend neuron-standin" in reasons["golden-cp2"]
     assert [c[0] for c in steps.calls] == ["compile", "golden", "regions", "bench"] and steps.calls[-1][1] == "matrix"
-    assert steps.calls[0] == ["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
+    assert steps.calls[0] == ["compile", "--backend", "neuron-standin", "--workload", "golden",
                               "--out", str(tmp_path / "compile")]
     assert all(c[c.index("--backend") + 1] == "neuron-standin" for c in steps.calls)
     assert meta["ok"] and meta["first_failure"] is None and meta["not_run"] == ["kernels", "golden-cp2"]
@@ -119,3 +119,42 @@ def test_every_step_is_a_command_line_the_cli_parses(tmp_path: Path, backend: st
             cmd = cmd.commands.get(name)
             assert cmd is not None, f"{step}: no command {name!r}"
         cmd.make_context(step, list(args))  # raises a usage error on an unknown option or a bad value
+
+
+STEP_SCRIPT = """
+import json, pathlib, sys
+argv = sys.argv[1:]
+out = pathlib.Path(argv[argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+blob = bytearray(64 * 2**20)  # a step whose peak RSS is above 64 MiB
+if argv[0] == "compile":
+    (out / "layer_b1_nb1.neff").write_bytes(b"n" * 2**20)
+    (out / "manifest.json").write_text(json.dumps({"budget": {"batch_buckets": [1, 2], "block_buckets": [32],
+                                                              "chunk_buckets": [], "total": 12}}))
+if argv[0] == "golden":
+    (out / "run1").mkdir(exist_ok=True)
+    (out / "run1" / "meta.json").write_text(json.dumps({"device_peak_bytes": 3 * 2**20}))
+print("done", argv[0])
+"""
+
+
+def test_each_step_keeps_what_a_device_gate_keeps(tmp_path: Path, probe_ok, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per step, with the real step runner: command, environment, full log, bucket config, NEFF inventory and sizes,
+    wall time, host peak RSS of the step's process, device peak memory where the step reported one."""
+    import sys
+
+    monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path / "neffcache"))
+    plan = B.Plan("neuron-standin", tmp_path / "run", cli=(sys.executable, "-c", STEP_SCRIPT),
+                  skip=frozenset({"regions", "matrix"}))
+    df, meta = B.bringup(plan)
+    rows = {r["step"]: r for r in df.to_dict("records")}
+    comp, gold = rows["compile-only"], rows["golden-cp1"]
+    assert comp["status"] == "pass" and comp["command"].startswith("deepinfer compile --backend neuron-standin")
+    assert "NEURON_CC_FLAGS=-O1" in comp["env"] and Path(comp["log"]).read_text().strip() == "done compile"
+    assert comp["buckets"] == "batch [1, 2] x blocks [32] x chunks []: 12 graphs"
+    assert (comp["neffs"], comp["neff_mb"]) == (1, 1.0)
+    assert comp["host_peak_rss_mb"] > 64 and comp["seconds"] > 0
+    assert gold["device_peak_mb"] == 3.0 and gold["neffs"] == 0  # no new NEFF since it started
+    md = B.markdown(df, meta, "x")
+    assert "| compile-only | pass |" in md and "1 (1.0)" in md and "not measured" in md

@@ -118,3 +118,23 @@ def test_graph_mode_auto_resolves_by_backend():
     assert EngineConfig.from_model_dir(tiny, graph_mode="auto", backend="xla").graph.mode is GraphMode.LAYER
     assert EngineConfig.from_model_dir(tiny, graph_mode="eager", backend="xla").graph.mode is GraphMode.EAGER
     assert EngineConfig.from_model_dir(tiny, graph_mode="regions").graph.mode is GraphMode.REGIONS
+
+
+def test_a_v41_checkpoint_is_refused_by_its_class(tmp_path, capsys):
+    """DeepseekV41ForCausalLM (V4.1, Sept 2026): one line naming the class and what this engine runs, exit 2."""
+    import shutil
+    from pathlib import Path
+
+    from tests.cli import run_main
+
+    tiny = Path(__file__).resolve().parents[1] / "golden" / "tiny"
+    shutil.copytree(tiny, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["DeepseekV41ForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run_main(["golden", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "o")], capsys)
+    line = err.strip()
+    assert code == 2 and out == "" and "\n" not in line and "Traceback" not in line
+    assert "DeepseekV41ForCausalLM is not a model this engine runs" in line and "DeepseekV4ForCausalLM" in line
+    cfg["architectures"] = ["DeepseekV4ForCausalLM"]
+    assert ModelConfig.from_dict(cfg) == ModelConfig.from_json(tiny)

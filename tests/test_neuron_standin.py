@@ -74,9 +74,10 @@ def test_golden_with_the_kernel_ops_inside_the_graphs(tmp_path: Path, capsys: py
 def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "graphs"
     code, _, err = run_main(["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
-                             "--max-num-batched-tokens", "16", "--out", str(out)],
+                             "--max-num-batched-tokens", "16", "--chunk-graphs", "--out", str(out)],
                             capsys)
     assert code == 0, err
+    assert "graphs:" in err.split("compiling the graphs")[0]  # the count, printed before anything compiles
     files = sorted(out.glob("*.mlir"))
     assert len(files) >= 4
     for f in files:
@@ -95,6 +96,7 @@ def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.Capture
     assert len(chunk) == 2 * sum(r["region"] == "layer" for r in decode)  # one per structure and bucket (b1, nb1)
     assert sum(r["region"] in ("chunk.embed", "chunk.head") for r in rows) == 4
     assert len(rows) >= len(decode) + 2
+    assert manifest["budget"]["total"] == len(rows)  # the count printed before compiling is what was compiled
 
 
 def test_compile_with_the_kernel_table_writes_each_graphs_pieces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -102,7 +104,8 @@ def test_compile_with_the_kernel_table_writes_each_graphs_pieces(tmp_path: Path,
     its pure pieces (`<graph>.p<k>.mlir`), each checked (~2 min here)."""
     out = tmp_path / "graphs"
     code, _, err = run_main(["compile", "--backend", "neuron-standin", "--kernels", "stand-in", "--max-num-seqs", "1",
-                             "--max-model-len", "16", "--max-num-batched-tokens", "16", "--out", str(out)], capsys)
+                             "--max-model-len", "16", "--max-num-batched-tokens", "16", "--chunk-graphs", "--out",
+                             str(out)], capsys)
     assert code == 0, err
     rows = json.loads((out / "manifest.json").read_text())["graphs"]
     assert rows and all(r["status"] == "pass" and not r["has_fp8"] and not r["problems"] for r in rows)

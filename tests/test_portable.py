@@ -251,6 +251,19 @@ def test_csa_layer_decode_graph_is_portable(monkeypatch: pytest.MonkeyPatch):
     assert lint.problems == []
 
 
+def test_split_by_sizes_off_dim_0_is_flagged():
+    """split([sizes], dim != 0) returned wrong data on Neuron's lowering (the community V4 port); int sizes, chunk
+    and dim 0 were fine, and so is slicing."""
+    x = torch.randn(4, 6)
+    for dim in (1, -1):
+        found = _problems(lambda x, d=dim: [t * 2 for t in x.split([2, 4], dim=d)], x)
+        assert len(found) == 1 and "split([sizes], dim=1)" in found[0]
+    assert _problems(lambda x: [t * 2 for t in x.split([1, 3], dim=0)], x) == []
+    assert _problems(lambda x: [t * 2 for t in x.split(3, dim=1)], x) == []
+    assert _problems(lambda x: [t * 2 for t in x.chunk(2, dim=1)], x) == []
+    assert _problems(lambda x: (x[:, :2] * 2, x[:, 2:] * 2), x) == []
+
+
 @pytest.mark.slow
 def test_golden_model_decode_graphs_are_portable(monkeypatch: pytest.MonkeyPatch):
     """The tiny golden model (CSA + HCA + window-only layers, hash routing, stored FP8/FP4 weights: UE8M0 / e4m3 /

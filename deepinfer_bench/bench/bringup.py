@@ -18,7 +18,11 @@ mode, cp ranks) with its output under the report folder:
 
 The first failing step stops the run and is named; every later step is listed as "not run" with the reason, and so
 is a step that cannot run on this backend (e.g. kernels on the stand-in). One report: `bringup.md` (markdown),
-`bringup.csv` (one row per step: step, status, seconds, exit code, command, reason, log) and `meta.json`.
+`bringup.csv` (one row per step) and `meta.json`. Per step it keeps what the community V4 port's runbook asks a device
+gate to keep (longdct/vllm-neuron docs/model-dev): the command, the Neuron / TorchNeuron / deepinfer environment it
+ran under, its full log, the bucket config (the compile step's graph budget), the NEFFs it left (count and bytes,
+under the step's folder and the NEFF cache), wall time, host peak RSS (the step's process, from wait4) and device
+peak memory (what the step reports in its results as `device_peak_bytes`; none is measured without a device).
 """
 
 from __future__ import annotations
@@ -35,8 +39,12 @@ from typing import Any
 import pandas as pd
 
 STEPS = ("probe", "kernels", "compile-only", "golden-cp1", "golden-cp2", "regions", "matrix")
-COLUMNS = ["step", "status", "seconds", "exit_code", "command", "reason", "log"]
-DEFAULT_COMPILE_SIZES = ("--max-num-seqs", "1", "--max-model-len", "16")
+COLUMNS = ["step", "status", "seconds", "exit_code", "command", "reason", "log", "host_peak_rss_mb",
+           "device_peak_mb", "neffs", "neff_mb", "buckets", "env"]
+# the compile step compiles what the golden steps after it run (compile's default workload)
+DEFAULT_COMPILE_SIZES = ("--workload", "golden")
+ENV_PREFIXES = ("NEURON_", "TORCH_NEURONX_", "DEEPINFER_", "NKI_", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+_PEAK_RSS: dict[str, float] = {}  # log path -> host peak RSS (MiB) of the step's process (run_step)
 
 
 @dataclass
@@ -95,9 +103,55 @@ def probe_step(backend: str, out: Path) -> None:
 
 
 def run_step(argv: Sequence[str], log: Path) -> int:
-    """One step's command in its own process, stdout + stderr into `log`; its exit code."""
+    """One step's command in its own process, stdout + stderr into `log`; its exit code (its peak RSS is kept for
+    the report)."""
+    import os
+
     with log.open("w") as f:
-        return subprocess.run(list(argv), stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        proc = subprocess.Popen(list(argv), stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    _PEAK_RSS[str(log)] = usage.ru_maxrss / 1024  # KiB on Linux
+    return proc.returncode
+
+
+def step_env() -> dict[str, str]:
+    """The variables a step runs under that decide what it compiles and where (Neuron, TorchNeuron, deepinfer)."""
+    import os
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def neff_inventory(*folders: Path, since: float = 0.0) -> tuple[int, float]:
+    """(count, MiB) of the .neff files under `folders` written at or after `since` (wall time)."""
+    seen: dict[Path, int] = {}
+    for folder in folders:
+        if folder.is_dir():
+            for p in folder.rglob("*.neff"):
+                st = p.stat()
+                if st.st_mtime >= since:
+                    seen[p.resolve()] = st.st_size
+    return len(seen), round(sum(seen.values()) / 2**20, 3)
+
+
+def _step_results(dirs: Path, step: str) -> tuple[str | None, float | None]:
+    """(bucket config, device peak MiB) a step wrote: the compile manifest's graph budget; a results meta.json's
+    `device_peak_bytes`."""
+    import json
+
+    buckets, device = None, None
+    folder = dirs / {"compile-only": "compile", "golden-cp1": "golden", "golden-cp2": "golden"}.get(step, step)
+    manifest = folder / "manifest.json"
+    if step == "compile-only" and manifest.exists():
+        b = json.loads(manifest.read_text()).get("budget") or {}
+        if b:
+            buckets = (f"batch {b['batch_buckets']} x blocks {b['block_buckets']} x chunks {b['chunk_buckets']}: "
+                       f"{b['total']} graphs")
+    for meta in sorted(folder.rglob("meta.json")) if folder.is_dir() else []:
+        peak = json.loads(meta.read_text()).get("device_peak_bytes")
+        if peak is not None:
+            device = round(peak / 2**20, 3)
+    return buckets, device
 
 
 def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = None,
@@ -109,8 +163,8 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
     rows: list[dict[str, Any]] = []
     failed: str | None = None
     for step in STEPS:
-        row: dict[str, Any] = {"step": step, "status": "not run", "seconds": None, "exit_code": None,
-                               "command": None, "reason": None, "log": None}
+        row: dict[str, Any] = dict.fromkeys(COLUMNS)
+        row.update(step=step, status="not run")
         rows.append(row)
         if failed is not None:
             row["reason"] = f"stopped after the failure of {failed}"
@@ -126,7 +180,8 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
         row["log"] = str(log)
         if progress is not None:
             progress(step, "running")
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
+        row["env"] = " ".join(f"{k}={v}" for k, v in step_env().items())
         if step == "probe":
             row["command"] = "engine.stack.probe() + engine.backends.check_available"
             try:
@@ -143,16 +198,29 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
                 row["reason"] = _last_line(log)
         row["seconds"] = round(time.perf_counter() - t0, 3)
         row["exit_code"] = code
+        row["host_peak_rss_mb"] = _PEAK_RSS.pop(str(log), None)
+        row["buckets"], row["device_peak_mb"] = _step_results(plan.out, step)
+        row["neffs"], row["neff_mb"] = neff_inventory(plan.out, _neff_cache(), since=wall0)
         row["status"] = "pass" if code == 0 else "fail"
         if code != 0:
             failed = step
         if progress is not None:
             progress(step, row["status"])
-    df = pd.DataFrame(rows, columns=COLUMNS).astype({"exit_code": "Int64"})
+    df = pd.DataFrame(rows, columns=COLUMNS).astype({"exit_code": "Int64", "neffs": "Int64"})
     meta = {"backend": plan.backend, "model_dir": plan.model_dir, "compile_sizes": list(plan.compile_sizes),
             "skip": sorted(plan.skip), "first_failure": failed, "ok": failed is None,
             "not_run": [r["step"] for r in rows if r["status"] == "not run"], **plan.extra}
     return df, meta
+
+
+def _neff_cache() -> Path:
+    """Where TorchNeuron keeps NEFFs: TORCH_NEURONX_NEFF_CACHE_DIR, else this project's cache root (per-rank
+    folders under it: engine/backends/torchneuron.py `neff_cache_dir`)."""
+    import os
+
+    from engine.envs import cache_root
+
+    return Path(os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR") or cache_root() / "neff")
 
 
 def _last_line(log: Path) -> str | None:
@@ -170,12 +238,20 @@ def markdown(df: pd.DataFrame, meta: dict[str, Any], measured_on: str) -> str:
                else f"stopped: step **{meta['first_failure']}** failed")
     lines = [f"# deepinfer bringup: --backend {meta['backend']}", "", f"{verdict}.", "",
              f"Measured on: {measured_on}.", "",
-             "| step | status | seconds | exit | command / reason |", "|---|---|---|---|---|"]
+             "| step | status | seconds | exit | host peak RSS MiB | device peak MiB | NEFFs (MiB) | buckets | "
+             "command / reason |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(v: Any, fmt: str = "{}") -> str:
+        return "" if v is None or pd.isna(v) else fmt.format(v)
+
     for r in df.itertuples():
-        command = "" if pd.isna(r.command) else r.command
-        reason = "" if pd.isna(r.reason) else r.reason
+        command = cell(r.command)
+        reason = cell(r.reason)
         what = f"{command} - {reason}" if command and reason else command or reason
-        secs = "" if pd.isna(r.seconds) else f"{r.seconds:.1f}"
         code = "" if pd.isna(r.exit_code) else str(int(r.exit_code))
-        lines.append(f"| {r.step} | {r.status} | {secs} | {code} | {what.replace('|', '/')} |")
+        neffs = "" if pd.isna(r.neffs) else f"{int(r.neffs)} ({r.neff_mb:.1f})"
+        lines.append(f"| {r.step} | {r.status} | {cell(r.seconds, '{:.1f}')} | {code} | "
+                     f"{cell(r.host_peak_rss_mb, '{:.0f}')} | {cell(r.device_peak_mb, '{:.0f}') or 'not measured'} | "
+                     f"{neffs} | {cell(r.buckets)} | {what.replace('|', '/')} |")
+    lines += ["", "Environment of each step and its full log: bringup.csv (`env`, `log`)."]
     return "\n".join(lines) + "\n"

@@ -103,6 +103,18 @@ def resolve_run(kernel: str | None, executor: str) -> tuple[str, bool]:
         raise ValueError(str(e)) from None
 
 
+def kernel_env(executor: str) -> dict[str, str]:
+    """What a kernel run on the real NKI exports before its first launch: NEURON_LOGICAL_NC_CONFIG (NKI 0.7 takes
+    the LNC from it, and `kernel[lnc]` must equal it, NCC_EVRF066), the user's value or TorchNeuron's first-contact
+    LNC (engine/backends/torchneuron.py FIRST_CONTACT_LNC: the kernels do not split work by program id)."""
+    from engine.backends.torchneuron import first_contact_lnc
+    from engine.envs import get_envs
+
+    if executor not in ("neuron", "simulator"):
+        return {}
+    return {"NEURON_LOGICAL_NC_CONFIG": str(first_contact_lnc(dict(get_envs().recorded)))}
+
+
 def proves(executor: str) -> str:
     from nki_kernels.dispatch import PROVES
 

@@ -22,8 +22,8 @@ def bringup_cmd(
                                                                       "(golden always runs the tiny model).")] = None,
     compile_sizes: Annotated[str | None, typer.Option("--compile-sizes", help="Engine options the compile-only step "
                                                                               "sizes the engine with (every graph of "
-                                                                              "that size; default: --max-num-seqs 1 "
-                                                                              "--max-model-len 16).")] = None,
+                                                                              "that size; default: --workload golden, "
+                                                                              "what the golden steps run).")] = None,
     skip: Annotated[str, typer.Option("--skip", help="Comma-separated steps not to run (listed as not run): probe, "
                                                      "kernels, compile-only, golden-cp1, golden-cp2, regions, "
                                                      "matrix.")] = "",
@@ -62,7 +62,7 @@ def bringup_cmd(
     (run_dir / "bringup.md").write_text(markdown(df, meta, label))
     (run_dir / "meta.json").write_text(json.dumps({**base_meta(kind="bringup"), "measured_on": label, **meta},
                                                   indent=1, default=str) + "\n")
-    render_df(df.drop(columns=["log"]), f"bringup (--backend {backend}): {label}")
+    render_df(df.drop(columns=["log", "env"]), f"bringup (--backend {backend}): {label}")
     if not meta["ok"]:
         err_console.print(f"[red]stopped at step {meta['first_failure']}[/red] -> {run_dir / 'bringup.md'}")
         raise typer.Exit(1)

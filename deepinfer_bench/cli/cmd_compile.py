@@ -19,6 +19,12 @@ def compile_cmd(
     out: Annotated[Path, typer.Option("--out", help="Folder for the graphs (neuron-standin: GRAPH.mlir; xla: "
                                                     "GRAPH.hlo.txt / .hlo.pb; neuron: compile artifacts) and "
                                                     "manifest.json.")] = Path("graphs"),
+    workload: Annotated[str, typer.Option("--workload", help="What the engine is sized for (its sizes pick the "
+                                          "graphs): golden (every golden prompt at once: what `bringup` runs next) "
+                                          "or full (the engine's default sizes: every bucket it knows); "
+                                          "--max-num-seqs / --max-model-len / ... override.")] = "golden",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the graph count and the padding its bucket "
+                                          "ladders cost, compile nothing.")] = False,
 ) -> None:
     """Compile every graph an engine step can run, for the backend's offline compiler.
 
@@ -27,9 +33,21 @@ def compile_cmd(
     compiler, and manifest.json. --backend neuron: neuronx-cc in TorchNeuron's compile-only mode (nothing executes),
     per graph pass / fail, seconds and NCC error code; --backend neuron-standin: StableHLO text per graph, checked;
     --backend xla: HLO modules for scripts/trn2_compile.sh. Exit 1 when a graph fails or carries an f8 type."""
-    from deepinfer_bench.bench.compile import compile_graphs
+    from deepinfer_bench.bench.compile import compile_graphs, golden_workload
+    from deepinfer_bench.bench.graph_budget import budget
 
-    config = engine.config(graph_mode=engine.graph_mode or "layer", compile_only=True)
+    if workload not in ("golden", "full"):
+        raise typer.BadParameter(f"--workload {workload!r}: expected golden or full")
+    sized = golden_workload() if workload == "golden" else None
+    config = engine.config(workload=sized, graph_mode=engine.graph_mode or "layer", compile_only=True,
+                           check=not dry_run)
+    plan = budget(config)
+    c = config.cache
+    err_console.print(f"{config.backend}, {config.graph.mode}, workload {workload} (max_num_seqs {c.max_num_seqs}, "
+                      f"max_model_len {c.max_model_len}, block {c.block_size}, first context bucket "
+                      f"{config.graph.min_context_bucket} tokens): {plan.line()}", highlight=False)
+    if dry_run:
+        return
     err_console.print(f"compiling the graphs of {engine.model_dir} ({config.backend}, {config.graph.mode}, "
                       f"{config.model.dtype}) -> {out}")
     df, manifest = compile_graphs(config, out)

@@ -54,6 +54,7 @@ class EngineArgs:
     host_compiler: HostCompiler | None = None
     chunk_graphs: bool | None = None
     chunk_buckets: str | None = None
+    min_context_bucket: int | None = None
     speculative: Speculative | None = None
     num_speculative_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -75,20 +76,22 @@ class EngineArgs:
         return ModelConfig.from_json(self.model_dir)
 
     def config(self, model_config: Any = None, *, workload: Any = None, compile_only: bool = False,
-               **suggested: Any) -> Any:
+               check: bool = True, **suggested: Any) -> Any:
         """The EngineConfig of this command: `suggested` settings, overridden by what the user gave; the engine
         sized for `workload` (engine.config.Workload) where neither set a size (EngineConfig.from_model_config:
         after cp is known, torchrun's WORLD_SIZE under torchrun). Its backend's stack is checked here, so a missing
         one is a single line before the command prints anything (`compile_only`: no device needed). Where `--kernels
         auto` on the host could not use the native kernels (no compiler, no build that compiles), a warning line says
-        so and why: the reference it runs instead decodes several times slower."""
+        so and why: the reference it runs instead decodes several times slower. `check=False`: no stack check (a
+        command that only counts, e.g. `compile --dry-run`)."""
         from engine.backends import check_available
         from engine.config import Backend, EngineConfig, Kernels
 
         cfg = model_config if model_config is not None else self.model_config()
         config = EngineConfig.from_model_config(cfg, model_dir=str(self.model_dir), workload=workload,
                                                 **{**suggested, **self.overrides()})
-        check_available(config.backend, compile_only=compile_only)
+        if check:
+            check_available(config.backend, compile_only=compile_only)
         if (config.kernels_requested is Kernels.AUTO and config.backend is Backend.HOST
                 and config.kernels is Kernels.REFERENCE):
             from rich.markup import escape
@@ -140,6 +143,10 @@ _OPTIONS: dict[str, Any] = {
     "chunk_buckets": Annotated[str | None, _opt("--chunk-buckets", help="Chunk-length buckets of the chunk graphs, "
                                                 "increasing comma-separated ints (default 8,32,128,512; the "
                                                 "budget --max-num-batched-tokens caps the top one).")],
+    "min_context_bucket": Annotated[int | None, _opt("--min-context-bucket", min=0, help="Tokens of context the "
+                                                     "first block bucket of the graphs covers (powers of two from "
+                                                     "there; default 512 on neuron / neuron-standin, one block "
+                                                     "elsewhere).")],
     "speculative": Annotated[Speculative | None, _opt("--speculative", help="Speculative decoding with the "
                                                       "checkpoint's own draft head: mtp (the MTP block, preview "
                                                       "checkpoints) or dspark (the DSpark head, 0731 / 0813 "

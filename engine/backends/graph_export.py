@@ -14,8 +14,9 @@ slots and blocks) and is compiled on its own by a fresh `torch.compile(fullgraph
   pieces are written as `<graph>.p<k>.mlir` (the row's `mlir` lists them; `pieces`, `custom_ops` count them);
 * `--backend neuron`: TorchNeuron in compile-only mode (TORCH_NEURONX_COMPILE_ONLY=1,
   NEURON_PLATFORM_TARGET_OVERRIDE=trn2, set before the engine is built: `compile_only_env`) runs the whole lowering
-  and neuronx-cc and executes nothing; compilation artifacts are kept under `<out>/artifacts`, and a failure's NCC
-  error code (NCC_XXXNNN) is read from the error or from the artifact logs written meanwhile.
+  and neuronx-cc and executes nothing; each graph is named (`options={"model_name": ...}`), compilation artifacts
+  are kept under `<out>/artifacts` (TORCH_NEURONX_DEBUG_DIR, set before the engine is built), and a failure's NCC
+  error code (NCC_XXXNNN) is read from the error or from that graph's artifact logs.
 
 One manifest row per graph: name, region, structure, buckets, inputs (name, shape, dtype), status (pass / fail),
 seconds, error (first line), ncc_error, and on the stand-in the .mlir path, op count and has_fp8. A failing graph
@@ -115,9 +116,9 @@ def chunk_specs(runner: Any) -> list[GraphSpec]:
 
 
 def graph_specs(runner: Any) -> list[GraphSpec]:
-    """Every graph the runner's RegionRunner knows: the decode graphs, the prefill chunk graphs, then whatever it
-    lists itself (`export_specs(runner)`)."""
-    specs = decode_specs(runner) + chunk_specs(runner)
+    """Every graph a step of the runner can run: the decode graphs, the prefill chunk graphs where the engine runs
+    chunks as graphs (GraphConfig.chunk_graphs), then whatever the RegionRunner lists itself (`export_specs`)."""
+    specs = decode_specs(runner) + (chunk_specs(runner) if runner.config.graph.chunk_graphs else [])
     extra = getattr(runner.regions, "export_specs", None)
     if extra is not None:
         specs.extend(extra(runner))
@@ -181,32 +182,40 @@ def export_standin(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
 
 
 def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
-    """TorchNeuron in compile-only mode: every graph through neuronx-cc for trn2, nothing executed; the NCC code of a
-    failure from its error text, else from the artifact logs written while it compiled."""
-    from engine.envs import apply_env
+    """TorchNeuron in compile-only mode: every graph through neuronx-cc for trn2, nothing executed, each named
+    (`options={"model_name": <graph>}`); the NCC code of a failure from its error text, else from the artifact logs
+    of that graph (by name, else written while it compiled) under TORCH_NEURONX_DEBUG_DIR, which must have been set
+    before anything compiled (`compile_only_env`: the SDK fixes the folder at the first compile)."""
+    from engine.backends.torchneuron import DEBUG_DIR
+    from engine.envs import get_envs
 
     if not be.compile_only:
         raise ValueError("deepinfer compile --backend neuron compiles only: TORCH_NEURONX_COMPILE_ONLY=1 must be set "
-                         "before the engine is built (deepinfer_bench/bench/compile.py; scripts/trn2_compile.sh too)")
-    artifacts = out / "artifacts"
+                         "before the engine is built (deepinfer_bench/bench/compile.py does; scripts/trn2_compile.sh too)")
+    folder = dict(get_envs().recorded).get(DEBUG_DIR)
+    if folder is None:
+        raise ValueError(f"deepinfer compile --backend neuron: {DEBUG_DIR} must be set before the engine is built "
+                         "(the SDK fixes the artifact folder at the first compile)")
+    artifacts = Path(folder)
     artifacts.mkdir(parents=True, exist_ok=True)
-    apply_env({"TORCH_NEURONX_DEBUG_DIR": str(artifacts)})
 
     def after(spec: GraphSpec, row: dict[str, Any]) -> None:
         row["has_fp8"] = None  # neuronx-cc's verdict is the status (NCC_EVRF051 names an f8 operand)
         if row["status"] == "fail" and row["ncc_error"] is None:
-            row["ncc_error"] = ncc_code_in(artifacts, since=row["_t0"])
+            row["ncc_error"] = ncc_code_in(artifacts, since=row["_t0"], name=spec.name)
 
     return compile_each(be, graph_specs(runner), be._dynamo_backend, after)
 
 
-def ncc_code_in(folder: Path, since: float) -> str | None:
-    """The first NCC error code in the text files under `folder` modified after `since` (time.perf_counter clock
+def ncc_code_in(folder: Path, since: float, name: str | None = None) -> str | None:
+    """The first NCC error code in the text files under `folder` whose path names graph `name` (the SDK names its
+    artifacts by the graph's model_name, lower-cased), else in those modified after `since` (time.perf_counter clock
     is not the file clock: compared as wall time via the offset at call)."""
     offset = time.time() - time.perf_counter()
-    for path in sorted(folder.rglob("*")):
-        if not path.is_file() or path.stat().st_mtime < since + offset - 1:
-            continue
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    named = [p for p in files if name is not None and name.lower() in str(p.relative_to(folder)).lower()]
+    recent = [p for p in files if p.stat().st_mtime >= since + offset - 1]
+    for path in named or recent:
         try:
             found = NCC_CODE.search(path.read_text(errors="ignore"))
         except OSError:

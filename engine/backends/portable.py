@@ -9,7 +9,11 @@ Static (`graph_problems`, on an AOTAutograd graph after core-ATen decompositions
 * compares on uint8: emitted as signed compares (XLA's verifier rejects them; a device compiler may not);
 * slice assignment with an open end (`x[..., a:] = y`, slice_scatter to the end): torch-mlir aborts (bad_alloc);
 * assignment of or into a zero-size slice (`x[..., 1:] = y[..., :-1]` with one block, at T = 1): fails to lower
-  (a zero-size slice that is only read lowers).
+  (a zero-size slice that is only read lowers);
+Static, on the Dynamo graph (`source_problems`: int-size splits and `chunk` become the same ATen op as a list split,
+so the list is only visible before AOTAutograd):
+* `split([sizes], dim != 0)`: returned wrong data for every chunk on Neuron's lowering in the community V4 port
+  (longdct/vllm-neuron docs/model-dev); int sizes, `chunk` and dim 0 were fine (slice instead).
 Dynamic (`RemainderProbe`, running the graph): `%` / remainder with a negative dividend - StableHLO `remainder`
 takes the dividend's sign, torch's `%` the divisor's, so the value silently differs (use a floor division:
 `engine.model.attention.floor_mod`).
@@ -29,6 +33,8 @@ _SHIFTS = {aten.__rshift__, aten.__lshift__, aten.bitwise_right_shift, aten.bitw
 _COMPARES = {aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge}
 _REMAINDERS = {aten.remainder, aten.fmod}
 _WRITES = {aten.slice_scatter, aten.select_scatter, aten.index_put, aten.copy, aten.copy_}
+_SPLIT_FNS = {torch.split, torch.functional.split, torch.Tensor.split, torch.split_with_sizes,
+              torch.Tensor.split_with_sizes}
 
 
 def _packet(target: Any) -> Any:
@@ -37,6 +43,24 @@ def _packet(target: Any) -> Any:
 
 def _val(a: Any) -> Any:
     return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+
+def source_problems(gm: torch.fx.GraphModule) -> list[str]:
+    """One line per `split([sizes], dim != 0)` of a Dynamo graph (see the module doc)."""
+    out = []
+    for n in gm.graph.nodes:
+        is_split = (n.op == "call_method" and n.target in ("split", "split_with_sizes")) or (
+            n.op == "call_function" and n.target in _SPLIT_FNS)
+        if not is_split or len(n.args) < 2 or not isinstance(n.args[1], (list, tuple)):
+            continue
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+        x = n.args[0].meta.get("example_value") if isinstance(n.args[0], torch.fx.Node) else None
+        if isinstance(x, torch.Tensor) and x.dim() and isinstance(dim, int):
+            dim %= x.dim()
+        if dim != 0:
+            out.append(f"{n.name} ({n.target}): split([sizes], dim={dim}) returned wrong data on Neuron's lowering; "
+                       "slice the pieces, or split on dim 0")
+    return out
 
 
 def graph_problems(gm: torch.fx.GraphModule) -> list[str]:
@@ -80,9 +104,9 @@ class RemainderProbe(torch.fx.Interpreter):
 
 
 class LintBackend:
-    """A Dynamo backend for checks without torch-mlir: AOTAutograd with core-ATen decompositions (inference input
-    mutations kept, as TorchNeuron does), `graph_problems` on each graph, and each graph run through a
-    RemainderProbe. `problems` collects everything found, `graphs` counts the graphs."""
+    """A Dynamo backend for checks without torch-mlir: `source_problems` on the Dynamo graph, AOTAutograd with
+    core-ATen decompositions (inference input mutations kept, as TorchNeuron does), `graph_problems` on each graph,
+    and each graph run through a RemainderProbe. `problems` collects everything found, `graphs` counts the graphs."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
@@ -90,6 +114,8 @@ class LintBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         from functorch.compile import make_boxed_func
+
+        self.problems.extend(source_problems(gm))
         from torch._decomp import core_aten_decompositions
         from torch._functorch.aot_autograd import aot_module_simplified
 

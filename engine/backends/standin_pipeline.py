@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.backends.portable import graph_problems
+from engine.backends.portable import graph_problems, source_problems
 
 LABEL = "TorchNeuron pipeline on a CPU stand-in (torch-mlir + XLA CPU), not neuronx-cc, not trn2"
 _INSTALL = "pip install -e '.[neuron-standin]' (torch-mlir==20261001, jax[cpu]==0.10.2)"
@@ -311,6 +311,10 @@ class StandinPipeline:
                 self.stats.graphs.append(record)
                 return make_boxed_func(fw.forward)
 
+        problems = source_problems(gm)
+        if problems:
+            raise StandinError(f"{name}: {len(problems)} pattern(s) Neuron's lowering gets wrong: "
+                               + "; ".join(problems[:5]))
         t0 = time.perf_counter()
         out = aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, decompositions=self.decompositions,
                                     keep_inference_input_mutations=True)

@@ -13,16 +13,21 @@ shape (`dynamic=True` is rejected). Here:
   `torch.func.functional_call` over a meta-parameter template, as on the host);
 * eager ops (prefill chunks, `--graph-mode eager`) run as TorchNeuron's eager mode;
 * `synchronize` is `torch.neuron.synchronize()`;
-* each rank's process is set up before its runtime starts (`setup_process`): its NeuronCores
-  (NEURON_RT_VISIBLE_CORES), the LNC (NEURON_LOGICAL_NC_CONFIG), a NEFF cache directory of its own
-  (TORCH_NEURONX_NEFF_CACHE_DIR/rank<i>) and no silent eager fallback of a graph that fails to compile
-  (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1: the failure raises);
-* ranks join `init_process_group("neuron")` (gloo control group kept) and the MoE / attention exchanges run as
-  functional collectives, legal inside compiled graphs (`Parallel.functional`, engine/parallel.py).
-
-Device index: a rank whose cores this backend reserved (NEURON_RT_VISIBLE_CORES = that rank's logical core) sees one
-core, `neuron:0`; when the user set NEURON_RT_VISIBLE_CORES to a range shared by the ranks (torchrun style), a rank
-uses `neuron:<LOCAL_RANK>`.
+* each rank's environment is computed by the parent and given to the rank before it imports torch (`rank_env`:
+  `import torch` autoloads torch_neuronx, whose HLO cache reads its variables at import): LOCAL_RANK /
+  LOCAL_WORLD_SIZE, one visible NeuronCore (NEURON_RT_VISIBLE_CORES = the local rank, never a range: the SDK's
+  process group asserts one visible core per process), the LNC (NEURON_LOGICAL_NC_CONFIG, 1 unless set: see
+  `FIRST_CONTACT_LNC`), NEFF and HLO caches of its own, `-O1` for neuronx-cc unless NEURON_CC_FLAGS is set, and no
+  silent eager fallback (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1);
+* ranks join `init_process_group("neuron")` (gloo control group kept) before anything touches the device, then
+  `torch.neuron.set_device(local_rank)`: in a process group TorchNeuron makes the device id the local rank
+  (`_set_local_device_start_index`), so a rank's device is `neuron:<local_rank>`; the MoE / attention exchanges run
+  as functional collectives, legal inside compiled graphs (`Parallel.functional`, engine/parallel.py);
+* each graph is named (`options={"model_name": ...}`) and counted; compile counts and seconds come from
+  `torch_neuronx.get_dynamo_metrics()` where the build has it;
+* compile-only (`deepinfer compile --backend neuron`) on a host without a device traces on `meta` tensors, as the
+  community V4 port does in this mode (real `neuron` tensors need a device); the artifact folder
+  (TORCH_NEURONX_DEBUG_DIR) is set before the engine is built, as the SDK fixes it at the first compile.
 
 `--backend neuron-standin` is the same class with the compile step replaced by `StandinPipeline`
 (engine/backends/standin_pipeline.py: Dynamo -> AOTAutograd -> torch-mlir StableHLO -> XLA CPU executable) and the
@@ -55,6 +60,15 @@ if TYPE_CHECKING:
 # made explicit and recorded)
 _NO_FALLBACK = {"TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1"}
 COMPILE_ONLY = "TORCH_NEURONX_COMPILE_ONLY"
+DEBUG_DIR = "TORCH_NEURONX_DEBUG_DIR"
+# The LNC of a first contact when NEURON_LOGICAL_NC_CONFIG is not set: 1. The NKI kernels do not split their work by
+# nl.program_id, so launched at LNC 2 both physical cores would compute and write the whole output, and a launch's
+# LNC must equal neuronx-cc's (NKI docs: `kernel[lnc]` must match the runtime's NEURON_LOGICAL_NC_CONFIG; NCC_EVRF066
+# otherwise): a process at LNC 1 is the one way to run them correctly without changing every kernel.
+FIRST_CONTACT_LNC = 1
+# neuronx-cc flags of a first contact when NEURON_CC_FLAGS is not set: whole-layer graphs at the default level took
+# ~120 GiB host RSS in the community V4 port (longdct/vllm-neuron docs/model-dev); -O1 keeps compiles small
+FIRST_CONTACT_CC_FLAGS = "-O1"
 STANDIN_INSTALL = "--backend neuron-standin (its compile pipeline on a CPU stand-in) or --backend host"
 
 
@@ -82,42 +96,96 @@ def require_torchneuron(stack: NeuronStack, compile_only: bool = False) -> None:
 
 
 def _import_torchneuron() -> Any:
+    """torch_neuronx, checked for what this backend calls: `nki_op`, `torch_neuronx.nki_hop.wrap_nki` (the module
+    the SDK defines it in, torch_neuronx/nki_hop.py) and the "neuron" Dynamo backend."""
+    import importlib
+
     try:
         import torch_neuronx
     except ImportError as e:
         raise ValueError(f"--backend neuron: import torch_neuronx failed ({e}); on this host use {STANDIN_INSTALL}"
                          ) from None
-    missing = [n for n in ("nki_op", "wrap_nki") if not hasattr(torch_neuronx, n)]
+    missing = [] if hasattr(torch_neuronx, "nki_op") else ["nki_op"]
+    try:
+        if not hasattr(importlib.import_module("torch_neuronx.nki_hop"), "wrap_nki"):
+            missing.append("nki_hop.wrap_nki")
+    except ImportError:
+        missing.append("nki_hop.wrap_nki")
+    if "neuron" not in torch._dynamo.list_backends():
+        missing.append('the "neuron" torch.compile backend')
     if missing:
         raise ValueError(f"--backend neuron: this torch_neuronx has no {' / '.join(missing)}: not a TorchNeuron "
                          "build (torch-neuronx >= 2.13)")
     return torch_neuronx
 
 
+def visible_core(local_rank: int, recorded: Mapping[str, str]) -> str:
+    """The one NeuronCore rank `local_rank` sees: the local rank, or the local_rank-th of the cores the user listed in
+    NEURON_RT_VISIBLE_CORES ("4-7" or "4,5,6,7"; a single core is kept). Never a range: TorchNeuron's process group
+    asserts exactly one visible core per process (torch_neuronx distributed/backend.py)."""
+    raw = recorded.get("NEURON_RT_VISIBLE_CORES")
+    if raw is None:
+        return str(local_rank)
+    cores: list[int] = []
+    try:
+        for part in raw.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"NEURON_RT_VISIBLE_CORES={raw!r}: expected a core, a range a-b or a list a,b") from None
+    if len(cores) == 1:
+        return str(cores[0])
+    if local_rank >= len(cores):
+        raise ValueError(f"NEURON_RT_VISIBLE_CORES={raw!r} lists {len(cores)} cores, rank {local_rank} needs one of "
+                         "its own (one visible core per rank)")
+    return str(cores[local_rank])
+
+
 def neff_cache_dir(recorded: Mapping[str, str], local_rank: int, root: Path) -> str:
-    """This rank's NEFF cache: <TORCH_NEURONX_NEFF_CACHE_DIR or root/neff>/rank<local_rank> (a rank process that
-    inherited a per-rank directory uses its parent)."""
-    base = Path(recorded.get("TORCH_NEURONX_NEFF_CACHE_DIR") or root / "neff")
+    """This rank's NEFF cache: <TORCH_NEURONX_NEFF_CACHE_DIR or root/neff>/rank<local_rank>."""
+    return per_rank_dir(recorded, "TORCH_NEURONX_NEFF_CACHE_DIR", local_rank, root / "neff")
+
+
+def per_rank_dir(recorded: Mapping[str, str], var: str, local_rank: int, default: Path) -> str:
+    """<recorded[var] or default>/rank<local_rank> (a rank process that inherited a per-rank directory uses its
+    parent)."""
+    base = Path(recorded.get(var) or default)
     if base.name.startswith("rank") and base.name[4:].isdigit():
         base = base.parent
     return str(base / f"rank{local_rank}")
 
 
 def worker_env(local_rank: int, lnc: int, recorded: Mapping[str, str], root: Path,
-               compile_only: bool = False) -> dict[str, str]:
-    """The TorchNeuron runtime variables of rank `local_rank` on this host (set before the runtime starts; pure: the
-    caller passes what is recorded of the environment). A variable the user set is kept, except the per-rank NEFF
-    cache (a subdirectory of theirs) and the no-fallback switch (a graph that fails to compile must raise here)."""
-    env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc), "TORCH_NEURONX_NEFF_CACHE_DIR": neff_cache_dir(recorded, local_rank,
-                                                                                                 root),
+               compile_only: bool = False, local_world: int = 1) -> dict[str, str]:
+    """The TorchNeuron variables of rank `local_rank` of `local_world` on this host, to be in its environment before
+    it imports torch (pure: the caller passes what is recorded of the environment). A variable the user set is kept,
+    except the per-rank caches (a subdirectory of theirs), the visible core (one of theirs) and the no-fallback
+    switch (a graph that fails to compile must raise here)."""
+    env = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
+           "NEURON_RT_VISIBLE_CORES": visible_core(local_rank, recorded),
+           "NEURON_LOGICAL_NC_CONFIG": str(lnc),
+           "TORCH_NEURONX_NEFF_CACHE_DIR": neff_cache_dir(recorded, local_rank, root),
+           # the HLO cache reads these at import (torch_neuronx kernels/cache_utils.py): per rank, so ranks never
+           # race on one folder
+           "TORCH_NEURONX_HLO_CACHE_DIR": per_rank_dir(recorded, "TORCH_NEURONX_HLO_CACHE_DIR", local_rank,
+                                                       root / "hlo"),
+           "TORCH_NEURONX_HLO_COMPILE_CACHE": recorded.get("TORCH_NEURONX_HLO_COMPILE_CACHE", "1"),
+           "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": per_rank_dir(recorded, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
+                                                              local_rank, root / "neff_local"),
+           "NEURON_CC_FLAGS": recorded.get("NEURON_CC_FLAGS", FIRST_CONTACT_CC_FLAGS),
            **_NO_FALLBACK}
-    if "NEURON_RT_VISIBLE_CORES" not in recorded:
-        env["NEURON_RT_VISIBLE_CORES"] = str(local_rank)  # one logical core (LNC physical cores) per rank
     if compile_only:
         env[COMPILE_ONLY] = "1"
         env["NEURON_PLATFORM_TARGET_OVERRIDE"] = recorded.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
         env["TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS"] = "1"
     return env
+
+
+def first_contact_lnc(recorded: Mapping[str, str]) -> int:
+    """NEURON_LOGICAL_NC_CONFIG when set (1 or 2), else FIRST_CONTACT_LNC."""
+    from engine.stack import logical_nc_config
+
+    return logical_nc_config() if "NEURON_LOGICAL_NC_CONFIG" in recorded else FIRST_CONTACT_LNC
 
 
 class TorchNeuronBackend:
@@ -133,10 +201,18 @@ class TorchNeuronBackend:
         from engine.envs import get_envs
         from engine.stack import neuron_stack
 
-        self.compile_only = dict(get_envs().recorded).get(COMPILE_ONLY) == "1"
-        require_torchneuron(neuron_stack(), self.compile_only)
+        rec = dict(get_envs().recorded)
+        self.compile_only = rec.get(COMPILE_ONLY) == "1"
+        if config is not None and str(config.kernels) == "nki" and first_contact_lnc(rec) != 1:
+            raise ValueError("--kernels nki at NEURON_LOGICAL_NC_CONFIG=2: the NKI kernels do not split their work by "
+                             "nl.program_id, so both physical cores would compute and write every output; run them "
+                             "at NEURON_LOGICAL_NC_CONFIG=1 (this backend's default)")
+        stack = neuron_stack()
+        require_torchneuron(stack, self.compile_only)
         self._tnx = _import_torchneuron()
-        self._index = 0  # the device index of this rank (setup_process)
+        self._index = 0  # the device index of this rank: its local rank (setup_process)
+        # compile-only without a device: graphs are traced on meta tensors (real neuron tensors need a device)
+        self._on_meta = self.compile_only and not stack.device
         self._device: torch.device | None = None
         self._counters = Counters(device="neuron")
         _raise_recompile_limit()
@@ -156,12 +232,21 @@ class TorchNeuronBackend:
 
     @classmethod
     def measured_on(cls) -> str:
-        return "TorchNeuron (torch.compile backend=\"neuron\", neuronx-cc NEFFs) on a Neuron device"
+        """What the probe finds here: TorchNeuron's version and whether a Neuron device is visible."""
+        from engine.stack import neuron_stack
+
+        st = neuron_stack()
+        if st.kind != "torchneuron":
+            return f"nothing of TorchNeuron: no torch-neuronx >= 2.13 found here ({st.why}); no result is from trn2"
+        where = "on a Neuron device (/dev/neuron*)" if st.device else "compile only, no Neuron device visible"
+        return (f"TorchNeuron torch-neuronx {st.version or '?'} (torch.compile backend=\"neuron\", neuronx-cc "
+                f"NEFFs), {where}")
 
     @property
     def device_name(self) -> str:
-        """`neuron:<index>` of this rank (set by `setup_process`)."""
-        return f"neuron:{self._index}"
+        """`neuron:<local rank>` of this rank (set by `setup_process`; in a process group TorchNeuron makes the
+        device id the local rank), `meta` when compiling only without a device."""
+        return "meta" if self._on_meta else f"neuron:{self._index}"
 
     @property
     def device(self) -> torch.device:
@@ -170,11 +255,28 @@ class TorchNeuronBackend:
             self._counters.device = str(self._device)
         return self._device
 
+    def _set_device(self) -> None:
+        """`torch.neuron.set_device(local_rank)`: after the process group exists (the runtime must not start
+        before `init_process_group`), never when tracing on meta."""
+        if not self._on_meta:
+            torch.neuron.set_device(self._index)
+
     # -- the compile step --------------------------------------------------------------------------------------------
     def _dynamo_backend(self, name: str) -> Callable[..., Any]:
-        """TorchNeuron's Dynamo backend, counting each graph it compiles and the seconds its compile call takes
-        (neuronx-cc runs there or at the graph's first call: the first call's time is then not in compile_seconds)."""
-        return counted_compiler(torch._dynamo.lookup_backend("neuron"), self._counters)
+        """TorchNeuron's Dynamo backend with the graph named `name` (`options={"model_name": name}`: the SDK names its
+        artifacts and metrics by it), counting each graph it compiles and the seconds its compile call takes
+        (neuronx-cc runs there or at the graph's first call; `counters` prefers the SDK's own metrics)."""
+        from engine.backends.portable import source_problems
+
+        neuron = torch._dynamo.lookup_backend("neuron")
+
+        def named(gm: Any, example_inputs: list[Any]) -> Any:
+            problems = source_problems(gm)  # what Neuron's lowering gets wrong without an error (portable.py)
+            if problems:
+                raise ValueError(f"{name}: " + "; ".join(problems[:5]))
+            return neuron(gm, example_inputs, options={"model_name": name})
+
+        return counted_compiler(named, self._counters)
 
     def _count_execution(self) -> None:
         self._counters.executions += 1
@@ -237,22 +339,46 @@ class TorchNeuronBackend:
         """Graphs compiled (`compiles` = `graph_compiles`: eager mode's per-op compiles are not visible from here),
         graph executions, compile seconds, step results copied to the host; `fallbacks` stays 0: a graph that fails
         to compile raises (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), and eager CPU fallbacks of single ops are
-        not counted by this backend (torch-neuronx's supported-operator table lists them)."""
-        return dataclasses.replace(self._counters, fallback_ops=dict(self._counters.fallback_ops))
+        not counted by this backend (torch-neuronx's supported-operator table lists them). Where the build has
+        `torch_neuronx.get_dynamo_metrics()` (neuron_dynamo_backend/metrics.py), the graph count and the compile
+        seconds (FX passes + lowering + neuronx-cc) are its numbers."""
+        c = dataclasses.replace(self._counters, fallback_ops=dict(self._counters.fallback_ops))
+        metrics = getattr(self._tnx, "get_dynamo_metrics", None)
+        if metrics is not None and not self._on_meta:
+            got = list(metrics())
+            c.graph_compiles = c.compiles = len(got)
+            c.compile_seconds = sum(m.torch_neuronx_fx_passes_us + m.torch_neuronx_lower_us
+                                    + m.torch_neuronx_compile_us for m in got) / 1e6
+        return c
 
     # -- processes -----------------------------------------------------------------------------------------------------
+    @classmethod
+    def rank_env(cls, rank: int, world: int) -> dict[str, str]:
+        """The environment of spawned rank `rank` of `world` on this host, computed by the parent and given to the
+        rank before it starts (engine/parallel.py `launch`): `import torch` autoloads torch_neuronx, which reads
+        its cache variables at import."""
+        from engine.envs import cache_root, get_envs
+
+        rec = dict(get_envs().recorded)
+        rec.pop("LOCAL_RANK", None)
+        return worker_env(rank, first_contact_lnc(rec), rec, cache_root(), rec.get(COMPILE_ONLY) == "1", world)
+
     def setup_process(self, threads: int | None = None, rank: int = 0, world: int = 1,
                       master_port: int | None = None) -> None:
+        """This rank's variables (already in its environment when the parent spawned it; under torchrun set here,
+        before the runtime starts, and the HLO cache's only if torch_neuronx has not read them) and its device
+        index, the local rank. A one-rank process sets its device now; a rank of a group after joining it."""
         from engine.backends.host import setup_host_process
         from engine.envs import apply_env, cache_root, get_envs
-        from engine.stack import logical_nc_config
 
         rec = dict(get_envs().recorded)
         local = int(rec.get("LOCAL_RANK", rank)) if master_port is None else rank
-        user_cores = "NEURON_RT_VISIBLE_CORES" in rec
-        apply_env(worker_env(local, logical_nc_config(), rec, cache_root(), self.compile_only))
-        self._index = local if user_cores else 0
+        local_world = int(rec.get("LOCAL_WORLD_SIZE", world)) if master_port is None else world
+        apply_env(worker_env(local, first_contact_lnc(rec), rec, cache_root(), self.compile_only, local_world))
+        self._index = local
         self._device = None
+        if world <= 1:
+            self._set_device()
         setup_host_process(threads)  # the host side of the process (tracing, input packing)
 
     @classmethod
@@ -261,21 +387,29 @@ class TorchNeuronBackend:
 
     def join_group(self, rank: int, world: int, master_port: int | None, timeout_s: float) -> Parallel:
         """The "neuron" process group (torchrun's env:// rendezvous, or our launcher's tcp:// one) with the gloo
-        control group; the model's exchanges run as functional collectives."""
+        control group, then this rank's device; the model's exchanges run as functional collectives."""
         from engine.parallel import join_group
 
         if master_port is None:
-            return join_group("neuron", "env://", world, timeout_s, backend=self, functional=True)
-        return join_group("neuron", f"tcp://127.0.0.1:{master_port}", world, timeout_s, rank=rank, backend=self,
-                          functional=True)
+            par = join_group("neuron", "env://", world, timeout_s, backend=self, functional=True)
+        else:
+            par = join_group("neuron", f"tcp://127.0.0.1:{master_port}", world, timeout_s, rank=rank, backend=self,
+                             functional=True)
+        self._set_device()
+        return par
 
     # -- graphs for the offline compiler (deepinfer compile) -----------------------------------------------------------
     @classmethod
-    def compile_only_env(cls) -> dict[str, str]:
+    def compile_only_env(cls, out: Path | None = None) -> dict[str, str]:
         """What `deepinfer compile --backend neuron` sets before the engine is built: TorchNeuron's compile-only mode
-        (the whole lowering and neuronx-cc, nothing executed, no device needed) for trn2, artifacts kept."""
-        return {COMPILE_ONLY: "1", "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2",
-                "TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS": "1", **_NO_FALLBACK}
+        (the whole lowering and neuronx-cc, nothing executed, no device needed) for trn2, artifacts kept under
+        `out`/artifacts (TORCH_NEURONX_DEBUG_DIR: the SDK fixes the artifact folder at the first compile,
+        neuron_dynamo_backend/config.py, so it is set before anything compiles)."""
+        env = {COMPILE_ONLY: "1", "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2",
+               "TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS": "1", **_NO_FALLBACK}
+        if out is not None:
+            env[DEBUG_DIR] = str(Path(out) / "artifacts")
+        return env
 
     def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
         """Every graph a step of `runner` can run, each compiled on its own in compile-only mode: per graph pass /
@@ -301,7 +435,7 @@ class NeuronStandinBackend(TorchNeuronBackend):
 
         self.compile_only = False
         self.pipeline = StandinPipeline()  # one clear line when torch-mlir / jax are missing
-        self._index = 0
+        self._index, self._on_meta = 0, False
         self._device = torch.device("cpu")
         self._counters = Counters(device="cpu")
         _raise_recompile_limit()
@@ -372,7 +506,7 @@ class NeuronStandinBackend(TorchNeuronBackend):
         raise ValueError("--backend neuron-standin runs one rank (cp=1)")
 
     @classmethod
-    def compile_only_env(cls) -> dict[str, str]:
+    def compile_only_env(cls, out: Path | None = None) -> dict[str, str]:
         return {}
 
     def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:

@@ -6,6 +6,8 @@ raises one line while tracing."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -110,39 +112,61 @@ def test_every_kernel_family_of_the_table_goes_through_its_torch_op(monkeypatch:
     assert set(kops._ops) == {k for _, k in torch_ops.KERNELS.values()}
 
 
-def test_a_device_launch_is_wrap_nki_of_the_kernel_at_the_dispatchers_lnc(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a TorchNeuron device the op launches `wrap_nki(kernel.jitted())[lnc](*operands)` - the real `nki.jit`
-    object of the kernel, the active dispatcher's LNC, the operands unchanged - counted once per eager launch.
-    Fakes: TorchNeuron's wrap_nki, the real nki's jit; meta tensors stand for device tensors."""
-    import sys
-    import types
-
+@pytest.fixture
+def sdk(monkeypatch: pytest.MonkeyPatch):
+    """The fake TorchNeuron that enforces the SDK's rules (tests/fake_torchneuron.py) and a fake real NKI whose
+    `jit` returns what wrap_nki reads (`.func`, `.sign`); the kernels' cached jit objects and wrappers reset."""
     from nki_kernels import _nki, stand_in
+    from tests import fake_torchneuron
 
-    launched: list = []
+    sdk = fake_torchneuron.install(monkeypatch, device=True)
+    monkeypatch.setattr(_nki, "real_nki", lambda: (types.SimpleNamespace(jit=fake_torchneuron.nki_kernel),
+                                                   stand_in.language, stand_in.isa))
+    monkeypatch.setattr(torch_ops, "_WRAPPED", {})
+    for op in torch_ops.KERNELS:
+        monkeypatch.setattr(torch_ops.kernel_of(op), "_plain", None)
+        monkeypatch.setattr(torch_ops.kernel_of(op), "_bound", {})
+    return sdk
 
-    class WrapNki:
-        def __init__(self, kernel: object) -> None:
-            self.kernel = kernel
 
-        def __getitem__(self, lnc: int):
-            return lambda *a: launched.append((self.kernel, lnc, a)) or a[0].new_empty(a[0].shape)
-
-    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(nki_op=None, wrap_nki=WrapNki))
-    fake = types.SimpleNamespace(jit=lambda fn: ("nki.jit", fn.__name__, fn.__globals__["nki"]))
-    monkeypatch.setattr(_nki, "real_nki", lambda: (fake, stand_in.language, stand_in.isa))
-    kernel = torch_ops.kernel_of("rmsnorm")
-    monkeypatch.setattr(kernel, "_plain", None)
-    monkeypatch.setattr(kernel, "_bound", {})
-    x, w = torch.empty(4, 64, device="meta"), torch.empty(64, device="meta")
-    d = dispatch.Dispatcher("stand-in", lnc=2)
+def test_a_device_launch_is_one_wrap_nki_per_kernel_launched_with_a_grid_tuple(sdk) -> None:
+    """On a TorchNeuron device a kernel launch is `wrap_nki(kernel.jitted())[(lnc,)](*operands)`: the wrapper built
+    once (wrap_nki traces and registers the kernel on every call), the grid a sequence (the April 2026 tree does
+    `tuple(map(int, grid))`), the active dispatcher's LNC, the operands unchanged, counted once per eager launch."""
+    x, w = torch.randn(4, 64), torch.rand(64)  # CPU tensors stand for device tensors here
+    d = dispatch.Dispatcher("stand-in", lnc=1)
     with d.active():
-        out = torch_ops._launch("rmsnorm", "rmsnorm", "neuron", (x, w, 1e-6))
-    ((jitted, lnc, args),) = launched
-    assert jitted == ("nki.jit", "rmsnorm_kernel", fake) and lnc == 2  # the kernel bound to the real nki
+        for _ in range(3):
+            out = torch_ops._device_launch("rmsnorm", "rmsnorm", "neuron", (x, w, 1e-6))
+    assert sdk.traces == {"rmsnorm_kernel": 1}  # one wrap_nki for three launches
+    assert [g for g, _ in sdk.launches] == [(1,)] * 3
+    grid, args = sdk.launches[0]
     assert args[0] is x and args[1] is w and args[2] == 1e-6 and out.shape == x.shape
-    assert kernel.jitted() is kernel.jitted()  # one nki.jit object per kernel (NKI caches compiles per object)
-    assert d.counts == {("rmsnorm", "neuron"): 1}
+    assert d.counts == {("rmsnorm", "neuron"): 3}
+    with pytest.raises(TypeError):  # what an int subscript meets in the April 2026 tree
+        torch_ops.wrapped("rmsnorm")[1]
+
+
+def test_nki_op_only_on_the_device_path(sdk) -> None:
+    """With TorchNeuron and the real NKI loaded, the host / stand-in kernel ops stay torch.library ops (nki_op would
+    make the op body - NumPy here - its fake and trace it into the graph), so a stand-in graph still compiles and
+    runs; the device ops are nki_op ops whose body is traced under compile into a launch of the kernel."""
+    kops = kernel_ops.KernelOps("stand-in")
+    torch._dynamo.reset()
+    graph = torch.compile(lambda x, w: kops.rms_norm(x, w, 1e-6), backend="aot_eager", fullgraph=True, dynamic=False)
+    x, w = torch.randn(4, 64), torch.rand(64) + 0.5
+    torch.testing.assert_close(graph(x, w), kernel_ops.reference.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert sdk.launches == []  # nothing of the device path ran
+    op = torch_ops.device_op("rmsnorm")
+    assert torch_ops.device_registered() == "torchneuron"
+    dev = torch.compile(lambda x, w: op("rmsnorm", "neuron", x, w, 1e-6), backend="aot_eager", fullgraph=True,
+                        dynamic=False)
+    out = dev(x, w)
+    assert out.shape == x.shape and len(sdk.launches) >= 1
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    assert isinstance(sdk.launches[0][1][0], FakeTensor | FunctionalTensor)  # the body traced on fake tensors
 
 
 def test_a_fallback_traced_into_a_graph_is_counted_per_execution() -> None:
