@@ -191,7 +191,7 @@ def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
 
     if not be.compile_only:
         raise ValueError("deepinfer compile --backend neuron compiles only: TORCH_NEURONX_COMPILE_ONLY=1 must be set "
-                         "before the engine is built (deepinfer_bench/bench/compile.py does; scripts/trn2_compile.sh too)")
+                         "before the engine is built (bench/compile.py does; scripts/trn2_compile.sh too)")
     folder = dict(get_envs().recorded).get(DEBUG_DIR)
     if folder is None:
         raise ValueError(f"deepinfer compile --backend neuron: {DEBUG_DIR} must be set before the engine is built "
