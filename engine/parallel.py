@@ -271,16 +271,19 @@ def launch(job: Callable[..., Any], cp: int, args: tuple = (), *, timeout_s: flo
 
 def _start_with_env(proc: Any, env: dict[str, str]) -> None:
     """Start `proc` with `env` added to its environment (a spawned child copies the parent's at start)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    from engine.envs import environ
+
+    env_now = environ()
+    saved = {k: env_now.get(k) for k in env}
+    env_now.update(env)
     try:
         proc.start()
     finally:
         for k, v in saved.items():
             if v is None:
-                os.environ.pop(k, None)
+                env_now.pop(k, None)
             else:
-                os.environ[k] = v
+                env_now[k] = v
 
 
 def _reap(procs: list[Any], graceful: bool) -> None:

@@ -52,6 +52,8 @@ def test_golden_through_the_standin_is_12_of_12(tmp_path: Path, capsys: pytest.C
     assert b["fallbacks"] == 0 and b["fallback_ops"] == {} and b["graph_compiles_after_warmup"] == 0
 
 
+@pytest.mark.slow  # opt-in (`pytest -m standin`): the kernel ops' cut is proven per landing by test_standin_pipeline's
+# test_a_graph_with_kernel_ops_is_cut_at_them; this whole-golden run is ~a quarter of CI lane 3 (docs/ci.md)
 def test_golden_with_the_kernel_ops_inside_the_graphs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--kernels stand-in: every NKI kernel family runs as a custom op inside the stand-in's graphs (each graph cut
     at its kernel calls, engine/backends/standin_split.py), 12/12, no eager fallback (~3.5 min here)."""
@@ -99,6 +101,7 @@ def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.Capture
     assert manifest["budget"]["total"] == len(rows)  # the count printed before compiling is what was compiled
 
 
+@pytest.mark.slow  # opt-in (`pytest -m standin`), as the kernel-op golden above (docs/ci.md)
 def test_compile_with_the_kernel_table_writes_each_graphs_pieces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`--kernels stand-in`: every decode and prefill graph traces with its kernel ops (fullgraph) and is written as
     its pure pieces (`<graph>.p<k>.mlir`), each checked (~2 min here)."""

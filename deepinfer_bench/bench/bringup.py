@@ -117,9 +117,9 @@ def run_step(argv: Sequence[str], log: Path) -> int:
 
 def step_env() -> dict[str, str]:
     """The variables a step runs under that decide what it compiles and where (Neuron, TorchNeuron, deepinfer)."""
-    import os
+    from engine.envs import environ
 
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    return {k: v for k, v in sorted(environ().items()) if k.startswith(ENV_PREFIXES)}
 
 
 def neff_inventory(*folders: Path, since: float = 0.0) -> tuple[int, float]:
@@ -216,11 +216,10 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
 def _neff_cache() -> Path:
     """Where TorchNeuron keeps NEFFs: TORCH_NEURONX_NEFF_CACHE_DIR, else this project's cache root (per-rank
     folders under it: engine/backends/torchneuron.py `neff_cache_dir`)."""
-    import os
 
-    from engine.envs import cache_root
+    from engine.envs import cache_root, environ
 
-    return Path(os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR") or cache_root() / "neff")
+    return Path(environ().get("TORCH_NEURONX_NEFF_CACHE_DIR") or cache_root() / "neff")
 
 
 def _last_line(log: Path) -> str | None:
