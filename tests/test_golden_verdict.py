@@ -48,7 +48,30 @@ def test_topk_fallback_and_token_table() -> None:
     assert [r["passed"] for r in rows] == [True, False, True]
     assert rows[1]["kld"] > 0 and rows[0]["kld"] == 0
     s = V.prompt_summary(rows)
-    assert (s["first_failing_step"], s["tokens_passed"], s["verdict"]) == (1, 2, "mismatch")
+    # expected = baseline: no noise band, so any error fails the prompt rule too
+    assert (s["first_failing_step"], s["tokens_passed"], s["worst_step"], s["verdict"]) == (1, 2, 1, "mismatch")
+    assert s["kld_ratio"] == float("inf") and s["sigma_ratio_pooled"] == float("inf")
+
+
+def test_prompt_rule_pools_over_the_prompt() -> None:
+    """A prompt passes when the target is no noisier than the expected run over the prompt: an isolated token where
+    the expected run sits unusually close to fp32 fails the per-token rule but not the prompt; a target twice as
+    noisy at every token fails the prompt."""
+    n, vocab = 40, 2000
+    base = _noise(5, (n, vocab), 1.0)  # logits spread small enough that the static top-k map fails too
+    scale = torch.full((n, 1), 0.1)
+    scale[7] = 0.005  # the one step where the expected run happens to be 20x closer to fp32
+    expected = base + _noise(6, (n, vocab), 1.0) * scale
+    same = base + _noise(7, (n, vocab), 0.1)
+    s = V.prompt_summary(V.token_table(same, expected, base))
+    assert (s["first_failing_step"], s["worst_step"], s["tokens_passed"]) == (7, 7, n - 1)
+    assert s["sigma_ratio_max"] > 10 and s["verdict"] == "match"
+    # an equally noisy run: ratios near 1 either side, the pooled Bhattacharyya near 1 passes it
+    assert 0.9 < s["sigma_ratio_pooled"] < 1.1 and 0.8 < s["kld_ratio"] < 1.2 and s["bhattacharyya_pooled"] > 0.999
+    worse = base + _noise(8, (n, vocab), 0.2)
+    w = V.prompt_summary(V.token_table(worse, expected, base))
+    assert w["verdict"] == "mismatch", w
+    assert 1.8 < w["sigma_ratio_pooled"] < 2.2 and w["kld_ratio"] > 3 and w["bhattacharyya_pooled"] < 0.99
 
 
 def test_layer_table_names_the_residues_of_the_positions_outside() -> None:

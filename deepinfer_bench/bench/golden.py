@@ -531,15 +531,16 @@ def compare_exact(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor) -> 
 
 
 THREE_WAY_COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
-                     "tokens_passed", "first_failing_step", "kld_mean", "kld_p99", "kld_max", "kld_expected_mean",
-                     "sigma_ratio_median", "sigma_ratio_max", "max_abs_dlogit", "logit_tol", "verdict"]
+                     "kld_mean", "kld_expected_mean", "kld_ratio", "sigma_ratio_pooled", "bhattacharyya_pooled",
+                     "kld_p99", "kld_max", "tokens_passed", "first_failing_step", "worst_step", "sigma_ratio_median",
+                     "sigma_ratio_max", "max_abs_dlogit", "logit_tol", "verdict"]
 
 
 def compare_three_way(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor,
                       expected: torch.Tensor) -> tuple[dict[str, Any], pd.DataFrame]:
     """One prompt's teacher-forced logits against the reference in fp32 and in the run's dtype: (its row:
     `tokens_matched` = top-1 agreement with fp32, `first_divergent_step` = first step whose argmax is not fp32's,
-    the verdict.py summary; its per-token table)."""
+    the verdict.py summary, whose prompt rule gives the verdict; its per-token table)."""
     from deepinfer_bench.bench.verdict import TOKEN_COLUMNS, prompt_summary, token_table
 
     toks = token_table(logits, expected, fp32)

@@ -23,13 +23,22 @@ import torch
 #   error is statistically the expected one (allows a sigma-ratio up to ~1.15 at equal means);
 # * the static fallback (two-way, target against expected): for each k of TOPK_TOL the expected run's top-k tokens
 #   ("all": the vocabulary), relative error max |target - expected| / max |expected| over them <= the map's value.
-# A token passes on sigma-ratio OR Bhattacharyya OR the fallback; a prompt passes when every token passes.
+# A token passes on sigma-ratio OR Bhattacharyya OR the fallback. A prompt passes when the target is no worse than
+# the expected run over the whole prompt (the lead's decision on issue 43, the framework's "no larger than
+# BF16-CPU's" applied to the prompt instead of to each token: one bf16 run of the reference sits unusually close to
+# fp32 at isolated tokens, so a clean target fails some token of most prompts): mean KLD(fp32 || target) / mean
+# KLD(fp32 || expected) <= KLD_RATIO_MAX, OR the pooled sigma-ratio <= SIGMA_RATIO_MAX, OR the pooled Bhattacharyya
+# >= BHATTACHARYYA_MIN. Pooled = over the prompt's tokens: the pooled (within-token) standard deviation
+# sqrt(mean of the per-token variances) of each run's error, its mean the mean of the per-token means (a constant
+# offset of a token's logits does not change its distribution, so the spread between tokens' means is left out).
+# The per-token results stay as diagnostics (tokens passing, first failing step, the worst token's full logits).
 SIGMA_RATIO_MAX = 1.0
 BHATTACHARYYA_MIN = 0.99
+KLD_RATIO_MAX = 1.0  # the same "no larger than" as SIGMA_RATIO_MAX
 TOPK_TOL: dict[int | str, float] = {5: 0.011, 50: 0.02, 1000: 0.03, "all": 0.05}
 
 TOKEN_COLUMNS = ["step", "sigma_ratio", "bhattacharyya", "topk_ok", "kld", "kld_expected", "top1", "max_abs_dlogit",
-                 "passed"]
+                 "err_mean", "err_std", "err_mean_expected", "err_std_expected", "passed"]
 
 
 def error_stats(target: torch.Tensor, expected: torch.Tensor, baseline: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -41,12 +50,19 @@ def error_stats(target: torch.Tensor, expected: torch.Tensor, baseline: torch.Te
     et, ee = t - b, e - b
     st, se = et.std(-1, unbiased=False), ee.std(-1, unbiased=False)
     mt, me = et.mean(-1), ee.mean(-1)
+    sigma, bc = _ratio_and_bc(st, se, mt, me)
+    return {"sigma_ratio": sigma, "bhattacharyya": bc, "max_abs_err": et.abs().amax(-1), "std": st, "mean": mt,
+            "std_expected": se, "mean_expected": me, "passed": (sigma <= SIGMA_RATIO_MAX) | (bc >= BHATTACHARYYA_MIN)}
+
+
+def _ratio_and_bc(st: torch.Tensor, se: torch.Tensor, mt: torch.Tensor,
+                  me: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigma-ratio and Bhattacharyya coefficient of normals N(mt, st) (target) and N(me, se) (expected)."""
     sigma = torch.where(se > 0, st / se.clamp_min(1e-300), torch.where(st > 0, math.inf, 0.0))
     var = st.square() + se.square()
     bc = torch.where(var > 0, torch.sqrt(2 * st * se / var.clamp_min(1e-300))
                      * torch.exp(-(mt - me).square() / (4 * var.clamp_min(1e-300))), torch.ones_like(var))
-    return {"sigma_ratio": sigma, "bhattacharyya": bc, "max_abs_err": et.abs().amax(-1),
-            "passed": (sigma <= SIGMA_RATIO_MAX) | (bc >= BHATTACHARYYA_MIN)}
+    return sigma, bc
 
 
 def topk_ok(target: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -77,23 +93,33 @@ def token_table(target: torch.Tensor, expected: torch.Tensor, baseline: torch.Te
     top1 = target.argmax(-1) == baseline.argmax(-1)
     return [{"step": i, "sigma_ratio": float(st["sigma_ratio"][i]), "bhattacharyya": float(st["bhattacharyya"][i]),
              "topk_ok": bool(fb[i]), "kld": float(kl[i]), "kld_expected": float(kl_e[i]), "top1": bool(top1[i]),
-             "max_abs_dlogit": float(st["max_abs_err"][i]), "passed": bool(st["passed"][i] or fb[i])}
+             "max_abs_dlogit": float(st["max_abs_err"][i]), "err_mean": float(st["mean"][i]),
+             "err_std": float(st["std"][i]), "err_mean_expected": float(st["mean_expected"][i]),
+             "err_std_expected": float(st["std_expected"][i]), "passed": bool(st["passed"][i] or fb[i])}
             for i in range(n)]
 
 
 def prompt_summary(tokens: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per prompt: KLD mean / p99 / max against the fp32 reference (and the expected run's own, for scale), top-1
-    agreement, median and max sigma-ratio, tokens passed, the first failing step (-1: none) and the verdict."""
-    kl = torch.tensor([t["kld"] for t in tokens], dtype=torch.float64)
-    kl_e = torch.tensor([t["kld_expected"] for t in tokens], dtype=torch.float64)
-    sig = torch.tensor([t["sigma_ratio"] for t in tokens], dtype=torch.float64)
+    """Per prompt: the prompt's verdict (the rule above: KLD ratio, pooled sigma-ratio, pooled Bhattacharyya); KLD
+    mean / p99 / max against the fp32 reference (and the expected run's own mean), top-1 agreement, median and max
+    per-token sigma-ratio, tokens passing the per-token rule, the first failing step (-1: none) and the worst step
+    (largest per-token sigma-ratio)."""
+    col = {k: torch.tensor([t[k] for t in tokens], dtype=torch.float64)
+           for k in ("kld", "kld_expected", "sigma_ratio", "err_mean", "err_std", "err_mean_expected",
+                     "err_std_expected")}
+    kl, kl_e, sig = col["kld"], col["kld_expected"], col["sigma_ratio"]
+    ratio = float(kl.mean() / kl_e.mean()) if kl_e.mean() > 0 else (0.0 if kl.mean() == 0 else math.inf)
+    pooled = [x.square().mean().sqrt() for x in (col["err_std"], col["err_std_expected"])]
+    p_sigma, p_bc = (float(x) for x in _ratio_and_bc(*pooled, col["err_mean"].mean(), col["err_mean_expected"].mean()))
     fail = [t["step"] for t in tokens if not t["passed"]]
+    ok = ratio <= KLD_RATIO_MAX or p_sigma <= SIGMA_RATIO_MAX or p_bc >= BHATTACHARYYA_MIN
     return {"tokens_total": len(tokens), "top1": sum(t["top1"] for t in tokens),
             "tokens_passed": len(tokens) - len(fail), "first_failing_step": fail[0] if fail else -1,
-            "kld_mean": float(kl.mean()), "kld_p99": float(kl.quantile(0.99)), "kld_max": float(kl.max()),
-            "kld_expected_mean": float(kl_e.mean()), "sigma_ratio_median": float(sig.median()),
+            "worst_step": int(sig.argmax()), "kld_mean": float(kl.mean()), "kld_p99": float(kl.quantile(0.99)),
+            "kld_max": float(kl.max()), "kld_expected_mean": float(kl_e.mean()), "kld_ratio": ratio,
+            "sigma_ratio_pooled": p_sigma, "bhattacharyya_pooled": p_bc, "sigma_ratio_median": float(sig.median()),
             "sigma_ratio_max": float(sig.max()), "max_abs_dlogit": max(t["max_abs_dlogit"] for t in tokens),
-            "verdict": "match" if not fail else "mismatch"}
+            "verdict": "match" if ok else "mismatch"}
 
 
 MODULES = ("attn", "ffn")  # the residual streams after a layer's attention half, and after its MoE half

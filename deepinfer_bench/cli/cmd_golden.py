@@ -94,10 +94,11 @@ def golden_cmd(
     if threeway:
         t = run.table
         err_console.print(f"[{style}]{run.n_match}/{n} prompts within the reference's {config.model.dtype} noise"
-                          f"[/{style}] (tokens passing the three-way rule {int(t['tokens_passed'].sum())}/"
-                          f"{int(t['tokens_total'].sum())}, top-1 = fp32 {toks}, KLD mean "
+                          f"[/{style}] (KLD ratio worst {t['kld_ratio'].max():.3g}, KLD mean "
                           f"{t['kld_mean'].mean():.2e} (reference's own {t['kld_expected_mean'].mean():.2e}), max "
-                          f"{t['kld_max'].max():.2e}; reference {run.meta['reference_key']})  ->  {path}")
+                          f"{t['kld_max'].max():.2e}; tokens passing the per-token rule "
+                          f"{int(t['tokens_passed'].sum())}/{int(t['tokens_total'].sum())}, top-1 = fp32 {toks}; "
+                          f"reference {run.meta['reference_key']})  ->  {path}")
         raise typer.Exit(0 if run.ok else 1)
     err_console.print(f"[{style}]{run.n_match}/{n} prompts match[/{style}] ({what}: {toks}, "
                       f"max |dlogit| {run.table['max_abs_dlogit'].max():.2e}, tol {run.table['logit_tol'].iloc[0]}; "
@@ -123,8 +124,10 @@ def _host_math(m: dict) -> str:
 
 
 def _three_way_files(run, where: Path) -> None:
-    """golden_tokens.csv (every teacher-forced step of every prompt) and, for the first failing token of the run,
-    its full logits (engine, reference fp32, reference in the run's dtype) in golden_first_failing.safetensors."""
+    """golden_tokens.csv (every teacher-forced step of every prompt) and, when some token fails the per-token rule,
+    the worst token's full logits (engine, reference fp32, reference in the run's dtype) in
+    golden_worst_token.safetensors: the largest per-token sigma-ratio of the first failing prompt, else of the
+    first prompt with a failing token."""
     import pandas as pd
     from safetensors.torch import save_file
 
@@ -133,14 +136,17 @@ def _three_way_files(run, where: Path) -> None:
     bad = run.table[run.table["first_failing_step"] >= 0]
     if not len(bad):
         return
-    name, step = str(bad.iloc[0]["prompt"]), int(bad.iloc[0]["first_failing_step"])
+    worst = bad[bad["verdict"] != "match"]
+    row = (worst if len(worst) else bad).iloc[0]
+    name, step = str(row["prompt"]), int(row["worst_step"])
     ref = run.reference
     dtype = next(d for d in ref.logits if d != "float32")
+    out = where / "golden_worst_token.safetensors"
     save_file({"engine": run.logits[name][step].contiguous(), "reference_float32": ref.logits["float32"][name][step],
-               f"reference_{dtype}": ref.logits[dtype][name][step]}, str(where / "golden_first_failing.safetensors"),
-              metadata={"prompt": name, "step": str(step)})
-    err_console.print(f"[yellow]first token outside the noise band: {name} step {step}; full logits in "
-                      f"{where / 'golden_first_failing.safetensors'}[/yellow]")
+               f"reference_{dtype}": ref.logits[dtype][name][step]}, str(out),
+              metadata={"prompt": name, "step": str(step), "sigma_ratio": str(float(row["sigma_ratio_max"]))})
+    err_console.print(f"[yellow]worst token: {name} step {step} (sigma-ratio {row['sigma_ratio_max']:.3g}); full "
+                      f"logits in {out}[/yellow]")
 
 
 def _per_layer_report(pl, where: Path) -> None:
