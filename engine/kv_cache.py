@@ -185,6 +185,8 @@ class BlockManager:
         reads it)."""
         if not self.prefix_caching or seq.num_computed_tokens or seq.block_table:
             return [], None
+        if seq.sampling_params.prompt_logprobs is not None:  # every prompt position's logits are asked for (as vLLM)
+            return [], None
         hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)  # one token left to compute
         blocks: list[int] = []
         for key in hashes:
