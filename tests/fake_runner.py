@@ -185,18 +185,6 @@ class ByteRunner(FakeRunner):
         self.fail_at_step = fail_at_step
         self.batch_sizes: list[int] = []
 
-    def save_prefix_state(self, slot: int, snap: int) -> None:
-        """Prefix caching: keep the slot's hash state as snapshot `snap`."""
-        self.snapshots[snap] = (self.slot_pos[slot], list(self.slot_hashes[slot]))
-
-    def restore_prefix_state(self, slot: int, snap: int) -> None:
-        """A reset slot takes snapshot `snap`'s state; the sequence may resume at any position it holds (a wrong
-        prefix or position shows in the logits: they hash the tokens)."""
-        assert self.slot_pos[slot] == 0, f"restore into slot {slot}, which was not reset"
-        pos, hashes = self.snapshots[snap]
-        self.slot_pos[slot], self.slot_hashes[slot], self.draft_tail[slot] = pos, list(hashes), pos
-        self.restored.append((slot, snap))
-
     def execute(self, batch: list, full_logits=()) -> torch.Tensor:
         if self.fail_at_step is not None and self.num_calls + 1 >= self.fail_at_step:
             raise RuntimeError("injected engine failure")

@@ -38,6 +38,9 @@ from engine.backends.xla_export import edge_graph_inputs, edge_meta, head_params
 
 NCC_CODE = re.compile(r"NCC_[A-Z]+\d+")
 
+# where TorchNeuron writes its compile artifacts (NEFFs, logs); the SDK fixes the folder at the first compile
+DEBUG_DIR = "TORCH_NEURONX_DEBUG_DIR"
+
 
 @dataclass
 class GraphSpec:
@@ -186,7 +189,6 @@ def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
     (`options={"model_name": <graph>}`); the NCC code of a failure from its error text, else from the artifact logs
     of that graph (by name, else written while it compiled) under TORCH_NEURONX_DEBUG_DIR, which must have been set
     before anything compiled (`compile_only_env`: the SDK fixes the folder at the first compile)."""
-    from engine.backends.torchneuron import DEBUG_DIR
     from engine.envs import get_envs
 
     if not be.compile_only:

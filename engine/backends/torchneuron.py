@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.backends import Counters, counted_compiler
+from engine.backends.graph_export import DEBUG_DIR
 from engine.model.capabilities import DEVICE
 
 if TYPE_CHECKING:
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 # made explicit and recorded)
 _NO_FALLBACK = {"TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1"}
 COMPILE_ONLY = "TORCH_NEURONX_COMPILE_ONLY"
-DEBUG_DIR = "TORCH_NEURONX_DEBUG_DIR"
 # The LNC of a first contact when NEURON_LOGICAL_NC_CONFIG is not set: 1. The NKI kernels do not split their work by
 # nl.program_id, so launched at LNC 2 both physical cores would compute and write the whole output, and a launch's
 # LNC must equal neuronx-cc's (NKI docs: `kernel[lnc]` must match the runtime's NEURON_LOGICAL_NC_CONFIG; NCC_EVRF066
