@@ -140,7 +140,7 @@ class ModelConfig:
     dtype: str = "fp8"
     scale_fmt: str | None = "ue8m0"
     expert_dtype: str | None = "fp4"
-    # DSpark draft head (the 0731 / 0813 releases; engine/model/dspark.py). dspark_block_size 0 = none: the
+    # DSpark draft head (the 0731 / 0813 releases; engine/model/dspark_proposer.py). dspark_block_size 0 = none: the
     # `n_mtp_layers` draft layers are MTP blocks. Otherwise they are the DSpark stages `mtp.0..n-1`, the block
     # holds dspark_block_size drafts, its input is [bonus token, dspark_noise_token_id x (size - 1)], the context is
     # the residual streams entering dspark_target_layer_ids (mean over the hc streams, concatenated), and the Markov

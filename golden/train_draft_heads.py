@@ -103,7 +103,7 @@ def make_prompts(n: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]
 def make_corpus(runner, prompts: list[list[int]], new: int, layer_ids: tuple[int, ...]) -> Corpus:
     """Greedy continuations of `new` tokens of each prompt (batched decode through the engine), then one pass
     over each whole sequence caching streams, captured context and logits; sequences cut to a common length."""
-    from engine.model.dspark import hidden_and_capture
+    from engine.model.dspark_proposer import hidden_and_capture
 
     model, bs = runner.model, runner.block_size
     seqs: list[list[int]] = []
@@ -186,7 +186,7 @@ def dspark_batch(model: Transformer, corpus: Corpus, idx: list[int], anchors: in
     """DeepSpec's training step for `anchors` blocks per sequence: anchor p (a context end in the sequence), block
     input [token p+1, noise...] at positions p+1.., labels = the target's greedy tokens at p+2.. (while inside the
     sequence), previous tokens for the Markov head teacher-forced. Returns (loss, metrics)."""
-    from engine.model import dspark
+    from engine.model import dspark_proposer as dspark
 
     cfg, bs, win = model.cfg, model.cfg.dspark_block_size, model.cfg.window_size
     stages = list(model.mtp)
@@ -306,8 +306,8 @@ def acceptance(model_dir: Path, corpus: Corpus, kind: str, k: int, threshold: fl
     cut by the confidence `threshold`), accepts the longest prefix equal to the target's greedy continuation, and
     feeds the draft head the target's states (cached in the corpus: the target's verify step would compute the
     same) of exactly the positions that became final. Returns per-position and overall acceptance."""
-    from engine.model import dspark
-    from engine.model.draft import DraftInput, propose_mtp
+    from engine.model import dspark_proposer as dspark
+    from engine.model.mtp_proposer import DraftInput, propose_mtp
 
     n = len(corpus.tokens)
     runner = tiny_runner(n, with_mtp=True, model_dir=model_dir)

@@ -12,9 +12,9 @@ from deepinfer_bench.bench.golden import GOLDEN_DIR
 from engine import host_kernels as H
 from engine.config import EngineConfig
 from engine.llm import greedy_with_logits
-from engine.model.draft import MTPProposer
 from engine.model.drafting import proposer_for
-from engine.model.dspark import DSparkProposer
+from engine.model.dspark_proposer import DSparkProposer
+from engine.model.mtp_proposer import MTPProposer
 from engine.model.ops import REFERENCE, OpByOp, OpTable, make_table, ops_for
 
 

@@ -1,5 +1,5 @@
 """The engine loop's draft call and the one place a speculative method picks its proposer (engine/model/proposer.py):
-MTP (engine/model/draft.py) or DSpark (engine/model/dspark.py)."""
+MTP (engine/model/mtp_proposer.py) or DSpark (engine/model/dspark_proposer.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from engine.choices import Speculative
 from engine.model.cache import KVCache, SeqStep
-from engine.model.draft import MTPProposer
-from engine.model.dspark import DSparkProposer
+from engine.model.dspark_proposer import DSparkProposer
 from engine.model.model import Transformer
+from engine.model.mtp_proposer import MTPProposer
 from engine.model.proposer import Proposer
 from engine.speculative import DraftRequest
 

@@ -1,5 +1,5 @@
 """The DSpark draft head's modules (stored under `mtp.*`): its stages, Markov head and confidence head; what they
-compute and which public code pinned it: engine/model/dspark.py."""
+compute and which public code pinned it: engine/model/dspark_proposer.py."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ class DSparkBlock(Block):
             self.confidence_head = ConfidenceHead(cfg.dim, cfg.dspark_markov_rank)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        raise TypeError("a DSpark stage runs a whole draft block: engine.model.dspark.propose_dspark")
+        raise TypeError("a DSpark stage runs a whole draft block: engine.model.dspark_proposer.propose_dspark")
 
     def block_forward(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
                       ctx_valid: torch.Tensor) -> torch.Tensor:

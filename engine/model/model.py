@@ -49,7 +49,7 @@ def formats_of(module: nn.Module) -> dict[str, str]:
 
 def draft_block(cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> Block:
     """The draft layer `mtp.<layer_id - n_layers>`: an MTP block, or a DSpark stage when the config has a DSpark
-    head (engine/model/dspark.py; the 0731 / 0813 releases keep their DSpark stages under `mtp.*`)."""
+    head (engine/model/dspark_proposer.py; the 0731 / 0813 releases keep their DSpark stages under `mtp.*`)."""
     if cfg.has_dspark:
         return DSparkBlock(cfg, layer_id, par)
     return MTPBlock(cfg, layer_id, par)
@@ -132,7 +132,7 @@ class Transformer(OpsUser, nn.Module):
                     k: int = 0) -> torch.Tensor:
         """MTP block k: streams x [T, n, dim] at positions t (the main model's last-layer streams, or the block's
         own output when it drafts recursively) and the ids of tokens t+1 -> the block's output streams [T, n, dim]
-        (before its hc_head). Writes the block's window KV at positions t (engine/model/draft.py)."""
+        (before its hc_head). Writes the block's window KV at positions t (engine/model/mtp_proposer.py)."""
         blk: MTPBlock = self.mtp[k]
         eps = self.cfg.norm_eps
         e = self.ops.rms_norm(self.embed.weight[next_ids].to(self.dtype), blk.enorm.weight, eps)

@@ -1,7 +1,7 @@
-"""The draft heads (engine/model/draft.py: MTP; engine/model/dspark.py: DSpark) against re-derivations that share no
-code with them: the V4 block is HF transformers' `DeepseekV4DecoderLayer` (independent of the engine, checked
-against DeepSeek's code in spec §6), the MTP input mixing, the DSpark attention, RoPE, the Markov head and the
-confidence head are written out plainly here. Small random configs, fp32."""
+"""The draft heads (engine/model/mtp_proposer.py: MTP; engine/model/dspark_proposer.py: DSpark) against
+re-derivations that share no code with them: the V4 block is HF transformers' `DeepseekV4DecoderLayer` (independent
+of the engine, checked against DeepSeek's code in spec §6), the MTP input mixing, the DSpark attention, RoPE, the
+Markov head and the confidence head are written out plainly here. Small random configs, fp32."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model.cache import SeqStep, StepPlan
-from engine.model.draft import DraftInput, propose_mtp
 from engine.model.dummy import random_weights
+from engine.model.mtp_proposer import DraftInput, propose_mtp
 from tests.engines import build
 
 pytest.importorskip("transformers", minversion="5.24", reason="the HF reference needs the `reference` extra")
@@ -238,7 +238,7 @@ def _plain_dspark(cfg, w, hf, captured: torch.Tensor, bonus: int) -> tuple[list[
 
 @torch.no_grad()
 def test_capture_is_the_mean_stream_entering_each_target_layer() -> None:
-    from engine.model.dspark import hidden_and_capture
+    from engine.model.dspark_proposer import hidden_and_capture
 
     eng, w = _engine(DSPARK)
     r = eng.runner
@@ -252,7 +252,7 @@ def test_capture_is_the_mean_stream_entering_each_target_layer() -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("prompt", [5, 13])  # inside the window (8), and past it
 def test_dspark_block_matches_plain_across_rounds(prompt: int) -> None:
-    from engine.model import dspark
+    from engine.model import dspark_proposer as dspark
 
     eng, w = _engine(DSPARK, seed=5)
     r, m = eng.runner, eng.runner.model
@@ -283,7 +283,7 @@ def test_dspark_block_matches_plain_across_rounds(prompt: int) -> None:
 
 @torch.no_grad()
 def test_dspark_block_is_non_causal_inside_and_batched() -> None:
-    from engine.model import dspark
+    from engine.model import dspark_proposer as dspark
 
     eng, _ = _engine(DSPARK, seed=6)
     st = eng.runner.model.mtp[0]
@@ -306,7 +306,7 @@ def test_dspark_block_is_non_causal_inside_and_batched() -> None:
 
 
 def test_confidence_cut() -> None:
-    from engine.model.dspark import confident_prefix
+    from engine.model.dspark_proposer import confident_prefix
 
     c = torch.tensor([[2.0, 0.5, -0.1, 3.0], [-2.0, 5.0, 5.0, 5.0], [4.0, 4.0, 4.0, 4.0]])
     # sigmoid: [.88 .62 .48 .95], [.12 .99 ...], [.98 ...]

@@ -45,9 +45,9 @@ from __future__ import annotations
 import torch
 
 from engine.model.cache import KVCache, StepPlan
-from engine.model.draft import DraftInput, draft_input
 from engine.model.dspark_block import DSparkBlock
 from engine.model.model import Transformer
+from engine.model.mtp_proposer import DraftInput, draft_input
 from engine.model.proposer import Proposal, Sampler, greedy
 from nki_kernels.reference import hc_head
 
