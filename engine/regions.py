@@ -363,7 +363,7 @@ class RegionRunner:
     def _chunk_embed(self, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
         fn = self._chunk_embeds.get(c)
         if fn is None:
-            fn = self.backend.compile_fn(functools.partial(_embed_chunk, self.model, c), f"chunk_embed_c{c}")
+            fn = self.backend.compile_fn(self.chunk_embed_fn(c), f"chunk_embed_c{c}")
             self._chunk_embeds[c] = fn
         return fn
 
@@ -378,6 +378,10 @@ class RegionRunner:
         shape = (packed.shape[0], c, packed.shape[1] - 3 - c)
         x, n = self._layers(self._chunk_regions, x, packed, shape, False, label="chunk" if timed else None)
         return x, packed, n
+
+    def chunk_embed_fn(self, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function a chunk run's embedding compiles as (token ids in packed columns 3 .. 3 + c)."""
+        return functools.partial(_embed_chunk, self.model, c)
 
     def _last_logits(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """The head over each entry's last real row of a chunk run: x [Bp*C, n, dim] -> fp32 [Bp, vocab]."""

@@ -101,16 +101,14 @@ def chunk_specs(runner: Any) -> list[GraphSpec]:
     """The prefill graphs: chunk-region structures x chunk shapes (batch bucket x chunk bucket x block bucket), the
     chunk embedding and the chunk head (each entry's last row) per (batch bucket, chunk bucket) - what a graph
     backend runs a prefill chunk (or a verify step) as."""
-    import functools
 
     from engine.backends.xla_export import chunk_edge_inputs, chunk_graph_inputs
-    from engine.regions import _embed_chunk
 
     rr, model = runner.regions, runner.model
     specs = _region_specs(chunk_graph_inputs(runner))
     for bp, c, packed, x in chunk_edge_inputs(runner):
         edge = {"structure": [], "ratio": None, "batch_bucket": bp, "chunk_bucket": c, "block_bucket": None}
-        specs.append(GraphSpec(f"chunk_embed_b{bp}_c{c}", functools.partial(_embed_chunk, model, c), (packed,),
+        specs.append(GraphSpec(f"chunk_embed_b{bp}_c{c}", rr.chunk_embed_fn(c), (packed,),
                                {"region": "chunk.embed", **edge},
                                {"packed": packed, "embed.weight": model.embed.weight}))
         specs.append(GraphSpec(f"chunk_head_b{bp}_c{c}", rr._last_logits, (x, packed),
