@@ -46,14 +46,19 @@ def _check_slice(full: Path, sliced: Path, first: int, experts: int) -> None:
             assert torch.equal(t, a[old]), name
 
 
+def _slice(full: Path, out: Path, layers: str, experts: int) -> None:
+    """`deepinfer slice` of `full` into `out`, which must succeed."""
+    res = CliRunner().invoke(app, ["slice", "--model-dir", str(full), "--layers", layers, "--experts", str(experts),
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+
+
 def test_slice_of_a_sharded_official_checkpoint(tmp_path: Path) -> None:
     cfg = PRESETS["test"].config(layers=3, mtp=1, hash_layers=2)
     full = tmp_path / "full"
     write_model(full, cfg, seed=7)
     out = tmp_path / "slice"
-    res = CliRunner().invoke(app, ["slice", "--model-dir", str(full), "--layers", "1-2", "--experts", "4",
-                                   "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    _slice(full, out, "1-2", 4)
     raw = json.loads((out / "config.json").read_text())
     assert (raw["n_layers"], raw["n_hash_layers"], raw["n_mtp_layers"]) == (2, 1, 1)
     assert len(set(json.loads((out / INDEX_FILE).read_text())["weight_map"].values())) == 4  # globals, layers 1, 2, mtp
@@ -83,8 +88,7 @@ def test_golden_on_a_slice_with_a_reference_made_by_deepinfer_reference(tmp_path
     full, out, refs = tmp_path / "full", tmp_path / "slice", tmp_path / "refs"
     write_model(full, PRESETS["test"].config(layers=3, mtp=0, hash_layers=1), seed=5)
     cli = CliRunner()
-    assert cli.invoke(app, ["slice", "--model-dir", str(full), "--layers", "1-2", "--experts", "4",
-                            "--out", str(out)]).exit_code == 0
+    _slice(full, out, "1-2", 4)
     golden = _one_prompt_golden(tmp_path / "golden1", "text_fox")
     res = cli.invoke(app, ["reference", "--model-dir", str(out), "--golden-dir", str(golden), "--out", str(refs)])
     assert res.exit_code == 0, res.output
@@ -102,7 +106,5 @@ def test_slice_of_a_flash_width_checkpoint(tmp_path: Path) -> None:
     full = tmp_path / "flash"
     write_model(full, cfg, seed=3)
     out = tmp_path / "slice"
-    res = CliRunner().invoke(app, ["slice", "--model-dir", str(full), "--layers", "1-1", "--experts", "6",
-                                   "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    _slice(full, out, "1-1", 6)
     _check_slice(full, out, first=1, experts=6)
