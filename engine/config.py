@@ -458,9 +458,13 @@ class EngineConfig:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the engine caches prefixes: as given, else (auto) wherever it is exact, like vLLM's default."""
+        """Whether the engine caches prefixes: as given, else (auto) wherever it is exact, like vLLM's default - on
+        the host backend only: the state snapshots are eager copies of the slot's tensors, which on a graph backend
+        (xla, neuron) would run as new device graphs between the compiled steps."""
         want = self.cache.enable_prefix_caching
-        return bool(want) if want is not None else not self.prefix_caching_blocker
+        if want is not None:
+            return bool(want)
+        return self.backend == Backend.HOST and not self.prefix_caching_blocker
 
     @property
     def scheduler_cache(self) -> CacheConfig:
