@@ -97,7 +97,8 @@ def test_verify_steps_with_rejected_drafts_match_eager() -> None:
     _compare(rounds, cfg, speculative="mtp", num_speculative_tokens=2)
 
 
-@pytest.mark.parametrize("mode", ["layer", "regions"])
+# regions mode is opt-in (`pytest -m slow`: ~3x layer mode's time); layer mode, what device backends run, stays
+@pytest.mark.parametrize("mode", ["layer", pytest.param("regions", marks=pytest.mark.slow)])
 def test_greedy_chunked_prefill_in_graphs_matches_eager(mode: str) -> None:
     """Through the scheduler with a small token budget: prompts prefilled in several bucket-fitted chunks, mixed
     with other sequences' decodes; the tokens and logits are the eager engine's (layer graphs, and the attention /

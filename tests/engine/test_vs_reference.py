@@ -44,6 +44,9 @@ def tiny_configs(draw: st.DrawFn) -> ModelConfig:
 
 # derandomize: the same 6 draws on every run, so CI never meets a fresh exact top-k tie (HF's torch.topk and our
 # stable order may break a tie differently) - new draws are explored by raising max_examples locally.
+# Opt-in in the default run (`pytest -m slow`): CI lane 2 runs it on every landing, on torch 2.9 (docs/ci.md), and the
+# host golden (12/12 against HF) runs on torch 2.13 in lane 1.
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=tiny_configs(), seed=st.integers(0, 2**16), chunk=st.sampled_from([None, 7, 16]))  # chunk: token budget
 def test_engine_matches_hf(cfg: ModelConfig, seed: int, chunk: int | None) -> None:
