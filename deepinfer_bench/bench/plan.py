@@ -230,9 +230,11 @@ def _global_tensors(cfg: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _index_selects(cfg: Any, layer_id: int, context: int) -> bool:
-    """engine/model/attention.py `Attention.index_needed` at the step's last position."""
+    """Whether layer `layer_id`'s indexer selects at the step's last position (the engine's own rule)."""
+    from engine.model.attention import index_selects
+
     r = cfg.layer_ratio(layer_id)
-    return cfg.ratio_is_csa(r) and (context + 1) // r > cfg.index_topk
+    return cfg.ratio_is_csa(r) and index_selects(r, cfg.index_topk, context)
 
 
 def _rows_of_layer(cfg: Any, layer_id: int, lay: Layout) -> list[dict[str, Any]]:

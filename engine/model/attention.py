@@ -103,6 +103,15 @@ class _Group:
         self.valid = self.valid & keep
 
 
+def index_selects(ratio: int, topk: int, last_pos: int) -> bool:
+    """Whether an indexer's top-k can drop an entry for a query at position <= `last_pos`: only when more than `topk`
+    compressed entries exist (all ranks together). Up to there the top-k keeps every causal entry, which is the mask
+    attention applies anyway, so the indexer's queries, scores and selection change nothing and are skipped (exactly
+    the same result; contexts up to index_topk x 4 tokens: 1024 on the mid bench model, 2048 x 4 on V4). The
+    indexer's compressor still runs: its keys are needed once the context is longer."""
+    return (last_pos + 1) // ratio > topk
+
+
 class Attention(OpsUser, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, par: Parallel | None = None) -> None:
         super().__init__()
@@ -150,13 +159,8 @@ class Attention(OpsUser, nn.Module):
         return aux
 
     def index_needed(self, last_pos: int) -> bool:
-        """Whether the indexer's top-k can drop an entry for a query at position <= `last_pos`: only when more than
-        `index_topk` compressed entries exist (all ranks together). Up to there the top-k keeps every causal entry,
-        which is the mask attention applies anyway, so the indexer's queries, scores and selection change nothing
-        and are skipped (exactly the same result; contexts up to index_topk x 4 tokens: 1024 on the mid bench
-        model, 2048 x 4 on V4). The indexer's compressor still runs: its keys are needed once the context is longer.
-        """
-        return self.indexer is not None and (last_pos + 1) // self.ratio > self.indexer.topk
+        """Whether this layer's indexer selects at `last_pos` (`index_selects`); False without an indexer."""
+        return self.indexer is not None and index_selects(self.ratio, self.indexer.topk, last_pos)
 
     def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped wo_a: o [T, H, D] -> [T, G*o_lora]. wo_b comes with the mHC expand
