@@ -40,7 +40,10 @@ def test_backend_is_the_torchneuron_class_with_the_compile_step_swapped() -> Non
 
 
 def test_golden_through_the_standin_is_12_of_12(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code, _, err = run_main(["golden", "--backend", "neuron-standin", "--out", str(tmp_path)], capsys)
+    """One batch bucket (16: every decode step padded to it): 6 graphs instead of the default ladder's 30 possible
+    (each is ~10 CPU-s to lower here, most of CI lane 3); the bucket ladder itself is tested on the host's graphs."""
+    code, _, err = run_main(["golden", "--backend", "neuron-standin", "--batch-buckets", "16", "--out", str(tmp_path)],
+                            capsys)
     assert code == 0, err
     assert "12/12 prompts match" in err
     (meta_path,) = tmp_path.glob("golden-*/meta.json")
@@ -48,7 +51,8 @@ def test_golden_through_the_standin_is_12_of_12(tmp_path: Path, capsys: pytest.C
     assert meta["engine_config"]["backend"] == "neuron-standin" and meta["graph_mode"] == "layer"
     assert meta["measured_on"] == LABEL
     b = meta["backend"]
-    assert b["graph_compiles"] >= 4 and b["executions"] > b["graph_compiles"] and b["compile_seconds"] > 0
+    assert meta["engine_config"]["batch_buckets"] == [16]
+    assert b["graph_compiles"] == 6 and b["executions"] > b["graph_compiles"] and b["compile_seconds"] > 0
     assert b["fallbacks"] == 0 and b["fallback_ops"] == {} and b["graph_compiles_after_warmup"] == 0
 
 
@@ -76,7 +80,7 @@ def test_golden_with_the_kernel_ops_inside_the_graphs(tmp_path: Path, capsys: py
 def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "graphs"
     code, _, err = run_main(["compile", "--backend", "neuron-standin", "--max-num-seqs", "1", "--max-model-len", "16",
-                             "--max-num-batched-tokens", "16", "--chunk-graphs", "--out", str(out)],
+                             "--max-num-batched-tokens", "8", "--chunk-graphs", "--out", str(out)],
                             capsys)
     assert code == 0, err
     assert "graphs:" in err.split("compiling the graphs")[0]  # the count, printed before anything compiles
@@ -91,12 +95,13 @@ def test_compile_writes_checked_stablehlo(tmp_path: Path, capsys: pytest.Capture
     assert {Path(r["mlir"]).name for r in rows} == {f.name for f in files}
     assert all(r["status"] == "pass" and not r["has_fp8"] for r in rows)
     assert {r["region"] for r in rows} >= {"layer", "embed", "head"}
-    # the prefill graphs too: every chunk structure at every chunk bucket (8 and the 16-token budget), + embed / head
+    # the prefill graphs too: every chunk structure at the one chunk bucket (the 8-token budget; each chunk graph is
+    # ~14 CPU-s to lower, the ladder itself is tested on the host), + embed / head
     decode = [r for r in rows if not r["region"].startswith("chunk.")]
     chunk = [r for r in rows if r["region"] == "chunk.layer"]
-    assert {r["chunk_bucket"] for r in chunk} == {8, 16}
-    assert len(chunk) == 2 * sum(r["region"] == "layer" for r in decode)  # one per structure and bucket (b1, nb1)
-    assert sum(r["region"] in ("chunk.embed", "chunk.head") for r in rows) == 4
+    assert {r["chunk_bucket"] for r in chunk} == {8}
+    assert len(chunk) == sum(r["region"] == "layer" for r in decode)  # one per structure (b1, nb1)
+    assert sum(r["region"] in ("chunk.embed", "chunk.head") for r in rows) == 2
     assert len(rows) >= len(decode) + 2
     assert manifest["budget"]["total"] == len(rows)  # the count printed before compiling is what was compiled
 

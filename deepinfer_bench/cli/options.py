@@ -53,6 +53,7 @@ class EngineArgs:
     moe: MoeMode | None = None
     host_compiler: HostCompiler | None = None
     chunk_graphs: bool | None = None
+    batch_buckets: str | None = None
     chunk_buckets: str | None = None
     min_context_bucket: int | None = None
     speculative: Speculative | None = None
@@ -140,6 +141,9 @@ _OPTIONS: dict[str, Any] = {
                                                 "steps as compiled chunk graphs, one per structure x chunk bucket "
                                                 "(default: on for xla and neuron, off on the host and "
                                                 "neuron-standin).", show_default=False)],
+    "batch_buckets": Annotated[str | None, _opt("--batch-buckets", help="Batch buckets of the decode graphs, "
+                                                "increasing comma-separated ints (default 1,2,4,...,256; a batch "
+                                                "above the largest pads to a multiple of it).")],
     "chunk_buckets": Annotated[str | None, _opt("--chunk-buckets", help="Chunk-length buckets of the chunk graphs, "
                                                 "increasing comma-separated ints (default 8,32,128,512; the "
                                                 "budget --max-num-batched-tokens caps the top one).")],
