@@ -49,6 +49,10 @@ class Instance:
     launch_s: float
     collective_s: float
     launch_per_input_s: float = 0.0  # host: each tensor a graph call takes in (functional_call, guards)
+    # host, measured on the engine itself (`engine_overheads`): seconds per launch of each plan region (replaces
+    # launch_s there), and seconds per step outside every region (scheduler, sampler, Python between regions)
+    launch_s_by_region: dict[str, float] | None = None
+    outside_s: float = 0.0
 
     def with_overheads(self, launch_s: float, collective_s: float) -> Instance:
         return dataclasses.replace(self, launch_s=launch_s, collective_s=collective_s)
@@ -71,9 +75,10 @@ def trn2_instance(name: str, lnc: int, hw: dict[str, Any]) -> Instance:
                     collective_s=fit["collective_latency_us"] * 1e-6)
 
 
-def host_instance(threads: int = 1, compiler: str = "inductor") -> Instance:
+def host_instance(threads: int = 1, compiler: str = "inductor", probe_calls: bool = True) -> Instance:
     """This CPU, measured now: read bandwidth and GEMM rate from `bench engine-vs-hf`'s probes, the per-call
-    overhead of a compiled graph (`call_overhead_s`). One rank, no links."""
+    overhead of a compiled graph (`call_overhead_s`; skipped without `probe_calls`). One rank, no links. The
+    engine's own region calls cost more than that probe: `with_engine_overheads` measures them."""
     import os
 
     import torch
@@ -82,11 +87,75 @@ def host_instance(threads: int = 1, compiler: str = "inductor") -> Instance:
 
     torch.set_num_threads(threads)
     bw = max(memory_bandwidth_gb_s() for _ in range(2))
-    few, many = call_overhead_s(8, compiler=compiler), call_overhead_s(256, compiler=compiler)
+    few, many = ((call_overhead_s(8, compiler=compiler), call_overhead_s(256, compiler=compiler)) if probe_calls
+                 else (0.0, 0.0))
     per_input = max(0.0, (many - few) / (256 - 8))
     return Instance(name="host", ranks=1, hbm_b_s=bw * 1e9, peak_flop_s=2 * gemm_rate_g_s() * 1e9, link_b_s=math.inf,
                     hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
                     launch_s=few - 8 * per_input, collective_s=0.0, launch_per_input_s=per_input)
+
+
+# the smallest FP8-block-sized widths (the `test` bench preset's): a region at these widths costs its call overhead
+# and little else, and the same layers, structures, heads and experts keep its launches, guards and Python the same
+WIDTH_FREE = {"vocab_size": 1024, "dim": 256, "moe_inter_dim": 128, "q_lora_rank": 128, "o_lora_rank": 128}
+
+
+def width_free(cfg: Any) -> Any:
+    """`cfg` with every width at most WIDTH_FREE's: the same layers and structures, almost no work."""
+    from engine.model_config import ModelConfig
+
+    return ModelConfig(**{**cfg.__dict__, **{k: min(getattr(cfg, k), v) for k, v in WIDTH_FREE.items()}})
+
+
+def _moe_mode(cfg: Any, tokens: int, cp: int) -> str:
+    """The routed-expert path `--moe auto` takes on the host for `tokens` decode rows of `cfg` (engine/model/moe.py
+    `MoE.static_mode`), so that the width-free copy runs the path the real widths would."""
+    from engine.model.moe import GROUPED_MIN_EXTRA_MACS
+
+    n_local, k = cfg.n_routed_experts // cp, cfg.n_activated_experts
+    if tokens * k < n_local:
+        return "gather"
+    extra = (n_local - k) * tokens * 3 * cfg.dim * cfg.moe_inter_dim
+    return "grouped" if extra >= GROUPED_MIN_EXTRA_MACS else "dense"
+
+
+def engine_overheads(config: Any, batch: int, context: int, threads: int | None = 1,
+                     steps: int = 10) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """What the engine's own region calls cost besides their work, measured now: `regions --timing` on a width-free
+    copy of the model (same layers, structures, graph mode, compiler, timing and routed-expert path), minus that
+    copy's own roofline. Returns (seconds per launch of each plan region, seconds per step outside the regions,
+    what was measured). In layer mode the one launch a layer is the plan's `attn` row's."""
+    from deepinfer_bench.bench.region_timing import RegionsSpec, run_regions, workload
+    from engine.config import EngineConfig
+
+    small = width_free(config.model.config)
+    spec = RegionsSpec(batch=batch, context=context, steps=steps, warmup=3)
+    flat = config.flat()
+    keep = ("graph_mode", "host_compiler", "dtype", "weights", "numerics", "kv_cache_dtype", "batch_decode")
+    econf = EngineConfig.from_model_config(
+        small, workload=workload(spec), backend="host", load_format="dummy", region_timing=True,
+        moe=_moe_mode(config.model.config, batch, config.cp), kernels=str(config.kernels_requested),
+        **{k: flat[k] for k in keep if k in flat})
+    res = run_regions(econf, spec, threads=threads)
+    measured = res.summed.groupby("region", sort=False)["ms_per_step"].sum() / 1e3
+    step_s = float(res.summary["step_ms_mean"].iloc[0]) / 1e3
+    lay, _ = _engine_layout(econf, batch, context + spec.warmup + spec.steps // 2)
+    zero = Instance(name="host", ranks=1, hbm_b_s=1.0, peak_flop_s=1.0, link_b_s=math.inf, hbm_bytes=math.inf,
+                    launch_s=0.0, collective_s=0.0)
+    inst = host_instance(threads=threads or 1, compiler="none", probe_calls=False)
+    df = predict(v4_rows(small, lay), dataclasses.replace(zero, hbm_b_s=inst.hbm_b_s, peak_flop_s=inst.peak_flop_s))
+    df["roof_s"] = df[["mem_ms", "flop_ms"]].max(axis=1) * df["layers"] / 1e3
+    df["launch_n"] = df["launches"] * df["layers"]
+    region = df["region"].where(~((lay.graph_mode == "layer") & df["region"].isin(["attn", "moe"])), "layer")
+    roof, launches = df.groupby(region)["roof_s"].sum(), df.groupby(region)["launch_n"].sum()
+    per_launch = {r: max(0.0, float(measured[r] - roof.get(r, 0.0))) / float(launches[r])
+                  for r in measured.index if launches.get(r, 0) > 0}
+    if "layer" in per_launch:
+        per_launch["attn"] = per_launch.pop("layer")
+    outside = max(0.0, step_s - float(measured.sum()))
+    return per_launch, outside, {"model": "width-free copy", "widths": WIDTH_FREE, "step_ms": step_s * 1e3,
+                                 "regions_ms": {r: float(v) * 1e3 for r, v in measured.items()},
+                                 "moe": str(econf.graph.moe)}
 
 
 def call_overhead_s(n_inputs: int, calls: int = 50, compiler: str = "inductor") -> float:
@@ -440,7 +509,10 @@ def predict(rows: pd.DataFrame, inst: Instance) -> pd.DataFrame:
     df = rows.copy()
     df["mem_ms"] = df["bytes"] / inst.hbm_b_s * 1e3
     df["flop_ms"] = df["flops"] / inst.peak_flop_s * 1e3
-    df["launch_ms"] = df["launches"] * (inst.launch_s + df["inputs"] * inst.launch_per_input_s) * 1e3
+    per_launch = inst.launch_s + df["inputs"] * inst.launch_per_input_s
+    if inst.launch_s_by_region:
+        per_launch = df["region"].map(inst.launch_s_by_region).fillna(per_launch)
+    df["launch_ms"] = df["launches"] * per_launch * 1e3
     df["coll_ms"] = (df["coll_calls"] * inst.collective_s + df["coll_bytes"] / inst.link_b_s) * 1e3
     df["ms_per_layer"] = df[["mem_ms", "flop_ms"]].max(axis=1) + df["launch_ms"] + df["coll_ms"]
     df["ms_per_step"] = df["ms_per_layer"] * df["layers"]
@@ -479,9 +551,8 @@ def model_config(model_dir: Path) -> tuple[str, Any]:
     return "v4", ModelConfig.from_json(path)
 
 
-def for_engine(config: Any, batch: int, context: int, lnc: int = 2) -> tuple[pd.DataFrame, Instance, Layout]:
-    """The plan of an engine config's decode step (`regions --timing` prints it beside what it measures): the host
-    measured now for the host, xla and stand-in backends (they run on this CPU), trn2.48xlarge for neuron."""
+def _engine_layout(config: Any, batch: int, context: int) -> tuple[Layout, Any]:
+    """The plan's Layout of an engine config's decode step, and the model config."""
     cfg = config.model.config
     dtype_bytes = 4 if "32" in str(config.model.dtype) else 2
     lay = Layout(cp=config.cp, batch=batch, context=context, graph_mode=str(config.graph.mode),
@@ -489,19 +560,48 @@ def for_engine(config: Any, batch: int, context: int, lnc: int = 2) -> tuple[pd.
                  weights="held" if str(config.model.weights) == "stored" else "stored", dtype_bytes=dtype_bytes)
     if lay.weights == "stored" and str(config.model.weights) != "stored":  # dequantised: every weight in dtype
         lay = dataclasses.replace(lay, weights="dequant")
+    return lay, cfg
+
+
+OUTSIDE = "(outside regions)"
+
+
+def for_engine(config: Any, batch: int, context: int, lnc: int = 2,
+               threads: int | None = 1) -> tuple[pd.DataFrame, Instance, Layout]:
+    """The plan of an engine config's decode step (`regions --timing` prints it beside what it measures):
+    trn2.48xlarge for neuron; else this CPU measured now (they run on it), and on the host backend in a graph mode
+    the engine's own per-region call overheads (`engine_overheads`, a row for the step outside the regions)."""
+    lay, cfg = _engine_layout(config, batch, context)
     if str(config.backend) == "neuron":
         inst = trn2_instance("trn2.48xlarge", lnc, load_hardware())
-    else:
-        mode = str(config.graph.mode)  # eager: no region graphs, so no compiled call to probe
-        inst = host_instance(threads=1, compiler="none" if mode == "eager" else str(config.graph.host_compiler))
-    return predict(v4_rows(cfg, lay), inst), inst, lay
+        return predict(v4_rows(cfg, lay), inst), inst, lay
+    mode = str(config.graph.mode)  # eager: no region graphs, so no compiled call to probe
+    inst = host_instance(threads=threads or 1, compiler="none" if mode == "eager" else str(config.graph.host_compiler))
+    if str(config.backend) == "host" and mode != "eager" and config.cp == 1:
+        per_launch, outside, _ = engine_overheads(config, batch, context, threads=threads)
+        inst = dataclasses.replace(inst, launch_s_by_region=per_launch, outside_s=outside)
+    return with_outside(predict(v4_rows(cfg, lay), inst), inst), inst, lay
+
+
+def with_outside(pred: pd.DataFrame, inst: Instance) -> pd.DataFrame:
+    """`pred` plus a row for the measured step time outside every region, when the instance has one."""
+    if not inst.outside_s:
+        return pred
+    row = dict.fromkeys(pred.columns, 0.0) | {"layer_type": "-", "layers": 1, "region": OUTSIDE, "stage": OUTSIDE,
+                                              "ms_per_layer": inst.outside_s * 1e3, "ms_per_step": inst.outside_s * 1e3}
+    df = pd.concat([pred, pd.DataFrame([row])], ignore_index=True)
+    df["share"] = df["ms_per_step"] / df["ms_per_step"].sum()
+    return df
 
 
 def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float) -> pd.DataFrame:
     """Per region (summed over layers and stages) and for the whole step: measured ms per step (`regions`' summed
     table, mean and p50 sums) beside the plan's prediction."""
     meas = summed.groupby("region", sort=False)[["ms_per_step", "p50_ms_sum"]].sum()
-    planned = pred.groupby("region", sort=False)["ms_per_step"].sum()
+    region = pred["region"]
+    if "layer" in meas.index:  # layer graphs: the plan's attention and MoE halves are one measured region
+        region = region.where(~region.isin(["attn", "moe"]), "layer")
+    planned = pred.groupby(region, sort=False)["ms_per_step"].sum()
     rows = [{"region": r, "measured_ms": float(meas.loc[r, "ms_per_step"]),
              "measured_p50_ms": float(meas.loc[r, "p50_ms_sum"]), "predicted_ms": float(planned.get(r, 0.0))}
             for r in meas.index]
