@@ -62,7 +62,8 @@ class GoldenRun:
 
     @property
     def ok(self) -> bool:
-        return self.n_match == len(self.table)
+        band = self.meta.get("band")  # three-way: the run-level test too
+        return self.n_match == len(self.table) and (band is None or band["passed"])
 
 
 def load_golden(golden_dir: Path, cfg: ModelConfig,
@@ -466,13 +467,17 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts],
                                         progress, forced, [(p.prompt_ids, p.output_ids) for p in chosen]))
     tokens: dict[str, pd.DataFrame] = {}
+    band = None  # three-way: verdict.run_verdict's run-level numbers
     if official:
         rows = compare_official([(p, lg) for p, lg in zip(prompts, res["logits"], strict=True)], dtype)
     elif threeway:
+        from deepinfer_bench.bench.verdict import run_verdict
+
         rows = []
         for p, lg in zip(prompts, res["logits"], strict=True):
-            row, tokens[p.name] = compare_three_way(p, lg, ref.logits["float32"][p.name], ref.logits[dtype][p.name])
+            row, tokens[p.name] = compare_three_way(p, lg, ref.logits["float32"][p.name], ref.draws(dtype, p.name))
             rows.append(row)
+        band = run_verdict(rows)
     elif exact_ref:
         rows = [compare_exact(p, lg, ref.logits["float32"][p.name]) for p, lg in zip(prompts, res["logits"],
                                                                                   strict=True)]
@@ -488,6 +493,7 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference",
                                                     "numerics")},
                 "comparison": comparison, "reference_key": ref.key if ref is not None else None,
+                "band": band,
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
@@ -496,6 +502,8 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     if config.spec.enabled:
         run_meta["speculative"] = {"method": str(config.spec.method),
                                    "num_speculative_tokens": config.spec.num_speculative_tokens, **res["speculative"]}
+    for row in rows:
+        row.pop("kld_draws", None)
     columns = (THREE_WAY_COLUMNS if threeway else COLUMNS) + (["drafted", "acceptance_rate"] if config.spec.enabled
                                                               else [])
     run = GoldenRun(table=pd.DataFrame(rows, columns=columns), meta=run_meta, collectives=res["collectives"],
@@ -531,20 +539,23 @@ def compare_exact(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor) -> 
 
 
 THREE_WAY_COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
-                     "kld_mean", "kld_expected_mean", "kld_ratio", "sigma_ratio_pooled", "bhattacharyya_pooled",
+                     "kld_mean", "kld_draws_max", "outlier_z", "kld_expected_mean", "kld_ratio", "sigma_ratio_pooled",
+                     "bhattacharyya_pooled",
                      "kld_p99", "kld_max", "tokens_passed", "first_failing_step", "worst_step", "sigma_ratio_median",
                      "sigma_ratio_max", "max_abs_dlogit", "logit_tol", "verdict"]
 
 
 def compare_three_way(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor,
-                      expected: torch.Tensor) -> tuple[dict[str, Any], pd.DataFrame]:
-    """One prompt's teacher-forced logits against the reference in fp32 and in the run's dtype: (its row:
-    `tokens_matched` = top-1 agreement with fp32, `first_divergent_step` = first step whose argmax is not fp32's,
-    the verdict.py summary, whose prompt rule gives the verdict; its per-token table)."""
-    from deepinfer_bench.bench.verdict import TOKEN_COLUMNS, prompt_summary, token_table
+                      draws: list[torch.Tensor]) -> tuple[dict[str, Any], pd.DataFrame]:
+    """One prompt's teacher-forced logits against the reference in fp32 and its draws in the run's dtype (the first:
+    the per-token table's expected run): (its row: `tokens_matched` = top-1 agreement with fp32,
+    `first_divergent_step` = first step whose argmax is not fp32's, the verdict.py summary - its verdict is
+    verdict.run_verdict's, over the run; its per-token table)."""
+    from deepinfer_bench.bench.verdict import TOKEN_COLUMNS, kld, prompt_summary, token_table
 
-    toks = token_table(logits, expected, fp32)
-    s = prompt_summary(toks)
+    toks = token_table(logits, draws[0], fp32)
+    n = len(toks)
+    s = prompt_summary(toks, [kld(fp32[:n], d[:n]) for d in draws])
     miss = [t["step"] for t in toks if not t["top1"]]
     row = {"prompt": g.name, "kind": g.kind, "prompt_len": len(g.prompt_ids), "tokens_matched": s["top1"],
            "first_divergent_step": miss[0] if miss else -1, "logit_tol": float("nan"),
