@@ -137,8 +137,9 @@ def prompt_summary(tokens: list[dict[str, Any]], draws: list[torch.Tensor] = ())
 
 
 def run_verdict(prompts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The verdict (the rule above) of a run's `prompt_summary`s, each given "verdict" and "outlier_z" in place:
-    the run-level numbers (K of the target and of each draw, the band's limit) and whether the run passes."""
+    """The verdict (the rule above) of a run's `prompt_summary`s, each given its own "verdict" (the outlier test)
+    and "outlier_z" in place: the run-level numbers (K of the target and of each draw, the band's limit) and whether
+    the run passes (the run-level test and every prompt)."""
     n = [p["tokens_total"] for p in prompts]
     kt = sum(p["kld_mean"] * k for p, k in zip(prompts, n, strict=True)) / sum(n)
     draws = len(prompts[0]["kld_draws"])
@@ -157,7 +158,7 @@ def run_verdict(prompts: list[dict[str, Any]]) -> dict[str, Any]:
     for p, zp in zip(prompts, z.tolist(), strict=True):
         inside = p["kld_mean"] <= p["kld_draws_max"]
         p["outlier_z"] = zp
-        p["verdict"] = "match" if inside or (use_z and zp <= PROMPT_OUTLIER_Z and run_ok) else "mismatch"
+        p["verdict"] = "match" if inside or (use_z and zp <= PROMPT_OUTLIER_Z) else "mismatch"
     return {"kld_run": kt, "kld_run_draws": kd, "kld_run_limit": limit, "run_passed": run_ok,
             "prompts_passed": sum(p["verdict"] == "match" for p in prompts), "prompts": len(prompts),
             "passed": run_ok and all(p["verdict"] == "match" for p in prompts)}
