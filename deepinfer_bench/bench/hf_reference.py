@@ -180,4 +180,23 @@ def hf_forced(model: DeepseekV4ForCausalLM, prompt_ids: list[int], forced: list[
         for h in hooks:
             h.remove()
     logits = out.logits[0, len(prompt_ids) - 1:].float()
-    return logits, {k: torch.stack(v) for k, v in grabbed.items() if v}
+    caps = {k: torch.stack(v) for k, v in grabbed.items() if v}
+    if capture:
+        caps.update(hf_kv_state(model, ids))
+    return logits, caps
+
+
+@torch.no_grad()
+def hf_kv_state(model: DeepseekV4ForCausalLM, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The KV state HF's own cache holds after one forward of `ids` [1, T], per layer L, fp32: "kv_window.L" (the
+    window keys of the last window - 1 positions, [W, D]), "kv_entries.L" (the compressed entries, [E, D]) and
+    "kv_index.L" (the indexer's keys, [E, Di]) where the layer has them."""
+    cache = model(input_ids=ids, use_cache=True).cache
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        out[f"kv_window.{i}"] = layer.keys[0, 0].float().clone()
+        for name, kind in (("compressor", "kv_entries"), ("indexer", "kv_index")):
+            t = getattr(layer, "compressed_kv", {}).get(name)
+            if t is not None:
+                out[f"{kind}.{i}"] = t[0].float().clone()
+    return out

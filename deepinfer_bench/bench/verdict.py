@@ -242,3 +242,37 @@ def first_divergence(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         if bad:
             return {"layer": layer, "module": MODULES[mi], "positions": bad}
     return None
+
+
+KV_KINDS = ("kv_window", "kv_entries", "kv_index")  # the window ring, the compressed entries, the indexer's keys
+
+
+def kv_rows(target: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
+            exact_tol: float | None = None) -> list[dict[str, Any]]:
+    """Per (layer, kind) of the KV state (captures "KIND.LAYER" [rows, D]: the window of the last positions, the
+    compressed entries and indexer keys by id): rows compared, rows outside (the rule of `position_rows`, each row
+    a vector), the first row outside, L-inf of the target's and of the expected run's error against the baseline,
+    the lowest cosine of target and baseline."""
+    out = []
+    names = sorted((k for k in baseline if k.split(".")[0] in KV_KINDS),
+                   key=lambda k: (int(k.split(".")[1]), KV_KINDS.index(k.split(".")[0])))
+    for name in names:
+        kind, layer = name.split(".")
+        b = baseline[name]
+        t, e = target.get(name), expected.get(name)
+        if t is None or e is None:
+            out.append({"layer": int(layer), "kind": kind, "rows": len(b), "engine_rows": 0 if t is None else len(t),
+                        "outside": len(b), "first_outside": 0, "max_abs_err": math.inf,
+                        "max_abs_err_expected": math.nan, "cosine_min": math.nan})
+            continue
+        n = min(len(t), len(e), len(b))
+        st = error_stats(t[:n].double(), e[:n].double(), b[:n].double())
+        bad = (st["max_abs_err"] > exact_tol) if exact_tol is not None else ~st["passed"]
+        bad = torch.cat([bad, torch.ones(len(b) - n, dtype=torch.bool)])  # a row the engine lacks is outside
+        cos = torch.nn.functional.cosine_similarity(t[:n].double(), b[:n].double(), dim=-1)
+        out.append({"layer": int(layer), "kind": kind, "rows": len(b), "engine_rows": len(t),
+                    "outside": int(bad.sum()), "first_outside": int(bad.nonzero()[0]) if bad.any() else -1,
+                    "max_abs_err": float(st["max_abs_err"].max()) if n else 0.0,
+                    "max_abs_err_expected": float((e[:n] - b[:n]).abs().max()) if n else 0.0,
+                    "cosine_min": float(cos.min()) if n else 1.0})
+    return out

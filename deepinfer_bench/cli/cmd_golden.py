@@ -158,6 +158,10 @@ def _per_layer_report(pl, where: Path) -> None:
     render_df(show, f"per layer: {pl.prompt} (streams after each half; outside = positions outside the noise band)")
     pl.table.to_csv(where / f"golden_layers_{pl.prompt}.csv", index=False)
     pl.positions.to_csv(where / f"golden_positions_{pl.prompt}.csv", index=False)
+    if len(pl.kv):
+        render_df(pl.kv, f"KV state: {pl.prompt} (window = the last window - 1 positions; entries / index keys by id; "
+                         f"outside = rows outside the noise band)")
+        pl.kv.to_csv(where / f"golden_kv_{pl.prompt}.csv", index=False)
     if pl.first is None:
         err_console.print(f"[green]{pl.prompt}: every layer inside the reference's noise band at every "
                           f"position[/green]")
