@@ -194,6 +194,9 @@ def test_per_layer_clean_engine_stays_inside_everywhere(one_prompt: tuple[Path, 
     run, pl = _per_layer(one_prompt)
     assert run.ok and pl.first is None, pl.table.to_string()
     assert len(pl.positions) == 4 * 2 * 95 and (pl.table["outside"] == 0).all()
+    # the KV state: every layer's window, and the compressed entries / indexer keys of its compressors, all there
+    assert set(pl.kv["kind"]) == set(V.KV_KINDS) and (pl.kv["outside"] == 0).all(), pl.kv.to_string()
+    assert (pl.kv["rows"] == pl.kv["engine_rows"]).all() and (pl.kv["cosine_min"] > 0.9999).all()
 
 
 @pytest.mark.slow
@@ -208,6 +211,23 @@ def test_per_layer_names_the_seeded_bug(one_prompt: tuple[Path, Path], monkeypat
     run, pl = _per_layer(one_prompt)
     assert not run.ok
     assert pl.first == {"layer": layer, "module": "attn", "positions": positions}, pl.table.to_string()
+    if bug is _rope_base_in_layer_2:  # the KV state: layer 2's window keys and entries are rotated wrong, not before
+        kv = pl.kv.set_index(["layer", "kind"])["outside"]
+        assert kv[(2, "kv_window")] > 0 and kv[(2, "kv_entries")] > 0 and (kv.loc[[0, 1]] == 0).all(), pl.kv.to_string()
     earlier = pl.table[(pl.table["layer"] < layer) | ((pl.table["layer"] == layer) & (pl.table["module"] != "attn")
                                                       & (pl.table["outside"] == 0))]
     assert (earlier["outside"] == 0).all()
+
+
+@pytest.mark.slow
+def test_bf16_band_passes_the_clean_engine_and_fails_a_seeded_bug(tmp_path_factory: pytest.TempPathFactory,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole tiny golden in bf16, three-way: the clean engine is inside the band of the six reference draws;
+    a wrong RoPE base in layer 2 is outside it (run-level test or a prompt's outlier test)."""
+    cache = tmp_path_factory.mktemp("refcache-bf16")
+    clean = run_golden(golden_config(dtype="bfloat16"), GOLDEN_DIR, reference_dir=cache)
+    band = clean.meta["band"]
+    assert clean.ok and band["run_passed"] and len(band["kld_run_draws"]) == 6, clean.table.to_string()
+    _rope_base_in_layer_2(monkeypatch)
+    bad = run_golden(golden_config(dtype="bfloat16"), GOLDEN_DIR, reference_dir=cache)
+    assert not bad.ok and bad.meta["band"]["kld_run"] > 10 * band["kld_run"], bad.meta["band"]
