@@ -40,6 +40,7 @@ import torch
 #   its robust z-score (r - median r) / (1.4826 MAD r) over the run's prompts exceeds PROMPT_OUTLIER_Z (one-sided
 #   normal tail 2.3e-4 a prompt: ~0.3 % for 12 prompts) and its KLD exceeds every draw's; with fewer than
 #   MIN_PROMPTS_FOR_OUTLIER prompts a prompt passes only within the draws' range (false alarm up to 1 / (D + 1)).
+#   The normal tail is a lower bound: a near-tie flip is a jump, the tails of r are heavier (docs/golden-verdict.md).
 # The pooled sigma-ratio and Bhattacharyya of the target against the first draw stay as diagnostics.
 RUN_FALSE_ALARM = 0.01
 # its Student t quantiles t(0.99, df) by degrees of freedom (standard tables; df = D - 1; beyond: the normal 2.326)
