@@ -40,14 +40,20 @@ def test_standin_runs_what_it_can_and_lists_the_rest(tmp_path: Path, probe_ok) -
     status = dict(zip(df["step"], df["status"], strict=True))
     assert list(df["step"]) == list(B.STEPS)
     assert status == {"probe": "pass", "kernels": "not run", "compile-only": "pass", "golden-cp1": "pass",
-                      "golden-cp2": "not run", "regions": "pass", "matrix": "pass"}
+                      "golden-cp2": "not run", "golden-bf16": "pass", "golden-model-bf16": "not run",
+                      "regions": "pass", "matrix": "pass"}
     reasons = dict(zip(df["step"], df["reason"], strict=True))
     assert "Neuron device" in reasons["kernels"] and "cp=2 on --backend neuron-standin" in reasons["golden-cp2"]
-    assert [c[0] for c in steps.calls] == ["compile", "golden", "regions", "bench"] and steps.calls[-1][1] == "matrix"
+    assert "no --model-dir" in reasons["golden-model-bf16"]
+    assert [c[0] for c in steps.calls] == ["compile", "golden", "golden", "regions", "bench"]
+    assert steps.calls[-1][1] == "matrix"
+    assert steps.calls[2] == ["golden", "--backend", "neuron-standin", "--dtype", "bfloat16", "--out",
+                              str(tmp_path / "golden")]
     assert steps.calls[0] == ["compile", "--backend", "neuron-standin", "--workload", "golden",
                               "--out", str(tmp_path / "compile")]
     assert all(c[c.index("--backend") + 1] == "neuron-standin" for c in steps.calls)
-    assert meta["ok"] and meta["first_failure"] is None and meta["not_run"] == ["kernels", "golden-cp2"]
+    assert meta["ok"] and meta["first_failure"] is None
+    assert meta["not_run"] == ["kernels", "golden-cp2", "golden-model-bf16"]
     assert probe_ok == ["neuron-standin"]
 
 
@@ -59,7 +65,7 @@ def test_first_failure_stops_and_is_named(tmp_path: Path, probe_ok) -> None:
     assert steps.calls[0] == ["kernels", "--executor", "neuron", "--out", str(tmp_path / "kernels")]
     assert rows.loc["compile-only", "status"] == "fail" and rows.loc["compile-only", "exit_code"] == 1
     assert rows.loc["compile-only", "reason"] == "error: NCC_EVRF051 in head_b1"  # the log's last line
-    for step in ("golden-cp1", "golden-cp2", "regions", "matrix"):
+    for step in ("golden-cp1", "golden-cp2", "golden-bf16", "golden-model-bf16", "regions", "matrix"):
         assert rows.loc[step, "status"] == "not run"
         assert rows.loc[step, "reason"] == "stopped after the failure of compile-only"
     assert not meta["ok"] and meta["first_failure"] == "compile-only"
@@ -72,7 +78,7 @@ def test_neuron_runs_cp2_and_a_failing_probe_stops_everything(tmp_path: Path, mo
     steps = FakeSteps(fail="golden-cp2")
     df, meta = B.bringup(B.Plan("neuron", tmp_path), steps)
     assert ["golden", "--backend", "neuron", "--cp", "2", "--out", str(tmp_path / "golden")] in steps.calls
-    assert meta["first_failure"] == "golden-cp2" and list(df["status"])[-2:] == ["not run", "not run"]
+    assert meta["first_failure"] == "golden-cp2" and list(df["status"])[-4:] == ["not run"] * 4
 
     def no_device(backend: str, out: Path) -> None:
         raise ValueError("torch-neuronx 2.13.3 (TorchNeuron) is installed but no Neuron device is visible")
@@ -92,13 +98,15 @@ def test_cli_writes_one_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     assert code == 0, err
     (run,) = tmp_path.glob("bringup-*")
     df = pd.read_csv(run / "bringup.csv")
-    assert list(df["status"]) == ["pass", "not run", "pass", "pass", "not run", "not run", "not run"]
+    assert list(df["status"]) == ["pass", "not run", "pass", "pass", "not run", "pass", "not run", "not run",
+                                  "not run"]
     assert list(df["reason"])[-2:] == ["skipped (--skip)"] * 2
     meta = json.loads((run / "meta.json").read_text())
     assert meta["measured_on"].startswith("TorchNeuron pipeline on a CPU stand-in") and meta["ok"]
     md = (run / "bringup.md").read_text()
-    assert "| compile-only | pass |" in md and "nan" not in md and "not run: kernels, golden-cp2, regions, matrix" in md
-    assert list(df["exit_code"].dropna()) == [0, 0, 0]
+    assert "| compile-only | pass |" in md and "nan" not in md and "not run: kernels, golden-cp2, golden-model-bf16, " \
+        "regions, matrix" in md
+    assert list(df["exit_code"].dropna()) == [0, 0, 0, 0]
     code, _, err = run_main(["bringup", "--skip", "warp", "--out", str(tmp_path)], capsys)
     assert code == 2 and "unknown step(s)" in err
 

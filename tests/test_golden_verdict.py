@@ -48,15 +48,16 @@ def test_topk_fallback_and_token_table() -> None:
     assert [r["passed"] for r in rows] == [True, False, True]
     assert rows[1]["kld"] > 0 and rows[0]["kld"] == 0
     s = V.prompt_summary(rows)
-    # expected = baseline: no noise band, so any error fails the prompt rule too
-    assert (s["first_failing_step"], s["tokens_passed"], s["worst_step"], s["verdict"]) == (1, 2, 1, "mismatch")
+    assert (s["first_failing_step"], s["tokens_passed"], s["worst_step"]) == (1, 2, 1)
     assert s["kld_ratio"] == float("inf") and s["sigma_ratio_pooled"] == float("inf")
+    # expected = baseline: no noise band, so any error fails the run and the prompt
+    band = V.run_verdict([s])
+    assert not band["passed"] and not band["run_passed"] and s["verdict"] == "mismatch"
 
 
-def test_prompt_rule_pools_over_the_prompt() -> None:
-    """A prompt passes when the target is no noisier than the expected run over the prompt: an isolated token where
-    the expected run sits unusually close to fp32 fails the per-token rule but not the prompt; a target twice as
-    noisy at every token fails the prompt."""
+def test_prompt_summary_pools_over_the_prompt() -> None:
+    """Pooled over the prompt: an isolated token where the expected run sits unusually close to fp32 fails the
+    per-token rule, not the pooled numbers; a target twice as noisy at every token doubles the pooled sigma-ratio."""
     n, vocab = 40, 2000
     base = _noise(5, (n, vocab), 1.0)  # logits spread small enough that the static top-k map fails too
     scale = torch.full((n, 1), 0.1)
@@ -65,13 +66,36 @@ def test_prompt_rule_pools_over_the_prompt() -> None:
     same = base + _noise(7, (n, vocab), 0.1)
     s = V.prompt_summary(V.token_table(same, expected, base))
     assert (s["first_failing_step"], s["worst_step"], s["tokens_passed"]) == (7, 7, n - 1)
-    assert s["sigma_ratio_max"] > 10 and s["verdict"] == "match"
-    # an equally noisy run: ratios near 1 either side, the pooled Bhattacharyya near 1 passes it
+    assert s["sigma_ratio_max"] > 10
     assert 0.9 < s["sigma_ratio_pooled"] < 1.1 and 0.8 < s["kld_ratio"] < 1.2 and s["bhattacharyya_pooled"] > 0.999
     worse = base + _noise(8, (n, vocab), 0.2)
     w = V.prompt_summary(V.token_table(worse, expected, base))
-    assert w["verdict"] == "mismatch", w
     assert 1.8 < w["sigma_ratio_pooled"] < 2.2 and w["kld_ratio"] > 3 and w["bhattacharyya_pooled"] < 0.99
+
+
+def _summaries(target: torch.Tensor, draws: torch.Tensor) -> list[dict]:
+    """Per-prompt summaries as run_verdict reads them: mean KLDs of the target [P] and of the draws [P, D]."""
+    return [{"tokens_total": 32, "kld_mean": float(t), "kld_draws": d.tolist(), "kld_draws_max": float(d.max())}
+            for t, d in zip(target, draws, strict=True)]
+
+
+def test_run_verdict_band_is_the_spread_of_the_draws() -> None:
+    """12 prompts whose KLD varies 30x between prompts and ~1.5x between six draws: one more draw passes; a prompt
+    100x above its draws is the outlier named; a target 3x noisier at every prompt fails the run-level test."""
+    g = torch.Generator().manual_seed(9)
+    level = torch.exp(torch.randn(12, 1, generator=g) * 1.2) * 1e-2  # prompts differ a lot
+    draws = level * torch.exp(torch.randn(12, 6, generator=g) * 0.4)
+    one_more = level[:, 0] * torch.exp(torch.randn(12, generator=g) * 0.4)
+    band = V.run_verdict(rows := _summaries(one_more, draws))
+    assert band["passed"] and band["prompts_passed"] == 12, (band, [r["outlier_z"] for r in rows])
+    assert min(band["kld_run_draws"]) <= band["kld_run_limit"] and max(band["kld_run_draws"]) <= band["kld_run_limit"]
+    spike = one_more.clone()
+    spike[4] *= 100  # one prompt far outside: a bug at positions only that prompt reaches
+    band = V.run_verdict(rows := _summaries(spike, draws))
+    assert not band["passed"] and [r["verdict"] for r in rows].count("mismatch") == 1
+    assert rows[4]["verdict"] == "mismatch" and rows[4]["outlier_z"] > V.PROMPT_OUTLIER_Z
+    band = V.run_verdict(rows := _summaries(one_more * 3, draws))
+    assert not band["run_passed"] and not band["passed"] and band["kld_run"] > band["kld_run_limit"]
 
 
 def test_layer_table_names_the_residues_of_the_positions_outside() -> None:
@@ -170,6 +194,9 @@ def test_per_layer_clean_engine_stays_inside_everywhere(one_prompt: tuple[Path, 
     run, pl = _per_layer(one_prompt)
     assert run.ok and pl.first is None, pl.table.to_string()
     assert len(pl.positions) == 4 * 2 * 95 and (pl.table["outside"] == 0).all()
+    # the KV state: every layer's window, and the compressed entries / indexer keys of its compressors, all there
+    assert set(pl.kv["kind"]) == set(V.KV_KINDS) and (pl.kv["outside"] == 0).all(), pl.kv.to_string()
+    assert (pl.kv["rows"] == pl.kv["engine_rows"]).all() and (pl.kv["cosine_min"] > 0.9999).all()
 
 
 @pytest.mark.slow
@@ -184,6 +211,24 @@ def test_per_layer_names_the_seeded_bug(one_prompt: tuple[Path, Path], monkeypat
     run, pl = _per_layer(one_prompt)
     assert not run.ok
     assert pl.first == {"layer": layer, "module": "attn", "positions": positions}, pl.table.to_string()
+    if bug is _rope_base_in_layer_2:  # the KV state: layer 2's window keys and entries are rotated wrong, not before
+        kv = pl.kv.set_index(["layer", "kind"])["outside"]
+        assert kv[(2, "kv_window")] > 0 and kv[(2, "kv_entries")] > 0 and (kv.loc[[0, 1]] == 0).all(), pl.kv.to_string()
     earlier = pl.table[(pl.table["layer"] < layer) | ((pl.table["layer"] == layer) & (pl.table["module"] != "attn")
                                                       & (pl.table["outside"] == 0))]
     assert (earlier["outside"] == 0).all()
+
+
+@pytest.mark.slow
+def test_bf16_band_passes_the_clean_engine_and_fails_a_seeded_bug(tmp_path_factory: pytest.TempPathFactory,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole tiny golden in bf16, three-way: the clean engine is inside the band of the six reference draws;
+    a wrong RoPE base in layer 2 is outside it (its run KLD ~5x the clean engine's, ~1.7x the band's limit)."""
+    cache = tmp_path_factory.mktemp("refcache-bf16")
+    clean = run_golden(golden_config(dtype="bfloat16"), GOLDEN_DIR, reference_dir=cache)
+    band = clean.meta["band"]
+    assert clean.ok and band["run_passed"] and len(band["kld_run_draws"]) == 6, clean.table.to_string()
+    _rope_base_in_layer_2(monkeypatch)
+    bad = run_golden(golden_config(dtype="bfloat16"), GOLDEN_DIR, reference_dir=cache)
+    assert not bad.ok and not bad.meta["band"]["run_passed"], bad.meta["band"]
+    assert bad.meta["band"]["kld_run"] > bad.meta["band"]["kld_run_limit"] > band["kld_run"]

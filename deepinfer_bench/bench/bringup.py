@@ -3,7 +3,8 @@
 Steps, in order, each a `deepinfer` command in its own process (each sets its own process environment: compile-only
 mode, cp ranks) with its output under the report folder:
 
-  probe -> kernels -> compile-only -> golden cp 1 -> golden cp 2 -> regions timing -> quick matrix
+  probe -> kernels -> compile-only -> golden cp 1 -> golden cp 2 -> golden bf16 -> golden bf16 of --model-dir
+  -> regions timing -> quick matrix
 
 * `probe`: the stack (engine/stack.py `probe`, which Neuron stack, a device) and the backend's own availability check
   (`engine.backends.check_available`), in this process;
@@ -13,6 +14,12 @@ mode, cp ranks) with its output under the report folder:
   mode; the stand-in: StableHLO lowering and checks);
 * `golden cp 1`, `golden cp 2`: `deepinfer golden` (tiny model) on 1 and 2 ranks (cp 2 only where the backend runs
   ranks: `check_parallel`);
+* `golden bf16`: `deepinfer golden --dtype bfloat16` (tiny model), teacher-forced and judged by the three-way verdict
+  (deepinfer_bench/bench/verdict.py: within the noise band of honest bf16 runs of the HF reference); its reference
+  comes from the cache, or `--reference DIR` (made on a CPU box by `deepinfer reference`: a trn2 host needs no
+  transformers);
+* `golden bf16 of --model-dir`: the same on the model given (a slice of the real weights: `deepinfer slice`), only
+  with `--model-dir`;
 * `regions timing`: `deepinfer regions --timing`, a short run;
 * `quick matrix`: `deepinfer matrix --matrix quick`.
 
@@ -38,7 +45,8 @@ from typing import Any
 
 import pandas as pd
 
-STEPS = ("probe", "kernels", "compile-only", "golden-cp1", "golden-cp2", "regions", "matrix")
+STEPS = ("probe", "kernels", "compile-only", "golden-cp1", "golden-cp2", "golden-bf16", "golden-model-bf16", "regions",
+         "matrix")
 COLUMNS = ["step", "status", "seconds", "exit_code", "command", "reason", "log", "host_peak_rss_mb",
            "device_peak_mb", "neffs", "neff_mb", "buckets", "env"]
 # the compile step compiles what the golden steps after it run (compile's default workload)
@@ -57,14 +65,17 @@ class Plan:
     model_dir: str | None = None
     compile_sizes: Sequence[str] = DEFAULT_COMPILE_SIZES
     skip: frozenset[str] = frozenset()
+    reference: str | None = None  # the golden bf16 steps' reference cache (deepinfer reference --out DIR)
     cli: Sequence[str] = (sys.executable, "-c", "from deepinfer_bench.cli import main; main()")
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _cannot_run(backend: str, step: str) -> str | None:
+def _cannot_run(backend: str, step: str, model_dir: str | None = None) -> str | None:
     """Why `step` cannot run on `backend` (None: it can)."""
     from engine.backends import backend_class
 
+    if step == "golden-model-bf16" and not model_dir:
+        return "no --model-dir (the golden of a slice of the real weights: deepinfer slice)"
     cls = backend_class(backend)
     if step == "kernels" and not (backend == "neuron" and "nki" in cls.kernel_tables):
         return (f"the NKI kernels run on a Neuron device (--backend neuron); {backend} runs "
@@ -80,11 +91,14 @@ def _cannot_run(backend: str, step: str) -> str | None:
 def _argv(plan: Plan, step: str, dirs: Path) -> list[str]:
     model = ["--model-dir", plan.model_dir] if plan.model_dir else []
     b = ["--backend", plan.backend]
+    bf16 = ["--dtype", "bfloat16", *(["--reference", plan.reference] if plan.reference else [])]
     return {
         "kernels": ["kernels", "--executor", "neuron", "--out", str(dirs / "kernels")],
         "compile-only": ["compile", *b, *model, *plan.compile_sizes, "--out", str(dirs / "compile")],
         "golden-cp1": ["golden", *b, "--out", str(dirs / "golden")],
         "golden-cp2": ["golden", *b, "--cp", "2", "--out", str(dirs / "golden")],
+        "golden-bf16": ["golden", *b, *bf16, "--out", str(dirs / "golden")],
+        "golden-model-bf16": ["golden", *b, *model, *bf16, "--out", str(dirs / "golden-model")],
         "regions": ["regions", *b, *model, "--timing", "--batch", "2", "--context", "32", "--steps", "5",
                     "--out", str(dirs / "regions")],
         "matrix": ["bench", "matrix", *b, *model, "--matrix", "quick", "--out", str(dirs / "matrix")],
@@ -140,7 +154,8 @@ def _step_results(dirs: Path, step: str) -> tuple[str | None, float | None]:
     import json
 
     buckets, device = None, None
-    folder = dirs / {"compile-only": "compile", "golden-cp1": "golden", "golden-cp2": "golden"}.get(step, step)
+    folder = dirs / {"compile-only": "compile", "golden-cp1": "golden", "golden-cp2": "golden", "golden-bf16": "golden",
+                     "golden-model-bf16": "golden-model"}.get(step, step)
     manifest = folder / "manifest.json"
     if step == "compile-only" and manifest.exists():
         b = json.loads(manifest.read_text()).get("budget") or {}
@@ -172,7 +187,7 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
         if step in plan.skip:
             row["reason"] = "skipped (--skip)"
             continue
-        why = _cannot_run(plan.backend, step)
+        why = _cannot_run(plan.backend, step, plan.model_dir)
         if why is not None:
             row["reason"] = why
             continue
@@ -207,7 +222,8 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
         if progress is not None:
             progress(step, row["status"])
     df = pd.DataFrame(rows, columns=COLUMNS).astype({"exit_code": "Int64", "neffs": "Int64"})
-    meta = {"backend": plan.backend, "model_dir": plan.model_dir, "compile_sizes": list(plan.compile_sizes),
+    meta = {"backend": plan.backend, "model_dir": plan.model_dir, "reference": plan.reference,
+            "compile_sizes": list(plan.compile_sizes),
             "skip": sorted(plan.skip), "first_failure": failed, "ok": failed is None,
             "not_run": [r["step"] for r in rows if r["status"] == "not run"], **plan.extra}
     return df, meta

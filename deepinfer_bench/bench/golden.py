@@ -62,7 +62,8 @@ class GoldenRun:
 
     @property
     def ok(self) -> bool:
-        return self.n_match == len(self.table)
+        band = self.meta.get("band")  # three-way: the run-level test too
+        return self.n_match == len(self.table) and (band is None or band["passed"])
 
 
 def load_golden(golden_dir: Path, cfg: ModelConfig,
@@ -220,30 +221,56 @@ def forced_with_logits(engine: Any, prompts: list[list[int]], forced: list[list[
 def capture_layers(engine: Any, prompt_ids: list[int], forced: list[int]) -> dict[str, torch.Tensor]:
     """One prompt alone through the engine's serving loop, teacher-forced, capturing the residual streams after
     every layer's attention half ("attn") and MoE half ("ffn") at every position: {module: fp32 [layers,
-    positions, hc, dim]}. The layers run as their two halves (the fused native `decode_layer` computes bit for
-    bit the halves one by one: engine/model/block.py), so both halves are seen at decode positions too."""
+    positions, hc, dim]}, and the KV state at the end ("kv_window.L", "kv_entries.L", "kv_index.L": as
+    hf_reference.hf_kv_state). The layers run as their two halves (the fused native layer computes bit for bit
+    the halves one by one: engine/model/block.py), so both halves are seen at decode positions too."""
     from engine.llm import drive_with_logits
 
     model = engine.runner.model
     grabbed: dict[str, dict[int, list[torch.Tensor]]] = {m: {} for m in ("attn", "ffn")}
+    entries: dict[str, dict[int, dict[int, torch.Tensor]]] = {"kv_entries": {}, "kv_index": {}}  # layer -> id -> row
+
+    def store(fn: Callable[..., None], kind: str, layer: int) -> Callable[..., None]:
+        def run(e: torch.Tensor, w: torch.Tensor, *args: Any) -> None:
+            fn(e, w, *args)
+            for i, v in zip(w.tolist(), e, strict=True):
+                entries[kind].setdefault(layer, {})[i] = v.detach().float().clone()
+        return run
+
+    rings: dict[int, torch.Tensor] = {}  # layer -> its window ring after the latest step
 
     def wrap(fn: Callable[..., torch.Tensor], module: str, layer: int) -> Callable[..., torch.Tensor]:
         def run(*args: Any) -> torch.Tensor:
             y = fn(*args)
             grabbed[module].setdefault(layer, []).append(y.detach().float().clone())
+            if module == "attn":
+                x, plan, cache = args
+                rings[layer] = cache.layers[layer].win_store[plan.seqs[0].slot].float().clone()
             return y
         return run
 
+    def eager_attn(blk: Any) -> Callable[..., torch.Tensor]:
+        """The attention half as modules (the eager path: every compressor store goes through `_store`)."""
+        return lambda x, plan, cache: blk.hc_site(x, "attn", lambda h: blk.attn(h, plan, cache.layers[blk.layer_id]))
+
     for blk in model.layers:
-        blk.attn_half = wrap(blk.attn_half, "attn", blk.layer_id)
+        blk.attn_half = wrap(eager_attn(blk), "attn", blk.layer_id)
         blk.ffn_half = wrap(blk.ffn_half, "ffn", blk.layer_id)
-        blk._decode_layer = lambda *args: None
+        # the two halves, never the fused native layer (ops.block_decoder.layer), which would hide them
+        blk.forward = lambda x, plan, cache, ids, b=blk: b.ffn_half(b.attn_half(x, plan, cache), plan, ids)
+        if blk.attn.compressor is not None:
+            blk.attn.compressor._store = store(blk.attn.compressor._store, "kv_entries", blk.layer_id)
+        if blk.attn.indexer is not None:
+            blk.attn.indexer.compressor._store = store(blk.attn.indexer.compressor._store, "kv_index", blk.layer_id)
     try:
         drive_with_logits(engine, [prompt_ids], forced=[forced])
     finally:
         for blk in model.layers:
-            for name in ("attn_half", "ffn_half", "_decode_layer"):
+            for name in ("attn_half", "ffn_half", "forward"):
                 blk.__dict__.pop(name, None)
+            for comp in (blk.attn.compressor, getattr(blk.attn.indexer, "compressor", None)):
+                if comp is not None:
+                    comp.__dict__.pop("_store", None)
     want = len(prompt_ids) + len(forced) - 1
     out = {}
     for module, per in grabbed.items():
@@ -254,6 +281,15 @@ def capture_layers(engine: Any, prompt_ids: list[int], forced: list[int]) -> dic
                               f"the layers run eagerly as modules, one sequence at a time, no preemption (this "
                               f"backend / graph mode compiles them away?)")
         out[module] = torch.stack(steps)
+    # the KV state at the end, as the reference's cache holds it: the window of the last window - 1 positions (ring
+    # row = position mod ring rows, read after the last step), every compressed entry and indexer key by id (as the
+    # compressors stored them)
+    for lid, ring in rings.items():
+        keep = torch.arange(max(0, want - model.cfg.window_size + 1), want)
+        out[f"kv_window.{lid}"] = ring[keep % ring.shape[0]].clone()
+    for kind, per in entries.items():
+        for layer, ids in per.items():
+            out[f"{kind}.{layer}"] = torch.stack([ids[i] for i in sorted(ids)])
     return out
 
 
@@ -417,6 +453,7 @@ class PerLayer:
     table: pd.DataFrame
     positions: pd.DataFrame
     first: dict[str, Any] | None
+    kv: pd.DataFrame = field(default_factory=pd.DataFrame)  # the KV state per (layer, kind): verdict.kv_rows
 
 
 def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progress: bool = False,
@@ -466,13 +503,17 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     res = run_job(config, _golden_job, ([p.prompt_ids for p in prompts], [len(p.output_ids) for p in prompts],
                                         progress, forced, [(p.prompt_ids, p.output_ids) for p in chosen]))
     tokens: dict[str, pd.DataFrame] = {}
+    band = None  # three-way: verdict.run_verdict's run-level numbers
     if official:
         rows = compare_official([(p, lg) for p, lg in zip(prompts, res["logits"], strict=True)], dtype)
     elif threeway:
+        from deepinfer_bench.bench.verdict import run_verdict
+
         rows = []
         for p, lg in zip(prompts, res["logits"], strict=True):
-            row, tokens[p.name] = compare_three_way(p, lg, ref.logits["float32"][p.name], ref.logits[dtype][p.name])
+            row, tokens[p.name] = compare_three_way(p, lg, ref.logits["float32"][p.name], ref.draws(dtype, p.name))
             rows.append(row)
+        band = run_verdict(rows)
     elif exact_ref:
         rows = [compare_exact(p, lg, ref.logits["float32"][p.name]) for p, lg in zip(prompts, res["logits"],
                                                                                   strict=True)]
@@ -488,6 +529,7 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
                 "golden": {k: meta.get(k) for k in ("seed", "torch_version", "transformers_version", "reference",
                                                     "numerics")},
                 "comparison": comparison, "reference_key": ref.key if ref is not None else None,
+                "band": band,
                 "engine_steps": res["steps"], "preemptions": res["preemptions"], "graph_mode": res["graph_mode"],
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
@@ -496,6 +538,8 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
     if config.spec.enabled:
         run_meta["speculative"] = {"method": str(config.spec.method),
                                    "num_speculative_tokens": config.spec.num_speculative_tokens, **res["speculative"]}
+    for row in rows:
+        row.pop("kld_draws", None)
     columns = (THREE_WAY_COLUMNS if threeway else COLUMNS) + (["drafted", "acceptance_rate"] if config.spec.enabled
                                                               else [])
     run = GoldenRun(table=pd.DataFrame(rows, columns=columns), meta=run_meta, collectives=res["collectives"],
@@ -508,13 +552,14 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
 
 
 def _per_layer(name: str, caps: dict[str, torch.Tensor], ref: Any, dtype: str, cfg: ModelConfig) -> PerLayer:
-    from deepinfer_bench.bench.verdict import first_divergence, layer_table, position_rows
+    from deepinfer_bench.bench.verdict import first_divergence, kv_rows, layer_table, position_rows
 
     exact = FP32_LOGIT_TOL if dtype == "float32" else None  # fp32: the exact check's room for summation order
     rows = position_rows(caps, ref.layers[dtype][name], ref.layers["float32"][name], exact_tol=exact)
     ratios = list(cfg.compress_ratios[: cfg.n_layers])
+    kv = kv_rows(caps, ref.layers[dtype][name], ref.layers["float32"][name], exact_tol=exact)
     return PerLayer(prompt=name, table=pd.DataFrame(layer_table(rows, ratios)), positions=pd.DataFrame(rows),
-                    first=first_divergence(rows))
+                    first=first_divergence(rows), kv=pd.DataFrame(kv))
 
 
 def compare_exact(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor) -> dict[str, Any]:
@@ -531,20 +576,23 @@ def compare_exact(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor) -> 
 
 
 THREE_WAY_COLUMNS = ["prompt", "kind", "prompt_len", "tokens_matched", "tokens_total", "first_divergent_step",
-                     "kld_mean", "kld_expected_mean", "kld_ratio", "sigma_ratio_pooled", "bhattacharyya_pooled",
+                     "kld_mean", "kld_draws_max", "outlier_z", "kld_expected_mean", "kld_ratio", "sigma_ratio_pooled",
+                     "bhattacharyya_pooled",
                      "kld_p99", "kld_max", "tokens_passed", "first_failing_step", "worst_step", "sigma_ratio_median",
                      "sigma_ratio_max", "max_abs_dlogit", "logit_tol", "verdict"]
 
 
 def compare_three_way(g: GoldenPrompt, logits: torch.Tensor, fp32: torch.Tensor,
-                      expected: torch.Tensor) -> tuple[dict[str, Any], pd.DataFrame]:
-    """One prompt's teacher-forced logits against the reference in fp32 and in the run's dtype: (its row:
-    `tokens_matched` = top-1 agreement with fp32, `first_divergent_step` = first step whose argmax is not fp32's,
-    the verdict.py summary, whose prompt rule gives the verdict; its per-token table)."""
-    from deepinfer_bench.bench.verdict import TOKEN_COLUMNS, prompt_summary, token_table
+                      draws: list[torch.Tensor]) -> tuple[dict[str, Any], pd.DataFrame]:
+    """One prompt's teacher-forced logits against the reference in fp32 and its draws in the run's dtype (the first:
+    the per-token table's expected run): (its row: `tokens_matched` = top-1 agreement with fp32,
+    `first_divergent_step` = first step whose argmax is not fp32's, the verdict.py summary - its verdict is
+    verdict.run_verdict's, over the run; its per-token table)."""
+    from deepinfer_bench.bench.verdict import TOKEN_COLUMNS, kld, prompt_summary, token_table
 
-    toks = token_table(logits, expected, fp32)
-    s = prompt_summary(toks)
+    toks = token_table(logits, draws[0], fp32)
+    n = len(toks)
+    s = prompt_summary(toks, [kld(fp32[:n], d[:n]) for d in draws])
     miss = [t["step"] for t in toks if not t["top1"]]
     row = {"prompt": g.name, "kind": g.kind, "prompt_len": len(g.prompt_ids), "tokens_matched": s["top1"],
            "first_divergent_step": miss[0] if miss else -1, "logit_tol": float("nan"),

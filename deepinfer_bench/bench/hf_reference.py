@@ -7,6 +7,9 @@ HF runs no FP8/FP4 simulation and has no MTP: it is fed dequantised weights and 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +60,71 @@ def build_hf_model(cfg: ModelConfig, official_state_dict: dict[str, torch.Tensor
                 if t.is_floating_point() and any(c in _FP32_COMPONENTS for c in name.split(".")):
                     t.data = t.data.float()
     return model.eval()
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One honest bf16 run of the reference (deepinfer_bench/bench/verdict.py's noise band is the spread of these).
+    `policy`: "hf" (HF's own dtypes) or "official" (also the router and the LM head in fp32, as DeepSeek's
+    inference/model.py runs them: /work/shared/spec/deepseek_v4.md section 5 row 3); `k_block`: every bf16 GEMM
+    summed in fp32 over K blocks of this width, in ascending or (`reverse`) descending order, rounded once - the
+    summation order a device's tiled GEMM has (a trn2 sums 128-wide K tiles in PSUM); None: torch's CPU GEMM."""
+
+    name: str
+    policy: str = "hf"
+    k_block: int | None = None
+    reverse: bool = False
+
+
+# The draws of a bf16 reference: the two precision policies an honest bf16 implementation may follow, each with
+# torch's CPU summation order and two tiled orders. On the CPU, torch's bf16 GEMM gives bit-identical results at
+# any thread count, so thread counts are no source of draws here. The first is the reference of the per-token
+# diagnostics and --per-layer.
+DRAWS = (Draw("hf"), Draw("hf-k32", k_block=32), Draw("hf-k8r", k_block=8, reverse=True),
+         Draw("official", "official"), Draw("official-k32", "official", 32), Draw("official-k8r", "official", 8, True))
+
+
+@contextlib.contextmanager
+def summation_order(draw: Draw) -> Iterator[None]:
+    """Within the block, bf16 x bf16 `F.linear` (every nn.Linear, HF's router) sums in `draw`'s K-block order:
+    the products are exact in fp32, only their summation order and so some final roundings change."""
+    import torch.nn.functional as F
+
+    if draw.k_block is None:
+        yield
+        return
+    linear, block = F.linear, draw.k_block
+
+    def blocked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            return linear(x, w, b)
+        starts = list(range(0, x.shape[-1], block))
+        acc = None
+        for s in reversed(starts) if draw.reverse else starts:
+            part = linear(x[..., s: s + block].float(), w[:, s: s + block].float())
+            acc = part if acc is None else acc + part
+        return (acc if b is None else acc + b.float()).to(x.dtype)
+
+    F.linear = blocked
+    try:
+        yield
+    finally:
+        F.linear = linear
+
+
+def apply_policy(model: DeepseekV4ForCausalLM, policy: str) -> DeepseekV4ForCausalLM:
+    """`policy` "official": the router and the LM head of a bf16 `model` run in fp32 on their widened input (their
+    weights are bf16 values: exact in fp32), as DeepSeek's inference code runs them; "hf": unchanged."""
+    if policy == "hf":
+        return model
+
+    def widen(module: torch.nn.Module, args: tuple) -> tuple:
+        return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    for layer in model.model.layers:
+        layer.mlp.gate.float().register_forward_pre_hook(widen)
+    model.lm_head.float().register_forward_pre_hook(widen)
+    return model
 
 
 @torch.no_grad()
@@ -112,4 +180,23 @@ def hf_forced(model: DeepseekV4ForCausalLM, prompt_ids: list[int], forced: list[
         for h in hooks:
             h.remove()
     logits = out.logits[0, len(prompt_ids) - 1:].float()
-    return logits, {k: torch.stack(v) for k, v in grabbed.items() if v}
+    caps = {k: torch.stack(v) for k, v in grabbed.items() if v}
+    if capture:
+        caps.update(hf_kv_state(model, ids))
+    return logits, caps
+
+
+@torch.no_grad()
+def hf_kv_state(model: DeepseekV4ForCausalLM, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The KV state HF's own cache holds after one forward of `ids` [1, T], per layer L, fp32: "kv_window.L" (the
+    window keys of the last window - 1 positions, [W, D]), "kv_entries.L" (the compressed entries, [E, D]) and
+    "kv_index.L" (the indexer's keys, [E, Di]) where the layer has them."""
+    cache = model(input_ids=ids, use_cache=True).cache
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        out[f"kv_window.{i}"] = layer.keys[0, 0].float().clone()
+        for name, kind in (("compressor", "kv_entries"), ("indexer", "kv_index")):
+            t = getattr(layer, "compressed_kv", {}).get(name)
+            if t is not None:
+                out[f"{kind}.{i}"] = t[0].float().clone()
+    return out

@@ -1,12 +1,13 @@
-"""The golden cache: HF reference runs (fp32 and bf16 logits, teacher-forced; per-layer captures on request)
-computed once and stored content-addressed, so any later run - on a trn2 host without transformers too - reads
-them back. Key: the model's bytes (config.json + *.safetensors), the token sequences, the dtypes and the format; a
-prompt's per-layer captures sit beside its logits, made when first asked for. Nothing of the engine's run
-(backend, cp / TP, KV dtype) enters the key.
+"""The golden cache: HF reference runs (fp32 and bf16 logits, teacher-forced, bf16 once per draw of the noise band:
+hf_reference.DRAWS; per-layer captures on request) computed once and stored content-addressed, so any later run - on
+a trn2 host without transformers too - reads them back. Key: the model's bytes (config.json + *.safetensors), the
+token sequences, the dtypes, the draws and the format; a prompt's per-layer captures sit beside its logits, made
+when first asked for. Nothing of the engine's run (backend, cp / TP, KV dtype) enters the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 from deepinfer_bench.errors import GoldenError
 from engine.config import ModelConfig
 
-FORMAT = "deepinfer-reference-v1"
+FORMAT = "deepinfer-reference-v2"  # v2: the bf16 draws
 DTYPES = ("float32", "bfloat16")
 
 
@@ -43,9 +44,14 @@ class Sequence:
 @dataclass
 class Reference:
     key: str
-    logits: dict[str, dict[str, torch.Tensor]]  # dtype -> prompt -> [N, vocab] fp32
+    logits: dict[str, dict[str, torch.Tensor]]  # dtype (bf16 draws: "bfloat16@DRAW") -> prompt -> [N, vocab] fp32
     layers: dict[str, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)  # dtype -> prompt -> module
     meta: dict = field(default_factory=dict)
+
+
+    def draws(self, dtype: str, prompt: str) -> list[torch.Tensor]:
+        """Every stored run of `prompt` in `dtype`: the first draw (stored as `dtype`) and the others."""
+        return [self.logits[k][prompt] for k in self.logits if k == dtype or k.startswith(dtype + "@")]
 
 
 def model_digest(model_dir: Path) -> str:
@@ -60,7 +66,9 @@ def model_digest(model_dir: Path) -> str:
 
 
 def reference_key(digest: str, seqs: list[Sequence]) -> str:
-    body = {"format": FORMAT, "model": digest, "dtypes": list(DTYPES),
+    from deepinfer_bench.bench.hf_reference import DRAWS
+
+    body = {"format": FORMAT, "model": digest, "dtypes": list(DTYPES), "draws": [repr(d) for d in DRAWS],
             "sequences": [[s.name, list(s.prompt_ids), list(s.forced)] for s in seqs]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -88,7 +96,7 @@ def get_reference(model_dir: str | Path, cfg: ModelConfig, seqs: list[Sequence],
                                f"CPU box with `deepinfer reference --model-dir {model_dir} --out DIR` (with the same "
                                f"--per-layer prompts) and pass --reference DIR") from e
     run = seqs if not have else [s for s in seqs if s.name in missing]
-    logits, layers = _make(model_dir, cfg, run, missing)
+    logits, layers = _make(model_dir, cfg, run, missing, logits_wanted=not have)
     where.mkdir(parents=True, exist_ok=True)
     if not have:
         _write_logits(where, key, logits, model_dir, seqs)
@@ -98,10 +106,12 @@ def get_reference(model_dir: str | Path, cfg: ModelConfig, seqs: list[Sequence],
     return _read(where, key, list(per_layer))
 
 
-def _make(model_dir: Path, cfg: ModelConfig, seqs: list[Sequence], per_layer: list[str]) -> tuple[dict, dict]:
-    """HF teacher-forced runs of `seqs` in every dtype of DTYPES: ({dtype: {prompt: logits}}, {dtype: {prompt:
-    {module: captures}}} for the prompts in `per_layer`)."""
-    from deepinfer_bench.bench.hf_reference import build_hf_model, hf_forced
+def _make(model_dir: Path, cfg: ModelConfig, seqs: list[Sequence], per_layer: list[str],
+          logits_wanted: bool = True) -> tuple[dict, dict]:
+    """HF teacher-forced runs of `seqs` in every dtype of DTYPES, bf16 once per draw of hf_reference.DRAWS:
+    ({dtype: {prompt: logits}} with the later draws as "bfloat16@NAME", {dtype: {prompt: {module: captures}}} for
+    the prompts in `per_layer`, of the first draw)."""
+    from deepinfer_bench.bench.hf_reference import DRAWS, apply_policy, build_hf_model, hf_forced, summation_order
     from engine.loader import load_checkpoint
 
     bad = [s.name for s in seqs if max(s.prompt_ids + s.forced) >= cfg.vocab_size]
@@ -110,15 +120,24 @@ def _make(model_dir: Path, cfg: ModelConfig, seqs: list[Sequence], per_layer: li
     state = load_checkpoint(model_dir, cfg, dtype=torch.float32)
     logits: dict = {}
     layers: dict = {}
-    for dtype in DTYPES:
-        model = build_hf_model(cfg, state, dtype=getattr(torch, dtype))
-        logits[dtype], layers[dtype] = {}, {}
-        for s in seqs:
-            lg, cap = hf_forced(model, s.prompt_ids, s.forced, capture=s.name in per_layer)
-            logits[dtype][s.name] = lg.contiguous()
-            if cap:
-                layers[dtype][s.name] = {k: v.contiguous() for k, v in cap.items()}
-        del model
+    runs = [("float32", None, None)] + [(f"bfloat16@{d.name}" if i else "bfloat16", d, "bfloat16")
+                                        for i, d in enumerate(DRAWS)]
+    if not logits_wanted:
+        runs = [r for r in runs if "@" not in r[0]]
+    model, policy = None, None
+    for key, draw, dtype in runs:
+        want = (draw.policy if draw else "fp32")
+        if model is None or want != policy:
+            model = build_hf_model(cfg, state, dtype=getattr(torch, dtype or key))
+            model, policy = apply_policy(model, draw.policy) if draw else model, want
+        logits[key] = {}
+        with summation_order(draw) if draw else contextlib.nullcontext():
+            for s in seqs:
+                capture = s.name in per_layer and "@" not in key
+                lg, cap = hf_forced(model, s.prompt_ids, s.forced, capture=capture)
+                logits[key][s.name] = lg.contiguous()
+                if cap:
+                    layers.setdefault(key, {})[s.name] = {k: v.contiguous() for k, v in cap.items()}
     return logits, layers
 
 
@@ -134,7 +153,10 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
 def _write_logits(where: Path, key: str, logits: dict, model_dir: Path, seqs: list[Sequence]) -> None:
     import transformers
 
+    from deepinfer_bench.bench.hf_reference import DRAWS
+
     meta = {"format": FORMAT, "key": key, "model_dir": str(model_dir), "dtypes": list(DTYPES),
+            "draws": [vars(d) for d in DRAWS],
             "torch_version": torch.__version__, "transformers_version": transformers.__version__,
             "reference": "HF DeepseekV4ForCausalLM eager, teacher-forced (one forward of prompt + forced[:-1])",
             "sequences": [{"name": s.name, "prompt_ids": s.prompt_ids, "forced": s.forced} for s in seqs]}

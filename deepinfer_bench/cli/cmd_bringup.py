@@ -19,22 +19,27 @@ def bringup_cmd(
                                                            "Neuron device and TorchNeuron are, else neuron-standin")]
     = "auto",
     model_dir: Annotated[str | None, typer.Option("--model-dir", help="Model of the compile / regions / matrix steps "
-                                                                      "(golden always runs the tiny model).")] = None,
+                                                                      "and of the golden-model-bf16 step (the other "
+                                                                      "golden steps run the tiny model).")] = None,
+    reference: Annotated[str | None, typer.Option("--reference", help="Reference cache dir of the golden bf16 steps "
+                                                                      "(deepinfer reference --out DIR, made on a CPU "
+                                                                      "box; default: the reference cache).")] = None,
     compile_sizes: Annotated[str | None, typer.Option("--compile-sizes", help="Engine options the compile-only step "
                                                                               "sizes the engine with (every graph of "
                                                                               "that size; default: --workload golden, "
                                                                               "what the golden steps run).")] = None,
     skip: Annotated[str, typer.Option("--skip", help="Comma-separated steps not to run (listed as not run): probe, "
-                                                     "kernels, compile-only, golden-cp1, golden-cp2, regions, "
-                                                     "matrix.")] = "",
+                                                     "kernels, compile-only, golden-cp1, golden-cp2, "
+                                                     "golden-bf16, golden-model-bf16, regions, matrix.")] = "",
     out: Annotated[Path, typer.Option("--out", help="Results folder; each run gets a new sub-folder.")]
     = DEFAULT_OUT_DIR,
 ) -> None:
     """Bring up a new Neuron host: each check in order, stopping at the first failure.
 
-    The steps: probe -> kernels on the device -> compile-only of every graph -> golden tiny cp 1 -> cp 2 -> regions
-    timing -> quick matrix. Stops at the first failing step and names it; steps that cannot run on the backend are
-    listed as not run. One report: bringup.md, bringup.csv, meta.json. Exit 1 when a step failed."""
+    The steps: probe -> kernels on the device -> compile-only of every graph -> golden tiny cp 1 -> cp 2 -> golden
+    tiny bf16 (three-way verdict) -> golden bf16 of --model-dir -> regions timing -> quick matrix. Stops at the first
+    failing step and names it; steps that cannot run on the backend are listed as not run. One report: bringup.md,
+    bringup.csv, meta.json. Exit 1 when a step failed."""
     import datetime as _dt
     import shlex
 
@@ -54,7 +59,7 @@ def bringup_cmd(
     run_dir = Path(out) / f"bringup-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     sizes = tuple(shlex.split(compile_sizes)) if compile_sizes is not None else DEFAULT_COMPILE_SIZES
     plan = Plan(backend=backend, out=run_dir, model_dir=model_dir, compile_sizes=sizes,
-                skip=skipped)
+                skip=skipped, reference=reference)
     err_console.print(f"[dim]bringup: --backend {backend} -> {run_dir}[/dim]")
     df, meta = bringup(plan, progress=lambda step, state: err_console.print(f"[dim]{step}: {state}[/dim]"))
     label = measured_on(backend)

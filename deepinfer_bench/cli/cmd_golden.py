@@ -92,10 +92,13 @@ def golden_cmd(
         "teacher-forced top-1 = reference" if run.meta["comparison"].startswith("teacher-forced, exact") else \
         "greedy tokens identical"
     if threeway:
-        t = run.table
-        err_console.print(f"[{style}]{run.n_match}/{n} prompts within the reference's {config.model.dtype} noise"
-                          f"[/{style}] (KLD ratio worst {t['kld_ratio'].max():.3g}, KLD mean "
-                          f"{t['kld_mean'].mean():.2e} (reference's own {t['kld_expected_mean'].mean():.2e}), max "
+        t, b = run.table, run.meta["band"]
+        err_console.print(f"[{style}]{run.n_match}/{n} prompts within the reference's {config.model.dtype} noise, run "
+                          f"{'inside' if b['run_passed'] else 'OUTSIDE'} the band[/{style}] (run KLD "
+                          f"{b['kld_run']:.2e}, limit {b['kld_run_limit']:.2e}, draws "
+                          f"{min(b['kld_run_draws']):.2e}-{max(b['kld_run_draws']):.2e}; worst outlier z "
+                          f"{t['outlier_z'].max():.2f}; KLD ratio to the first draw worst {t['kld_ratio'].max():.3g}, "
+                          f"max "
                           f"{t['kld_max'].max():.2e}; tokens passing the per-token rule "
                           f"{int(t['tokens_passed'].sum())}/{int(t['tokens_total'].sum())}, top-1 = fp32 {toks}; "
                           f"reference {run.meta['reference_key']})  ->  {path}")
@@ -155,6 +158,10 @@ def _per_layer_report(pl, where: Path) -> None:
     render_df(show, f"per layer: {pl.prompt} (streams after each half; outside = positions outside the noise band)")
     pl.table.to_csv(where / f"golden_layers_{pl.prompt}.csv", index=False)
     pl.positions.to_csv(where / f"golden_positions_{pl.prompt}.csv", index=False)
+    if len(pl.kv):
+        render_df(pl.kv, f"KV state: {pl.prompt} (window = the last window - 1 positions; entries / index keys by id; "
+                         f"outside = rows outside the noise band)")
+        pl.kv.to_csv(where / f"golden_kv_{pl.prompt}.csv", index=False)
     if pl.first is None:
         err_console.print(f"[green]{pl.prompt}: every layer inside the reference's noise band at every "
                           f"position[/green]")

@@ -23,9 +23,9 @@ def reference_cmd(
 ) -> None:
     """Make a model's HF reference logits once, for hosts without transformers.
 
-    On a CPU box with transformers: fp32 and bf16 logits teacher-forced on
-    the golden's token sequences (and per-layer captures), stored content-addressed in --out. A trn2 host without
-    transformers then runs `deepinfer golden --model-dir D --dtype bfloat16 --reference DIR`."""
+    On a CPU box with transformers: fp32 logits and the bf16 draws of the noise band teacher-forced on the golden's
+    token sequences (and per-layer captures with the KV state), stored content-addressed in --out. A trn2 host
+    without transformers then runs `deepinfer golden --model-dir D --dtype bfloat16 --reference DIR`."""
     from deepinfer_bench.bench.golden import GOLDEN_DIR, load_golden
     from deepinfer_bench.bench.refcache import Sequence, get_reference
     from engine.config import ModelConfig
@@ -39,5 +39,6 @@ def reference_cmd(
         raise typer.BadParameter(f"--per-layer {unknown}: not in {golden_dir}; it has {names}")
     seqs = [Sequence(p.name, p.prompt_ids, p.output_ids) for p in prompts]
     ref = get_reference(model_dir, cfg, seqs, per_layer=per_layer or [], cache_dir=out)
-    err_console.print(f"[green]reference {ref.key}[/green]: {len(seqs)} sequences, fp32 + bf16 logits"
+    err_console.print(f"[green]reference {ref.key}[/green]: {len(seqs)} sequences, fp32 + "
+                      f"{sum(k.startswith('bfloat16') for k in ref.logits)} bf16 draws of logits"
                       f"{', per-layer ' + ', '.join(per_layer) if per_layer else ''}  ->  {out / ref.key}")
