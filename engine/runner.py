@@ -91,6 +91,8 @@ class ModelRunner:
         # cache.py `tap_ring`); not chunk graphs, nor with a draft layer (its ring is written by the draft pass)
         self.chunk_taps = bool(self.cache.snap_roots) and not self.chunk_graphs and not config.spec.enabled
         self.keep_hidden = config.spec.enabled
+        # a verify step's rows (the last token + its drafts) run as decode rows (StepPlan.build): eager, one rank
+        self.decode_rows = self.cache.spare + 1 if graph.mode is GraphMode.EAGER and self.par.cp == 1 else 1
         self.proposer = drafting.proposer_for(config.spec.method)
         self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
         self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
@@ -154,7 +156,8 @@ class ModelRunner:
             x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None
         else:
-            plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
+            plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device,
+                                  decode_rows=self.decode_rows)
             if self.capture:
                 x, captured = self.proposer.hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
             else:

@@ -46,8 +46,10 @@ def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int,
     # the pool holds every sequence of the batch at once (else the scheduler runs them one after another)
     work = Workload(max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=batch * longest,
                     pool_tokens=batch * (longest + 128))  # + room for block rounding
+    # prefix caching off: the prompts share no prefix, and with a draft layer it cuts a prefill at a block boundary
     cfg = EngineConfig.from_model_dir(model_dir, workload=work, dtype="float32", speculative=method,
-                                      num_speculative_tokens=k if method != "none" else None)
+                                      num_speculative_tokens=k if method != "none" else None,
+                                      enable_prefix_caching=False)
     return engine.build(cfg, threads=threads)
 
 

@@ -43,6 +43,11 @@ def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
     return out
 
 
+def _decode_rows(model: Transformer, cache: KVCache) -> int:
+    """The catch-up's rows (1 + accepted drafts) as decode rows (StepPlan.build) where it may: one rank, the host."""
+    return cache.spare + 1 if model.mtp[0].attn.par is None and model.embed.weight.device.type == "cpu" else 1
+
+
 def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
                  next_ids: torch.Tensor, block_size: int) -> torch.Tensor:
     """Run the MTP block over the final positions of `seqs` (rows back to back: hidden [T, n, dim] = the target's
@@ -52,7 +57,7 @@ def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hid
     if hidden.shape[0] != steps[-1].token_start + steps[-1].n or next_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"hidden {tuple(hidden.shape)} / next_ids {tuple(next_ids.shape)}: expected one row per "
                          f"final position ({sum(s.n for s in seqs)})")
-    plan = StepPlan.build(steps, block_size, device=hidden.device)
+    plan = StepPlan.build(steps, block_size, device=hidden.device, decode_rows=_decode_rows(model, cache))
     out = model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
     last = torch.tensor([s.token_start + s.n - 1 for s in steps], device=hidden.device)
     return out[last]
