@@ -15,11 +15,15 @@ k + 1 logits rows: row i is the target's distribution p_i of the token at t + 1 
   from the request's own generator.
 
 `SpecStats` counts drafts, accepted drafts and accepted drafts per position (vLLM's `spec_decode` counters).
+`SpecPolicy` decides per step whether the next step speculates at all (docs/speculative.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +90,7 @@ class DraftRequest:
     block_table: list[int]
     want: int
     next_ids: list[int]
+    defer: bool = False  # speculation is off for the next step: the head may put its catch-up off (runner.draft)
 
 
 @dataclass
@@ -133,3 +138,72 @@ class SpecStats:
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": num(self.acceptance_rate),
                 "mean_accepted_length": num(self.mean_accepted_length),
                 "acceptance_rate_per_position": [num(x) for x in self.per_position()]}
+
+
+class SpecPolicy:
+    """Whether the next step speculates (`--speculative-policy auto`): a decode step of B sequences costs `plain(B)`
+    (target step + the draft head's catch-up) without drafts and `spec(B)` (verify step + drafting) with them, and a
+    sequence gets E = 1 + sum_j r_j tokens from a verify step (r_j: the running rate at which the first j drafts are
+    all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the margin keeps a near tie off, since E
+    is a running estimate and a batch whose sequences finish apart pays its slowest one's steps. Costs are the
+    median of the last `window` measured steps per batch size, so a spike on a shared machine does not flip the
+    choice. An unmeasured batch size is measured first (one speculative step, then one plain). While off, one step
+    in `interval` speculates again to refresh the rates (the interval doubles up to `max_interval` while it keeps
+    losing), except where spec(B) > (k + 1) * plain(B): then no acceptance could pay and nothing is probed.
+    "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
+
+    def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
+                 interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.15) -> None:
+        self.k, self.always, self.margin = k, policy == "always", margin
+        self.window, self.base, self.max_interval, self.alpha = window, interval, max_interval, alpha
+        self.interval, self.off_steps = interval, 0
+        self.clock = clock
+        self.rates: list[float] = []
+        self.seen: list[int] = []
+        self._costs: dict[tuple[str, int], deque[float]] = {}
+
+    def record(self, what: str, batch: int, seconds: float) -> None:
+        """A measured decode-only step part: "verify" / "plain" (the target step) or "draft" / "catch_up" (the
+        draft head after it, drafting or not), of `batch` sequences."""
+        self._costs.setdefault((what, batch), deque(maxlen=self.window)).append(seconds)
+
+    def cost(self, what: str, batch: int) -> float | None:
+        d = self._costs.get((what, batch))
+        return statistics.median(d) if d else None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One sequence's verify: `accepted` of its `drafted` drafts (a running mean, then an EMA, per position)."""
+        while len(self.rates) < drafted:
+            self.rates.append(0.0)
+            self.seen.append(0)
+        for j in range(drafted):
+            self.seen[j] += 1
+            a = max(self.alpha, 1 / self.seen[j])
+            self.rates[j] += a * (float(j < accepted) - self.rates[j])
+
+    def expected_tokens(self) -> float:
+        """E: tokens a sequence gets from one verify step at the running rates."""
+        return 1 + sum(self.rates[: self.k])
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the step after this one speculates, for `batch` decoding sequences."""
+        if self.always:
+            return True
+        verify, draft = self.cost("verify", batch), self.cost("draft", batch)
+        if verify is None or draft is None:
+            return True
+        plain, catch_up = self.cost("plain", batch), self.cost("catch_up", batch)
+        if plain is None or catch_up is None:
+            return self._off(probe=False)
+        spec, plain = verify + draft, plain + catch_up
+        if self.expected_tokens() * plain >= (1 + self.margin) * spec:
+            self.interval, self.off_steps = self.base, 0
+            return True
+        return self._off(probe=spec <= (self.k + 1) * plain)
+
+    def _off(self, probe: bool) -> bool:
+        self.off_steps += 1
+        if probe and self.off_steps >= self.interval:
+            self.off_steps, self.interval = 0, min(2 * self.interval, self.max_interval)
+            return True
+        return False

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int, threads: int):
+def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int, threads: int, policy: str = "auto"):
     import engine
     from engine.config import EngineConfig, Workload
 
@@ -49,7 +49,7 @@ def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int,
     # prefix caching off: the prompts share no prefix, and with a draft layer it cuts a prefill at a block boundary
     cfg = EngineConfig.from_model_dir(model_dir, workload=work, dtype="float32", speculative=method,
                                       num_speculative_tokens=k if method != "none" else None,
-                                      enable_prefix_caching=False)
+                                      enable_prefix_caching=False, speculative_policy=policy)
     return engine.build(cfg, threads=threads)
 
 
@@ -95,13 +95,18 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
 
 
 def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
-                threads: int, seed: int) -> list[dict]:
+                threads: int, seed: int, policy: str = "auto") -> list[dict]:
+    from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
 
-    settings = [("none", 0)] + [("mtp", k) for k in ks]
+    if ModelConfig.from_json(model_dir).has_dspark:  # the DSpark head drafts its block (its size from the config)
+        ks = [ModelConfig.from_json(model_dir).dspark_block_size]
+        settings = [("none", 0), ("dspark", ks[0])]
+    else:
+        settings = [("none", 0)] + [("mtp", k) for k in ks]
     longest = input_len + new + max(ks, default=0) + 1
     t0 = time.time()
-    engines = {s: build_engine(model_dir, max(batches), longest, *s, threads) for s in settings}
+    engines = {s: build_engine(model_dir, max(batches), longest, *s, threads, policy) for s in settings}
     print(f"{model_dir}: {len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
     for b in batches:  # warm-up: one short run of each setting and batch size
         for eng in engines.values():
@@ -145,6 +150,8 @@ def main() -> None:
     p.add_argument("--trn2-step-ms", type=float, default=447.8, help="fixed-cost step for the paper estimate")
     p.add_argument("--draft-cost", type=float, default=0.0,
                    help="cost of one drafted token as a fraction of a target step, for the paper estimate")
+    p.add_argument("--policy", default="auto", choices=("auto", "always"),
+                   help="--speculative-policy of the speculative engines (auto: off where it does not pay)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
@@ -153,7 +160,7 @@ def main() -> None:
     for m in args.models.split(","):
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
                             [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
-                            args.threads, args.seed)
+                            args.threads, args.seed, args.policy)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
           "| step ms | vs plain |")

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan
+from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan, write_ring
 from engine.model.model import Transformer
 from engine.model.proposer import Proposal, Sampler, greedy
 
-__all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "propose_mtp"]
+__all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "mtp_fill_ring", "propose_mtp"]
 
 
 def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
@@ -61,6 +61,20 @@ def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hid
     out = model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
     last = torch.tensor([s.token_start + s.n - 1 for s in steps], device=hidden.device)
     return out[last]
+
+
+def mtp_fill_ring(model: Transformer, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor,
+                  next_ids: torch.Tensor) -> None:
+    """The MTP block's window-ring rows at positions `pos` [T] of `slots` [T] from the target's streams there
+    (hidden [T, n, dim]) and the tokens after them (next_ids [T]), without the rest of the block: a ring row is the
+    kv of its own position's block input (mHC collapse, attn_norm, wkv, kv_norm, RoPE), so this writes what a
+    catch-up over those positions writes, for positions whose catch-up was put off (engine/runner.py `_resume`)."""
+    blk = model.mtp[0]
+    h, _, _ = blk.ops.hc_pre(model.mtp_input(hidden, next_ids), *blk.site_args("attn"))
+    cos, sin = blk.attn.rope.cos_sin(pos)
+    _, kv, _ = blk.attn.qkv(h, cos, sin)
+    lc = cache.layers[blk.layer_id]
+    write_ring(lc.win_store, slots, pos % lc.win_kv.shape[1], kv)
 
 
 def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
