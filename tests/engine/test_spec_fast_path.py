@@ -14,7 +14,7 @@ import engine
 from deepinfer_bench.bench.golden import FP32_LOGIT_TOL
 from engine import host_kernels as H
 from engine.config import EngineConfig
-from engine.llm import greedy_with_logits
+from engine.llm import SamplingParams, greedy_with_logits
 from engine.model import mtp_proposer
 from engine.model.attention import Attention
 
@@ -38,9 +38,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list, list, int, 
         m.setattr(Attention, "_chunk", chunk)
         if not fast:
             m.setattr(mtp_proposer, "_decode_rows", lambda model, cache: 1)
-        cfg = EngineConfig.from_model_dir(TINY_SPEC, kernels="host", max_num_seqs=2, speculative="mtp",
-                                          num_speculative_tokens=2, enable_prefix_caching=False)
-        eng = engine.build(cfg)
+        eng = _engine("always")
         if not fast:
             eng.runner.decode_rows = 1
         late_chunks[0] = 0
@@ -65,3 +63,55 @@ def test_verify_rows_take_the_native_layer_and_give_the_chunk_paths_logits(monke
     dlogit = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))
     assert dlogit <= FP32_LOGIT_TOL, dlogit
     assert all(torch.isfinite(x).all() for x in logits)
+
+
+def _engine(policy: str):
+    cfg = EngineConfig.from_model_dir(TINY_SPEC, kernels="host", max_num_seqs=2, speculative="mtp",
+                                      num_speculative_tokens=2, enable_prefix_caching=False,
+                                      speculative_policy=policy)
+    return engine.build(cfg)
+
+
+def test_a_put_off_catch_up_writes_the_catch_ups_ring_rows() -> None:
+    """`mtp_fill_ring` (the MTP ring rows of positions whose catch-up was put off, from the held streams) writes
+    exactly what the catch-up over those positions wrote: here the prefill's, over a 20-token prompt, bit for bit
+    over the same rows (fewer rows at once round like any other change of a GEMM's row count)."""
+    eng = _engine("always")
+    eng.add_request(PROMPTS[1] + PROMPTS[0][:7], SamplingParams(temperature=0, max_tokens=4))
+    eng.step()  # the prefill, then the MTP block's catch-up over all 20 positions
+    run = eng.runner
+    seq = next(iter(eng._requests.values()))
+    lc = run.cache.layers[run.cfg.n_layers]
+    wl = lc.win_kv.shape[1]
+    pos = torch.arange(20)
+    last = pos[-wl:] % wl  # the ring keeps the last wl positions
+    caught = lc.win_kv[seq.slot, last].clone()
+    lc.win_kv[seq.slot].zero_()
+    hidden = run._last[1][pos]
+    ids = torch.tensor(seq.all_token_ids)[pos + 1]
+    mtp_proposer.mtp_fill_ring(run.model, run.cache, torch.full_like(pos, seq.slot), pos, hidden, ids)
+    assert torch.equal(lc.win_kv[seq.slot, last], caught) and caught.abs().sum() > 0
+
+
+def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy off for three steps, on for one, over and over: the catch-ups put off while it is off are resumed
+    (`ModelRunner._resume`), the tokens are the always-speculating engine's, and the drafts after a resume are
+    accepted as often as always-on drafts are (a resumed ring with stale rows would draft worse)."""
+    ref = _engine("always")
+    ref_out, _ = greedy_with_logits(ref, PROMPTS, NEW)
+    eng = _engine("auto")
+    pattern = iter([False, False, False, True] * 100)
+    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch: next(pattern))
+    resumed = []
+    real = eng.runner._resume
+
+    def resume(steps, hidden, requests):
+        resumed.append(sum(r.slot in eng.runner._behind and not r.defer for r in requests))
+        return real(steps, hidden, requests)
+
+    monkeypatch.setattr(eng.runner, "_resume", resume)
+    out, _ = greedy_with_logits(eng, PROMPTS, NEW)
+    assert out == ref_out
+    assert sum(resumed) > 0 and eng.spec_stats.num_drafts > 0
+    assert eng.spec_stats.acceptance_rate >= ref.spec_stats.acceptance_rate - 0.1, (eng.spec_stats.to_dict(),
+                                                                                      ref.spec_stats.to_dict())
