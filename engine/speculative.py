@@ -147,9 +147,11 @@ class SpecPolicy:
     all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the margin keeps a near tie off, since E
     is a running estimate and a batch whose sequences finish apart pays its slowest one's steps. Costs are the
     median of the last `window` measured steps per batch size, so a spike on a shared machine does not flip the
-    choice. An unmeasured batch size is measured first (one speculative step, then one plain). While off, one step
-    in `interval` speculates again to refresh the rates (the interval doubles up to `max_interval` while it keeps
-    losing), except where spec(B) > (k + 1) * plain(B): then no acceptance could pay and nothing is probed.
+    choice. An unmeasured batch size is measured first (three speculative steps, then three plain; the first of
+    each is not kept). Where E < 1 + margin after two verify steps nothing is measured: no cost pays for that.
+    While off, one step in `interval` speculates again to refresh the rates (the interval doubles up to
+    `max_interval` while it keeps losing), except where spec(B) > (k + 1) * plain(B) over full windows: then no
+    acceptance could pay and nothing is probed.
     "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
@@ -164,12 +166,18 @@ class SpecPolicy:
 
     def record(self, what: str, batch: int, seconds: float) -> None:
         """A measured decode-only step part: "verify" / "plain" (the target step) or "draft" / "catch_up" (the
-        draft head after it, drafting or not), of `batch` sequences."""
-        self._costs.setdefault((what, batch), deque(maxlen=self.window)).append(seconds)
+        draft head after it, drafting or not), of `batch` sequences. The first of each is dropped: a new row count
+        builds its native packs."""
+        key = (what, batch)
+        if key not in self._costs:
+            self._costs[key] = deque(maxlen=self.window)
+            return
+        self._costs[key].append(seconds)
 
-    def cost(self, what: str, batch: int) -> float | None:
+    def cost(self, what: str, batch: int, least: int = 1) -> float | None:
+        """The median of the kept samples, None while fewer than `least`."""
         d = self._costs.get((what, batch))
-        return statistics.median(d) if d else None
+        return statistics.median(d) if d is not None and len(d) >= least else None
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One sequence's verify: `accepted` of its `drafted` drafts (a running mean, then an EMA, per position)."""
@@ -189,17 +197,20 @@ class SpecPolicy:
         """Whether the step after this one speculates, for `batch` decoding sequences."""
         if self.always:
             return True
-        verify, draft = self.cost("verify", batch), self.cost("draft", batch)
+        if self.seen and self.seen[0] >= 2 and self.expected_tokens() < 1 + self.margin:
+            return self._off(probe=True)  # next to nothing accepted: no step cost makes that pay
+        verify, draft = self.cost("verify", batch, 2), self.cost("draft", batch, 2)
         if verify is None or draft is None:
             return True
-        plain, catch_up = self.cost("plain", batch), self.cost("catch_up", batch)
+        plain, catch_up = self.cost("plain", batch, 2), self.cost("catch_up", batch, 2)
         if plain is None or catch_up is None:
             return self._off(probe=False)
         spec, plain = verify + draft, plain + catch_up
         if self.expected_tokens() * plain >= (1 + self.margin) * spec:
             self.interval, self.off_steps = self.base, 0
             return True
-        return self._off(probe=spec <= (self.k + 1) * plain)
+        settled = all(len(self._costs[(w, batch)]) == self.window for w in ("verify", "draft", "plain", "catch_up"))
+        return self._off(probe=not settled or spec <= (self.k + 1) * plain)
 
     def _off(self, probe: bool) -> bool:
         self.off_steps += 1
