@@ -140,6 +140,9 @@ class SpecStats:
                 "acceptance_rate_per_position": [num(x) for x in self.per_position()]}
 
 
+_PARTS = ("verify", "draft", "plain", "catch_up")
+
+
 class SpecPolicy:
     """Whether the next step speculates (`--speculative-policy auto`): a decode step of B sequences costs `plain(B)`
     (target step + the draft head's catch-up) without drafts and `spec(B)` (verify step + drafting) with them, and a
@@ -147,15 +150,16 @@ class SpecPolicy:
     all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the margin keeps a near tie off, since E
     is a running estimate and a batch whose sequences finish apart pays its slowest one's steps. Costs are the
     median of the last `window` measured steps per batch size, so a spike on a shared machine does not flip the
-    choice. An unmeasured batch size is measured first (three speculative steps, then three plain; the first of
-    each is not kept). Where E < 1 + margin after two verify steps nothing is measured: no cost pays for that.
+    choice. Costs come from the batch size itself once measured, else from the nearest measured one; before any,
+    three speculative steps, then three plain ones are measured (the first of each is not kept). Where E < 1 +
+    margin after two verify steps nothing is measured: no cost pays for that.
     While off, one step in `interval` speculates again to refresh the rates (the interval doubles up to
     `max_interval` while it keeps losing), except where spec(B) > (k + 1) * plain(B) over full windows: then no
     acceptance could pay and nothing is probed.
     "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
-                 interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.15) -> None:
+                 interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.05) -> None:
         self.k, self.always, self.margin = k, policy == "always", margin
         self.window, self.base, self.max_interval, self.alpha = window, interval, max_interval, alpha
         self.interval, self.off_steps = interval, 0
@@ -199,18 +203,22 @@ class SpecPolicy:
             return True
         if self.seen and self.seen[0] >= 2 and self.expected_tokens() < 1 + self.margin:
             return self._off(probe=True)  # next to nothing accepted: no step cost makes that pay
-        verify, draft = self.cost("verify", batch, 2), self.cost("draft", batch, 2)
-        if verify is None or draft is None:
-            return True
-        plain, catch_up = self.cost("plain", batch, 2), self.cost("catch_up", batch, 2)
-        if plain is None or catch_up is None:
+        measured = [b for (w, b) in self._costs if w == "verify" and self._measured(b)]
+        if not measured:  # nothing yet: speculative steps first, then plain ones
+            if self.cost("verify", batch, 2) is None or self.cost("draft", batch, 2) is None:
+                return True
             return self._off(probe=False)
-        spec, plain = verify + draft, plain + catch_up
+        at = min(measured, key=lambda b: (abs(b - batch), b))  # this batch size, else the nearest measured one
+        spec = self.cost("verify", at) + self.cost("draft", at)
+        plain = self.cost("plain", at) + self.cost("catch_up", at)
         if self.expected_tokens() * plain >= (1 + self.margin) * spec:
             self.interval, self.off_steps = self.base, 0
             return True
-        settled = all(len(self._costs[(w, batch)]) == self.window for w in ("verify", "draft", "plain", "catch_up"))
+        settled = all(len(self._costs[(w, at)]) == self.window for w in _PARTS)
         return self._off(probe=not settled or spec <= (self.k + 1) * plain)
+
+    def _measured(self, batch: int) -> bool:
+        return all(self.cost(w, batch, 2) is not None for w in _PARTS)
 
     def _off(self, probe: bool) -> bool:
         self.off_steps += 1
