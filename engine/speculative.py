@@ -150,17 +150,18 @@ class SpecPolicy:
     all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the margin keeps a near tie off, since E
     is a running estimate and a batch whose sequences finish apart pays its slowest one's steps. Costs are the
     median of the last `window` measured steps per batch size, so a spike on a shared machine does not flip the
-    choice. Costs come from the batch size itself once measured, else from the nearest measured one; before any,
-    three speculative steps, then three plain ones are measured (the first of each is not kept). Where E < 1 +
-    margin after two verify steps nothing is measured: no cost pays for that.
-    While off, one step in `interval` speculates again to refresh the rates (the interval doubles up to
-    `max_interval` while it keeps losing), except where spec(B) > (k + 1) * plain(B) over full windows: then no
-    acceptance could pay and nothing is probed.
+    choice. Costs come from the batch size itself once measured, else from a measured one within a quarter of it;
+    else three speculative steps (and at least 8 verified sequences, for E), then three plain ones are measured
+    (the first of each is not kept). Where E < 1 + margin after two verify steps nothing is measured: no cost pays
+    for that. While off, one step in `interval` speculates again to refresh the rates (the interval doubles up to
+    `max_interval` while it keeps losing; one in 4 while E * plain(B) is within 10 % of the bar), except where
+    spec(B) > (k + 1) * plain(B) over full windows: then no acceptance could pay and nothing is probed.
     "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
                  interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.05) -> None:
         self.k, self.always, self.margin = k, policy == "always", margin
+        self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
         self.window, self.base, self.max_interval, self.alpha = window, interval, max_interval, alpha
         self.interval, self.off_steps = interval, 0
         self.clock = clock
@@ -199,21 +200,30 @@ class SpecPolicy:
 
     def speculate(self, batch: int) -> bool:
         """Whether the step after this one speculates, for `batch` decoding sequences."""
-        if self.always:
+        if self.always or not self.seen:
             return True
         if self.seen and self.seen[0] >= 2 and self.expected_tokens() < 1 + self.margin:
             return self._off(probe=True)  # next to nothing accepted: no step cost makes that pay
-        measured = [b for (w, b) in self._costs if w == "verify" and self._measured(b)]
-        if not measured:  # nothing yet: speculative steps first, then plain ones
-            if self.cost("verify", batch, 2) is None or self.cost("draft", batch, 2) is None:
+        # this batch size's costs, else a measured one within a quarter of it (a batch whose sequences finish apart
+        # does not measure every size again); else measure it: speculative steps first, then plain ones
+        measured = [b for (w, b) in self._costs if w == "verify" and abs(b - batch) <= batch // 4
+                    and self._measured(b)]
+        if not measured:
+            if self.cost("verify", batch, 2) is None or self.cost("draft", batch, 2) is None \
+                    or self.seen[0] < self.least_seen:
                 return True
             return self._off(probe=False)
-        at = min(measured, key=lambda b: (abs(b - batch), b))  # this batch size, else the nearest measured one
+        if self.seen[0] < self.least_seen:  # E from a few verifies is too rough to turn it off on
+            return True
+        at = min(measured, key=lambda b: (abs(b - batch), b))
         spec = self.cost("verify", at) + self.cost("draft", at)
         plain = self.cost("plain", at) + self.cost("catch_up", at)
-        if self.expected_tokens() * plain >= (1 + self.margin) * spec:
+        gain = self.expected_tokens() * plain / ((1 + self.margin) * spec)
+        if gain >= 1:
             self.interval, self.off_steps = self.base, 0
             return True
+        if gain >= 0.9:  # a near miss: E may just be low by chance, and it only moves while verifying
+            self.interval = min(self.interval, 4)
         settled = all(len(self._costs[(w, at)]) == self.window for w in _PARTS)
         return self._off(probe=not settled or spec <= (self.k + 1) * plain)
 

@@ -18,20 +18,24 @@ def test_it_measures_speculative_then_plain_steps_first() -> None:
         assert p.speculate(4)
         p.record("verify", 4, 4.0)
         p.record("draft", 4, 1.5)
+        p.observe(2, 2)
+    assert p.speculate(4)  # E from 3 verified sequences is too rough to turn it off on
+    for _ in range(5):
+        p.observe(2, 2)
     assert not p.speculate(4)  # then plain steps
     for _ in range(3):
         p.record("plain", 4, 2.0)
         p.record("catch_up", 4, 0.1)
-    p.observe(2, 2)
     assert p.expected_tokens() == 3.0
     assert p.speculate(4)  # 3 * 2.1 >= 1.05 * 5.5
-    assert p.speculate(6)  # an unmeasured batch size: the nearest measured one's costs
+    assert p.speculate(5)  # an unmeasured batch size within a quarter: the measured one's costs
+    assert p.speculate(1) and p.cost("verify", 1) is None  # not close: measured anew
 
 
 def test_off_where_it_does_not_pay_probed_until_the_costs_settle() -> None:
     p = SpecPolicy(2, interval=4)
     _feed(p, 8, verify=5.0, draft=2.5, plain=2.0, catch_up=0.1)
-    for _ in range(5):
+    for _ in range(8):
         p.observe(2, 2)
     assert p.expected_tokens() == 3.0
     # 3 * 2.1 < 1.05 * 7.5: off; one step in 4, then in 8, speculates again while the windows are not full
