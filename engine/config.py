@@ -358,9 +358,9 @@ class SpecConfig:
 
     method: Speculative = Speculative.NONE
     num_speculative_tokens: int = 0  # 0: the method's default (MTP 1, DSpark the checkpoint's block size)
-    # auto: a step speculates only where the measured costs and acceptance say it pays (engine/speculative.py
-    # SpecPolicy); always: every decode step
-    policy: str = "auto"
+    # always: every decode step; auto: a step speculates only where the measured costs and acceptance say it pays
+    # (engine/speculative.py SpecPolicy; timing-based, so which steps verify varies run to run: opt-in)
+    policy: str = "always"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Speculative.parse(self.method, "speculative"))

@@ -144,19 +144,19 @@ _PARTS = ("verify", "draft", "plain", "catch_up")
 
 
 class SpecPolicy:
-    """Whether the next step speculates (`--speculative-policy auto`): a decode step of B sequences costs `plain(B)`
-    (target step + the draft head's catch-up) without drafts and `spec(B)` (verify step + drafting) with them, and a
-    sequence gets E = 1 + sum_j r_j tokens from a verify step (r_j: the running rate at which the first j drafts are
-    all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the margin keeps a near tie off, since E
-    is a running estimate and a batch whose sequences finish apart pays its slowest one's steps. Costs are the
-    median of the last `window` measured steps per batch size, so a spike on a shared machine does not flip the
-    choice. Costs come from the batch size itself once measured, else from a measured one within a quarter of it;
-    else three speculative steps (and at least 8 verified sequences, for E), then three plain ones are measured
-    (the first of each is not kept). Where E < 1 + margin after two verify steps nothing is measured: no cost pays
-    for that. While off, one step in `interval` speculates again to refresh the rates (the interval doubles up to
-    `max_interval` while it keeps losing; one in 4 while E * plain(B) is within 10 % of the bar), except where
-    spec(B) > (k + 1) * plain(B) over full windows: then no acceptance could pay and nothing is probed.
-    "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
+    """Whether the next step speculates (`--speculative-policy auto`; `always`, the default, every step): a decode step
+    of B sequences costs `plain(B)` (target step + the draft head's catch-up) without drafts and `spec(B)` (verify
+    step + drafting) with them, and a sequence gets E = 1 + sum_j r_j tokens from a verify step (r_j: the running
+    rate at which the first j drafts are all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the
+    margin keeps a near tie off, since E is a running estimate and a batch whose sequences finish apart pays its
+    slowest one's steps. Costs are the median of the last `window` measured steps per batch size, so a spike on a
+    shared machine does not flip the choice. Costs come from the batch size itself once measured, else from a
+    measured one within a quarter of it; else three speculative steps (and at least 8 verified sequences, for E),
+    then three plain ones are measured (the first of each is not kept). Where E < 1 + margin after two verify steps
+    nothing is measured: no cost pays for that. While off, one step in `interval` speculates again to refresh the
+    rates (the interval doubles up to `max_interval` while it keeps losing; one in 4 while E * plain(B) is within 10
+    % of the bar), except where spec(B) > (k + 1) * plain(B) over full windows: then no acceptance could pay and
+    nothing is probed. "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
                  interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.05) -> None:
