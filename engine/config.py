@@ -346,6 +346,7 @@ class GraphConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+SPEC_POLICIES = ("auto", "always")
 
 
 @dataclass(frozen=True)
@@ -357,9 +358,14 @@ class SpecConfig:
 
     method: Speculative = Speculative.NONE
     num_speculative_tokens: int = 0  # 0: the method's default (MTP 1, DSpark the checkpoint's block size)
+    # always: every decode step; auto: a step speculates only where the measured costs and acceptance say it pays
+    # (engine/speculative.py SpecPolicy; timing-based, so which steps verify varies run to run: opt-in)
+    policy: str = "always"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Speculative.parse(self.method, "speculative"))
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(f"speculative_policy={self.policy!r} is not one of {', '.join(SPEC_POLICIES)}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
@@ -385,6 +391,7 @@ _FLAT: dict[str, tuple[str, str]] = {
     "host_compiler": ("graph", "host_compiler"), "region_timing": ("graph", "region_timing"),
     "moe_capacity": ("graph", "moe_capacity"), "batch_decode": ("graph", "batch_decode"), "moe": ("graph", "moe"),
     "speculative": ("spec", "method"), "num_speculative_tokens": ("spec", "num_speculative_tokens"),
+    "speculative_policy": ("spec", "policy"),
     "backend": ("", "backend"), "kernels": ("", "kernels"), "seed": ("", "seed"),
 }
 OVERRIDES = tuple(_FLAT)

@@ -32,7 +32,7 @@ from engine.detokenizer import TextState
 from engine.sampler import Sampler, SamplingParams, TokenLogprobs, make_generator, token_logprobs
 from engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import DraftRequest, SpecStats, accept
+from engine.speculative import DraftRequest, SpecPolicy, SpecStats, accept
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams",
@@ -154,6 +154,12 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._c = _Counters()
         self.spec_stats = SpecStats()
+        spec = config.spec
+        # the policy times steps with the runner's clock; a runner without one (test fakes) speculates every step
+        clock = getattr(runner, "cost_clock", None)
+        self.spec_policy = SpecPolicy(spec.num_speculative_tokens, spec.policy if clock else "always",
+                                      clock or time.perf_counter) if spec.enabled else None
+        self._defers = bool(getattr(runner, "defers_catch_up", False))  # the draft head may put a catch-up off
 
     # ---- requests -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | SequenceABC[int]) -> list[int]:
@@ -232,7 +238,12 @@ class LLMEngine:
         starts = [s.num_computed_tokens for s, _ in batch.entries]
         full = sorted({i for i, (s, n) in enumerate(batch.entries) if _new_prompt_targets(s, starts[i], n)} | verify)
         # [R, V] fp32: per entry its chunk's last row, or every row of the chunk for the entries in `full`
+        clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
+        t0 = clock()
         logits = self.runner.execute(batch.entries, full) if full else self.runner.execute(batch.entries)
+        decode_only = batch.num_batched_tokens == num_decode
+        if self.spec_policy is not None and decode_only and len(verify) in (0, len(batch.entries)):
+            self.spec_policy.record("verify" if verify else "plain", len(batch.entries), clock() - t0)
         self.scheduler.advance(batch)
         self._c.steps += 1
         self._c.prefill_tokens += batch.num_batched_tokens - num_decode
@@ -257,6 +268,7 @@ class LLMEngine:
             rows = logits[first_row[i]: first_row[i] + n]  # [1 + k, V]
             toks, accepted = accept(rows, drafts[i], seq.sampling_params, seq.generator)
             self.spec_stats.add(len(drafts[i]), accepted)
+            self.spec_policy.observe(len(drafts[i]), accepted)
             seq.num_draft_tokens += len(drafts[i])
             seq.num_accepted_tokens += accepted
             emitted[i] = (toks, rows[: len(toks)])
@@ -266,7 +278,7 @@ class LLMEngine:
                            torch.cat([emitted[i][1] for i in order]))
         outputs = [self._emit(batch.entries[i][0], *emitted[i], i in verify) for i in sorted(emitted)]
         if self.config.spec.enabled:
-            self._draft(batch, starts)
+            self._draft(batch, starts, decode_only)
         for slot, snap in self.scheduler.take_snapshots(batch, starts, self.config.spare_positions):
             self.runner.save_prefix_state(slot, snap)
         return outputs
@@ -297,25 +309,36 @@ class LLMEngine:
             prompt_lps = [None, *seq.prompt_logprobs]
         return self._output(seq, kept, delta, stop_reason, lps, prompt_lps)
 
-    def _draft(self, batch: ScheduledBatch, starts: list[int]) -> None:
+    def _draft(self, batch: ScheduledBatch, starts: list[int], decode_only: bool) -> None:
         """After a step: the draft head catches up over every position whose target state is now final and
-        proposes drafts for the sequences that decode next (engine/runner.py `draft`)."""
+        proposes drafts for the sequences that decode next (engine/runner.py `draft`), unless the policy says the
+        next step does not speculate (`SpecPolicy`: then no drafts, and the head may put its catch-up off). Sampled
+        requests draft whatever the policy says: how many uniforms a step draws from their generator depends on
+        whether it verifies, and their tokens must be a function of their seed, not of the machine's timing."""
         k = self.config.spec.num_speculative_tokens
+        decoding = [seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > starts[i]
+                    and seq.num_uncomputed_tokens == 1 for i, (seq, _) in enumerate(batch.entries)]
+        on = self.spec_policy.speculate(sum(decoding))
         requests = []
         for i, (seq, _) in enumerate(batch.entries):
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens <= starts[i]:
                 continue
             n_final = seq.num_computed_tokens - starts[i]  # the chunk, or the last token + accepted drafts
             end = starts[i] + n_final
-            decoding = seq.num_uncomputed_tokens == 1
             room = min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
-                       self.config.cache.max_model_len - seq.num_tokens) if decoding else 0
+                       self.config.cache.max_model_len - seq.num_tokens) if decoding[i] else 0
+            drafts = on or not seq.sampling_params.greedy
             requests.append(DraftRequest(entry=i, slot=seq.slot, start=starts[i], n=n_final,
-                                         block_table=list(seq.block_table), want=max(0, room),
-                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1]))
+                                         block_table=list(seq.block_table), want=max(0, room) if drafts else 0,
+                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1],
+                                         defer=decoding[i] and not drafts and self._defers))
         if not requests:
             return
-        for req, toks in zip(requests, self.runner.draft(requests), strict=True):
+        t0 = self.spec_policy.clock()
+        drafted = self.runner.draft(requests)
+        if decode_only and (on or not any(r.want for r in requests)):
+            self.spec_policy.record("draft" if on else "catch_up", len(requests), self.spec_policy.clock() - t0)
+        for req, toks in zip(requests, drafted, strict=True):
             seq = batch.entries[req.entry][0]
             seq.draft_token_ids = list(toks[: req.want])
 

@@ -7,6 +7,7 @@ from the `EngineConfig` it is built with (engine/config.py); it reads no environ
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from engine.host_memory import place_weights
 from engine.model import drafting
 from engine.model.cache import KVCache, SeqStep, StepPlan
 from engine.model.model import Transformer
+from engine.model.mtp_proposer import mtp_fill_ring
 from engine.model.numerics import index_key_format
 from engine.parallel import Parallel
 from engine.profiling import RegionTimer
@@ -86,14 +88,31 @@ class ModelRunner:
                              spare=config.spare_positions, kv_dtype=str(cache.kv_cache_dtype),
                              index_keys=index_key_format(config.model.numerics),
                              snapshots=config.scheduler_cache.prefix_snapshots)
+        self._behind: dict[int, int] = {}  # MTP slots whose catch-up was put off (`_resume`)
+        # how the speculation policy (engine/speculative.py SpecPolicy) times this runner's steps: the process's CPU
+        # time where torch runs one thread (the kernels then run in this thread, so other processes on a shared
+        # machine do not bill their time to a step), else wall time
+        self.cost_clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
         self.free_slot(0)  # a fresh slot already; on a graph backend this compiles the slot reset up front
         # prefix caching: eager prefill chunks save the slot state at the block boundaries they pass (engine/model/
         # cache.py `tap_ring`); not chunk graphs, nor with a draft layer (its ring is written by the draft pass)
         self.chunk_taps = bool(self.cache.snap_roots) and not self.chunk_graphs and not config.spec.enabled
         self.keep_hidden = config.spec.enabled
+        # a verify step's rows (the last token + its drafts) run as decode rows (StepPlan.build): eager, one rank
+        self.decode_rows = self.cache.spare + 1 if graph.mode is GraphMode.EAGER and self.par.cp == 1 else 1
         self.proposer = drafting.proposer_for(config.spec.method)
         self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
         self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
+        # MTP with speculation off for a step (SpecPolicy): the catch-up is put off and the target's final streams
+        # (and the next ids) of those positions kept per slot, position p at row p % rows; `_behind[slot]` = the
+        # first position not caught up. The next drafting call catches up over the last window of them first.
+        self.defers_catch_up = self.proposer is not None and not self.proposer.captures and self.par.cp == 1 \
+            and graph.mode is GraphMode.EAGER
+        if self.defers_catch_up:
+            rows = self.cache.layers[cfg.n_layers].win_kv.shape[1]  # the MTP ring's: window + spare
+            self._held = torch.zeros(cache.max_num_seqs, rows, cfg.hc_mult, cfg.dim, dtype=self.dtype,
+                                     device=self.device)
+            self._held_ids = torch.zeros(cache.max_num_seqs, rows, dtype=torch.long, device=self.device)
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -104,6 +123,7 @@ class ModelRunner:
 
     # -- execution -------------------------------------------------------------------------------------------------
     def free_slot(self, slot: int) -> None:
+        self._behind.pop(slot, None)
         with self.backend.grad_context():
             self.cache.reset_slot(slot)
             self.backend.step_end()  # a graph of its own: the next step's graph does not depend on which slots freed
@@ -116,6 +136,7 @@ class ModelRunner:
 
     def restore_prefix_state(self, slot: int, snap: int) -> None:
         """Prefix caching: slot `slot`'s state from snapshot `snap` (a cached prefix's, before its suffix runs)."""
+        self._behind.pop(slot, None)
         with self.backend.grad_context():
             self.cache.restore_state(slot, snap)
             self.backend.step_end()
@@ -154,7 +175,8 @@ class ModelRunner:
             x = self.regions.decode_step(steps, input_ids, padded=not return_hidden)
             last = None
         else:
-            plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device)
+            plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device,
+                                  decode_rows=self.decode_rows)
             if self.capture:
                 x, captured = self.proposer.hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
             else:
@@ -195,8 +217,52 @@ class ModelRunner:
             raise RuntimeError("draft() before any forward of this runner")
         with self.backend.grad_context(), self.dispatcher.active():
             steps, hidden, captured = self._last
-            return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
-                                               list(requests))
+            requests = list(requests)
+            if not self.defers_catch_up:
+                return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
+                                                   requests)
+            live, steps, hidden = self._resume(steps, hidden, requests)
+            out: list[list[int]] = [[] for _ in requests]
+            drafted = drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, None,
+                                                  [r for _, r in live])
+            for (i, _), toks in zip(live, drafted, strict=True):
+                out[i] = toks
+            return out
+
+    def _resume(self, steps: list[SeqStep], hidden: torch.Tensor, requests: list[DraftRequest],
+                ) -> tuple[list[tuple[int, DraftRequest]], list[SeqStep], torch.Tensor]:
+        """Keep the deferred requests' final streams (`_held`) and drop them (their slots fall behind); a request
+        whose slot is behind is extended back over the held positions it needs - the last window before
+        its end, which is all a later MTP query reads - so its catch-up rewrites them. Returns (index, request) of
+        the requests to run and their steps and streams, back to back."""
+        rows, win, dev = self._held.shape[1], self.cfg.window_size, hidden.device
+        live = []
+        keep: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # slot, ring row, step row, id
+        gap: tuple[list[int], list[int]] = ([], [])  # slot, position
+        for i, r in enumerate(requests):
+            if r.defer:
+                first = max(0, r.n - rows)
+                keep[0].extend([r.slot] * (r.n - first))
+                keep[1].extend((r.start + j) % rows for j in range(first, r.n))
+                keep[2].extend(range(steps[r.entry].token_start + first, steps[r.entry].token_start + r.n))
+                keep[3].extend(r.next_ids[first:])
+                self._behind.setdefault(r.slot, r.start)
+                continue
+            live.append((i, r))
+            behind = self._behind.pop(r.slot, None)
+            if behind is not None:  # the held positions of the window before this request's end
+                first = max(behind, min(r.start, r.start + r.n - win))
+                gap[0].extend([r.slot] * (r.start - first))
+                gap[1].extend(range(first, r.start))
+        if keep[0]:  # one write for every deferred request
+            at = (torch.tensor(keep[0], device=dev), torch.tensor(keep[1], device=dev))
+            self._held[at] = hidden[torch.tensor(keep[2], device=dev)]
+            self._held_ids[at] = torch.tensor(keep[3], device=dev)
+        if gap[0]:  # their MTP ring rows, for all resumed slots at once
+            slots, pos = torch.tensor(gap[0], device=dev), torch.tensor(gap[1], device=dev)
+            mtp_fill_ring(self.model, self.cache, slots, pos, self._held[slots, pos % rows],
+                          self._held_ids[slots, pos % rows])
+        return live, steps, hidden
 
 
 class DistributedRunner:

@@ -15,11 +15,15 @@ k + 1 logits rows: row i is the target's distribution p_i of the token at t + 1 
   from the request's own generator.
 
 `SpecStats` counts drafts, accepted drafts and accepted drafts per position (vLLM's `spec_decode` counters).
+`SpecPolicy` decides per step whether the next step speculates at all (docs/speculative.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +90,7 @@ class DraftRequest:
     block_table: list[int]
     want: int
     next_ids: list[int]
+    defer: bool = False  # speculation is off for the next step: the head may put its catch-up off (runner.draft)
 
 
 @dataclass
@@ -133,3 +138,101 @@ class SpecStats:
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": num(self.acceptance_rate),
                 "mean_accepted_length": num(self.mean_accepted_length),
                 "acceptance_rate_per_position": [num(x) for x in self.per_position()]}
+
+
+_PARTS = ("verify", "draft", "plain", "catch_up")
+
+
+class SpecPolicy:
+    """Whether the next step speculates (`--speculative-policy auto`; `always`, the default, every step): a decode step
+    of B sequences costs `plain(B)` (target step + the draft head's catch-up) without drafts and `spec(B)` (verify
+    step + drafting) with them, and a sequence gets E = 1 + sum_j r_j tokens from a verify step (r_j: the running
+    rate at which the first j drafts are all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the
+    margin keeps a near tie off, since E is a running estimate and a batch whose sequences finish apart pays its
+    slowest one's steps. Costs are the median of the last `window` measured steps per batch size, so a spike on a
+    shared machine does not flip the choice. Costs come from the batch size itself once measured, else from a
+    measured one within a quarter of it; else three speculative steps (and at least 8 verified sequences, for E),
+    then three plain ones are measured (the first of each is not kept). Where E < 1 + margin after two verify steps
+    nothing is measured: no cost pays for that. While off, one step in `interval` speculates again to refresh the
+    rates (the interval doubles up to `max_interval` while it keeps losing; one in 4 while E * plain(B) is within 10
+    % of the bar), except where spec(B) > (k + 1) * plain(B) over full windows: then no acceptance could pay and
+    nothing is probed. "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
+
+    def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
+                 interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.05) -> None:
+        self.k, self.always, self.margin = k, policy == "always", margin
+        self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
+        self.window, self.base, self.max_interval, self.alpha = window, interval, max_interval, alpha
+        self.interval, self.off_steps = interval, 0
+        self.clock = clock
+        self.rates: list[float] = []
+        self.seen: list[int] = []
+        self._costs: dict[tuple[str, int], deque[float]] = {}
+
+    def record(self, what: str, batch: int, seconds: float) -> None:
+        """A measured decode-only step part: "verify" / "plain" (the target step) or "draft" / "catch_up" (the
+        draft head after it, drafting or not), of `batch` sequences. The first of each is dropped: a new row count
+        builds its native packs."""
+        key = (what, batch)
+        if key not in self._costs:
+            self._costs[key] = deque(maxlen=self.window)
+            return
+        self._costs[key].append(seconds)
+
+    def cost(self, what: str, batch: int, least: int = 1) -> float | None:
+        """The median of the kept samples, None while fewer than `least`."""
+        d = self._costs.get((what, batch))
+        return statistics.median(d) if d is not None and len(d) >= least else None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One sequence's verify: `accepted` of its `drafted` drafts (a running mean, then an EMA, per position)."""
+        while len(self.rates) < drafted:
+            self.rates.append(0.0)
+            self.seen.append(0)
+        for j in range(drafted):
+            self.seen[j] += 1
+            a = max(self.alpha, 1 / self.seen[j])
+            self.rates[j] += a * (float(j < accepted) - self.rates[j])
+
+    def expected_tokens(self) -> float:
+        """E: tokens a sequence gets from one verify step at the running rates."""
+        return 1 + sum(self.rates[: self.k])
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the step after this one speculates, for `batch` decoding sequences."""
+        if self.always or not self.seen:
+            return True
+        if self.seen and self.seen[0] >= 2 and self.expected_tokens() < 1 + self.margin:
+            return self._off(probe=True)  # next to nothing accepted: no step cost makes that pay
+        # this batch size's costs, else a measured one within a quarter of it (a batch whose sequences finish apart
+        # does not measure every size again); else measure it: speculative steps first, then plain ones
+        measured = [b for (w, b) in self._costs if w == "verify" and abs(b - batch) <= batch // 4
+                    and self._measured(b)]
+        if not measured:
+            if self.cost("verify", batch, 2) is None or self.cost("draft", batch, 2) is None \
+                    or self.seen[0] < self.least_seen:
+                return True
+            return self._off(probe=False)
+        if self.seen[0] < self.least_seen:  # E from a few verifies is too rough to turn it off on
+            return True
+        at = min(measured, key=lambda b: (abs(b - batch), b))
+        spec = self.cost("verify", at) + self.cost("draft", at)
+        plain = self.cost("plain", at) + self.cost("catch_up", at)
+        gain = self.expected_tokens() * plain / ((1 + self.margin) * spec)
+        if gain >= 1:
+            self.interval, self.off_steps = self.base, 0
+            return True
+        if gain >= 0.9:  # a near miss: E may just be low by chance, and it only moves while verifying
+            self.interval = min(self.interval, 4)
+        settled = all(len(self._costs[(w, at)]) == self.window for w in _PARTS)
+        return self._off(probe=not settled or spec <= (self.k + 1) * plain)
+
+    def _measured(self, batch: int) -> bool:
+        return all(self.cost(w, batch, 2) is not None for w in _PARTS)
+
+    def _off(self, probe: bool) -> bool:
+        self.off_steps += 1
+        if probe and self.off_steps >= self.interval:
+            self.off_steps, self.interval = 0, min(2 * self.interval, self.max_interval)
+            return True
+        return False

@@ -40,7 +40,8 @@ def run_setting(model_dir: Path, prompts: list[list[int]], new: int, method: str
     cfg = EngineConfig.from_model_dir(model_dir, workload=Workload(max_num_seqs=1, max_model_len=longest,
                                                                    pool_tokens=longest,
                                                                    max_num_batched_tokens=longest),
-                                      dtype="float32", speculative=method, num_speculative_tokens=k or None)
+                                      dtype="float32", speculative=method, num_speculative_tokens=k or None,
+                                      speculative_policy="always")  # acceptance of every step, not only paying ones
     eng = engine.build(cfg)
     outs, t0 = [], time.perf_counter()
     for p in prompts:

@@ -17,8 +17,10 @@ Columns: `tokens/step` = decode tokens per sequence / decode steps of the batch 
 every request had its first token; what `bench matrix` reports; a batch run lasts as long as its slowest
 sequence), `ms/token` = decode seconds / decode tokens per sequence (the matrix's TPOT), `tok/s` = batch x decode
 tokens / decode seconds, `step ms` = median decode step, acceptance from the engine's SpecStats over the timed runs,
-`vs plain` = plain ms/token / this ms/token, `tokens/verify` = SpecStats' mean accepted length (1 + accepted drafts
-per sequence per verify step: what one sequence gets from a step, independent of the batch's slowest sequence).
+`vs plain` = plain ms/token / this ms/token, `CPU ms/token` / `CPU vs plain` the same from the process's CPU
+time of each step (one torch thread: the time a shared box's other load does not inflate), `tokens/verify` =
+SpecStats' mean accepted length (1 + accepted drafts per sequence per verify step: what one sequence gets from a
+step, independent of the batch's slowest sequence).
 The draft head's own forward (runner.draft, after each step) is inside the step time. With `--trn2-step-ms`, the
 paper estimate: E[tokens per step] = 1 + sum of the measured per-position acceptance rates (SpecStats counts
 position i accepted only when 0..i-1 were), verify cost = one fixed-cost step, draft cost given by `--draft-cost`
@@ -39,15 +41,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int, threads: int):
+def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int, threads: int, policy: str = "auto"):
     import engine
     from engine.config import EngineConfig, Workload
 
     # the pool holds every sequence of the batch at once (else the scheduler runs them one after another)
     work = Workload(max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=batch * longest,
                     pool_tokens=batch * (longest + 128))  # + room for block rounding
+    # prefix caching off: the prompts share no prefix, and with a draft layer it cuts a prefill at a block boundary
     cfg = EngineConfig.from_model_dir(model_dir, workload=work, dtype="float32", speculative=method,
-                                      num_speculative_tokens=k if method != "none" else None)
+                                      num_speculative_tokens=k if method != "none" else None,
+                                      enable_prefix_caching=False, speculative_policy=policy)
     return engine.build(cfg, threads=threads)
 
 
@@ -57,7 +61,20 @@ def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
     acc0 = list(eng.spec_stats.accepted_per_pos), list(eng.spec_stats.drafted_per_pos)
     d0, a0, n0 = eng.spec_stats.num_draft_tokens, eng.spec_stats.num_accepted_tokens, eng.spec_stats.num_drafts
     pre0 = eng.stats().num_preemptions
-    run = run_batch(eng, prompts, new)
+    cpu: list[float] = []  # the process's CPU seconds of each step (one torch thread: what a shared box bills it)
+    step = eng.step
+
+    def timed_step():
+        t = time.process_time()
+        out = step()
+        cpu.append(time.process_time() - t)
+        return out
+
+    eng.step = timed_step
+    try:
+        run = run_batch(eng, prompts, new)
+    finally:
+        del eng.step
     if run.first_decode_step != 1 or eng.stats().num_preemptions != pre0:
         raise RuntimeError(f"the batch of {len(prompts)} did not prefill in one step and decode together "
                            f"(first decode step {run.first_decode_step}, {eng.stats().num_preemptions - pre0} "
@@ -68,6 +85,7 @@ def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
         return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
 
     return {"decode_s": sum(run.decode_steps_s), "decode_steps": len(run.decode_steps_s),
+            "decode_cpu_s": sum(cpu[run.first_decode_step:len(run.step_s)]),
             "step_s": run.decode_steps_s, "drafted": s.num_draft_tokens - d0, "accepted": s.num_accepted_tokens - a0,
             "verifies": s.num_drafts - n0,
             "accepted_per_pos": delta(s.accepted_per_pos, acc0[0]),
@@ -80,6 +98,7 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
     toks = len(runs) * (new - 1)  # decode tokens per sequence over all runs
     row = {"model": model, "batch": batch, "method": method, "k": k, "repeats": len(runs),
            "tokens_per_step": toks / steps, "ms_per_token": 1e3 * secs / toks, "tok_s": batch * toks / secs,
+           "cpu_ms_per_token": 1e3 * sum(r["decode_cpu_s"] for r in runs) / toks,
            "step_ms_p50": 1e3 * statistics.median([x for r in runs for x in r["step_s"]])}
     drafted = sum(r["drafted"] for r in runs)
     if drafted:
@@ -93,13 +112,18 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
 
 
 def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
-                threads: int, seed: int) -> list[dict]:
+                threads: int, seed: int, policy: str = "auto") -> list[dict]:
+    from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
 
-    settings = [("none", 0)] + [("mtp", k) for k in ks]
+    if ModelConfig.from_json(model_dir).has_dspark:  # the DSpark head drafts its block (its size from the config)
+        ks = [ModelConfig.from_json(model_dir).dspark_block_size]
+        settings = [("none", 0), ("dspark", ks[0])]
+    else:
+        settings = [("none", 0)] + [("mtp", k) for k in ks]
     longest = input_len + new + max(ks, default=0) + 1
     t0 = time.time()
-    engines = {s: build_engine(model_dir, max(batches), longest, *s, threads) for s in settings}
+    engines = {s: build_engine(model_dir, max(batches), longest, *s, threads, policy) for s in settings}
     print(f"{model_dir}: {len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
     for b in batches:  # warm-up: one short run of each setting and batch size
         for eng in engines.values():
@@ -114,6 +138,7 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
     for row in rows:
         plain = next(x for x in rows if x["batch"] == row["batch"] and x["method"] == "none")
         row["speedup_vs_plain"] = plain["ms_per_token"] / row["ms_per_token"]
+        row["cpu_speedup_vs_plain"] = plain["cpu_ms_per_token"] / row["cpu_ms_per_token"]
     return rows
 
 
@@ -143,6 +168,8 @@ def main() -> None:
     p.add_argument("--trn2-step-ms", type=float, default=447.8, help="fixed-cost step for the paper estimate")
     p.add_argument("--draft-cost", type=float, default=0.0,
                    help="cost of one drafted token as a fraction of a target step, for the paper estimate")
+    p.add_argument("--policy", default="auto", choices=("auto", "always"),
+                   help="--speculative-policy of the speculative engines (auto: off where it does not pay)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
@@ -151,18 +178,19 @@ def main() -> None:
     for m in args.models.split(","):
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
                             [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
-                            args.threads, args.seed)
+                            args.threads, args.seed, args.policy)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
-          "| step ms | vs plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| step ms | vs plain | CPU ms/token | CPU vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         spec = "none" if r["method"] == "none" else f"{r['method']} k={r['k']}"
         acc = (f"{r['acceptance_rate']:.3f} ({', '.join(f'{x:.3f}' for x in r['per_position'] if x is not None)})"
                if "acceptance_rate" in r else "-")
         tpv = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "1"
         print(f"| {Path(r['model']).name} | {r['batch']} | {spec} | {r['tokens_per_step']:.2f} | {tpv} | {acc} | "
-              f"{r['ms_per_token']:.1f} | {r['tok_s']:.1f} | {r['step_ms_p50']:.1f} | {r['speedup_vs_plain']:.2f}x |")
+              f"{r['ms_per_token']:.1f} | {r['tok_s']:.1f} | {r['step_ms_p50']:.1f} | {r['speedup_vs_plain']:.2f}x | "
+              f"{r['cpu_ms_per_token']:.2f} | {r['cpu_speedup_vs_plain']:.2f}x |")
     est = paper_estimate(rows, args.trn2_step_ms, args.draft_cost)
     for e in est:
         print(f"paper, {Path(e['model']).name} batch {e['batch']} k={e['k']}: {e['expected_tokens_per_step']:.2f} "

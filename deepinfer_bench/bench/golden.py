@@ -148,6 +148,7 @@ def golden_config(model_dir: str | Path | None = None, golden_dir: str | Path | 
     model_dir = Path(model_dir or dirs[0])
     cfg = ModelConfig.from_json(model_dir)
     _, prompts = load_golden(Path(golden_dir or dirs[1]), cfg, check_model=False)  # sizes only: run_golden checks
+    overrides.setdefault("speculative_policy", "always")  # a speculative golden checks every verify step
     return EngineConfig.from_model_config(cfg, model_dir=str(model_dir), workload=workload(prompts), **overrides)
 
 

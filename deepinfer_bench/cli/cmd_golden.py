@@ -57,7 +57,8 @@ def golden_cmd(
     golden_dir = golden_dir or default_golden
     threeway = three_way(engine.numerics, engine.dtype)
     _, prompts = load_golden(golden_dir, cfg, check_model=False)  # sizes the workload; run_golden checks the model
-    config = engine.config(cfg, workload=workload(prompts))
+    # every decode step speculates (the check is of the verify path), unless --speculative-policy says otherwise
+    config = engine.config(cfg, workload=workload(prompts), speculative_policy="always")
     c = config.cache
     err_console.print(f"[dim]golden: model {engine.model_dir}, {config.model.dtype}, cp {config.cp}, backend "
                       f"{config.backend}, graph {config.graph.mode}, kernels {config.kernels}, weights "

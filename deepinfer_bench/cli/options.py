@@ -58,6 +58,7 @@ class EngineArgs:
     min_context_bucket: int | None = None
     speculative: Speculative | None = None
     num_speculative_tokens: int | None = None
+    speculative_policy: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_kv_blocks: int | None = None
@@ -158,6 +159,9 @@ _OPTIONS: dict[str, Any] = {
     "num_speculative_tokens": Annotated[int | None, _opt("--num-speculative-tokens", min=1, max=8,
                                                          help="Drafts per sequence and step (MTP 1..4, default 1; "
                                                          "DSpark: its block size by default).")],
+    "speculative_policy": Annotated[str | None, _opt("--speculative-policy", help="always (default): every decode "
+                                                     "step speculates; auto: only where the measured step costs and "
+                                                     "the running acceptance say it pays (docs/speculative.md).")],
     "max_num_seqs": Annotated[int | None, _opt("--max-num-seqs", min=1, help="Largest running batch (KV slots).")],
     "max_num_batched_tokens": Annotated[int | None, _opt("--max-num-batched-tokens", min=1,
                                                          help="Token budget per engine step (chunked prefill).")],

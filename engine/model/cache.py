@@ -431,8 +431,16 @@ class StepPlan:
 
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, batch_decode: bool = True,
-              device: torch.device | str = "cpu") -> StepPlan:
-        """Index tensors of the step, built on the host and copied to `device` (prefill block tables too)."""
+              device: torch.device | str = "cpu", decode_rows: int = 1) -> StepPlan:
+        """Index tensors of the step, built on the host and copied to `device` (prefill block tables too).
+        `decode_rows`: a sequence of up to that many tokens (a verify step: the last token + its drafts; a draft
+        head's catch-up) joins the decode group as one row per token - queries at consecutive positions of one slot,
+        causal among themselves - so it runs the decode path (and its native one-call layer) like plain decode rows.
+        Exact while decode_rows - 1 <= the cache's `spare` positions: the step writes every row's state before any
+        row reads, and a row's ring and compressor-state writes then land on rows no earlier row of the step reads
+        (the rings are indexed by position with `spare` extra rows; `_ring_valid` masks the later rows' positions)."""
+        if batch_decode and decode_rows > 1:
+            seqs = _as_rows(seqs, decode_rows)
         positions = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(device)
         plan = StepPlan(seqs=seqs, positions=positions, block_size=block_size)
         dec = [s for s in seqs if s.n == 1] if batch_decode else []
@@ -448,6 +456,19 @@ class StepPlan:
                 tables[i, : len(s.block_table)] = s.block_table
             plan.dec_tables = tables.to(device)
         return plan
+
+
+def _as_rows(seqs: list[SeqStep], most: int) -> list[SeqStep]:
+    """`seqs` with each sequence of 2..`most` tokens and no prefix-cache taps split into one-token steps."""
+    if all(s.n == 1 or s.n > most or s.snaps for s in seqs):
+        return seqs
+    out = []
+    for s in seqs:
+        if 1 < s.n <= most and not s.snaps:
+            out += [dataclasses.replace(s, start=s.start + j, n=1, token_start=s.token_start + j) for j in range(s.n)]
+        else:
+            out.append(s)
+    return out
 
 
 @dataclass

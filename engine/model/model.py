@@ -133,12 +133,15 @@ class Transformer(OpsUser, nn.Module):
         """MTP block k: streams x [T, n, dim] at positions t (the main model's last-layer streams, or the block's
         own output when it drafts recursively) and the ids of tokens t+1 -> the block's output streams [T, n, dim]
         (before its hc_head). Writes the block's window KV at positions t (engine/model/mtp_proposer.py)."""
+        return self.mtp[k](self.mtp_input(x, next_ids, k), plan, cache, next_ids)
+
+    def mtp_input(self, x: torch.Tensor, next_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
+        """MTP block k's input streams [T, n, dim]: e_proj(enorm(embedding of tokens t+1)) + h_proj(hnorm(x))."""
         blk: MTPBlock = self.mtp[k]
         eps = self.cfg.norm_eps
         e = self.ops.rms_norm(self.embed.weight[next_ids].to(self.dtype), blk.enorm.weight, eps)
         h = self.ops.rms_norm(x, blk.hnorm.weight, eps)
-        x0 = blk.e_proj(e).unsqueeze(1) + blk.h_proj(h)
-        return blk(x0, plan, cache, next_ids)
+        return blk.e_proj(e).unsqueeze(1) + blk.h_proj(h)
 
     def mtp_logits(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
                    k: int = 0) -> torch.Tensor:

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan
+from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan, write_ring
 from engine.model.model import Transformer
 from engine.model.proposer import Proposal, Sampler, greedy
 
-__all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "propose_mtp"]
+__all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "mtp_fill_ring", "propose_mtp"]
 
 
 def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
@@ -41,6 +41,11 @@ def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
         out.append(SeqStep(slot=s.slot, start=s.start, n=s.n, token_start=t, block_table=s.block_table))
         t += s.n
     return out
+
+
+def _decode_rows(model: Transformer, cache: KVCache) -> int:
+    """The catch-up's rows (1 + accepted drafts) as decode rows (StepPlan.build) where it may: one rank, the host."""
+    return cache.spare + 1 if model.mtp[0].attn.par is None and model.embed.weight.device.type == "cpu" else 1
 
 
 def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
@@ -52,10 +57,24 @@ def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hid
     if hidden.shape[0] != steps[-1].token_start + steps[-1].n or next_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"hidden {tuple(hidden.shape)} / next_ids {tuple(next_ids.shape)}: expected one row per "
                          f"final position ({sum(s.n for s in seqs)})")
-    plan = StepPlan.build(steps, block_size, device=hidden.device)
+    plan = StepPlan.build(steps, block_size, device=hidden.device, decode_rows=_decode_rows(model, cache))
     out = model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
     last = torch.tensor([s.token_start + s.n - 1 for s in steps], device=hidden.device)
     return out[last]
+
+
+def mtp_fill_ring(model: Transformer, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor,
+                  next_ids: torch.Tensor) -> None:
+    """The MTP block's window-ring rows at positions `pos` [T] of `slots` [T] from the target's streams there
+    (hidden [T, n, dim]) and the tokens after them (next_ids [T]), without the rest of the block: a ring row is the
+    kv of its own position's block input (mHC collapse, attn_norm, wkv, kv_norm, RoPE), so this writes what a
+    catch-up over those positions writes, for positions whose catch-up was put off (engine/runner.py `_resume`)."""
+    blk = model.mtp[0]
+    h, _, _ = blk.ops.hc_pre(model.mtp_input(hidden, next_ids), *blk.site_args("attn"))
+    cos, sin = blk.attn.rope.cos_sin(pos)
+    _, kv, _ = blk.attn.qkv(h, cos, sin)
+    lc = cache.layers[blk.layer_id]
+    write_ring(lc.win_store, slots, pos % lc.win_kv.shape[1], kv)
 
 
 def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,

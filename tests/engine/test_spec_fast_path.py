@@ -1,0 +1,117 @@
+"""Verify steps on the fast path: the K+1 rows of a verify step and the MTP block's catch-up run as decode rows
+(engine/model/cache.py `StepPlan.build` decode_rows), so on the host table every layer of them is one native call, as
+in a plain decode step, and never the eager chunk path; their logits are the chunk path's within the golden's fp32
+tolerance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from deepinfer_bench.bench.golden import FP32_LOGIT_TOL
+from engine import host_kernels as H
+from engine.config import EngineConfig
+from engine.llm import SamplingParams, greedy_with_logits
+from engine.model import mtp_proposer
+from engine.model.attention import Attention
+
+TINY_SPEC = Path(__file__).resolve().parents[2] / "golden" / "tiny-spec"
+PROMPTS = [list(range(3, 12)), [7, 300, 41, 2, 2, 9, 13, 600, 5, 8, 21, 34, 55]]
+NEW = 24  # past the window (16) and several CSA (4) / HCA (16) blocks
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list, list, int, dict, int]:
+    """Greedy MTP k = 2 on tiny-spec with host kernels: (tokens, logits, eager chunks past the prompts, dispatch
+    counts, decode steps: every step after the one prefill step); `fast` False: verify rows and catch-ups as one
+    chunk per sequence (the eager path)."""
+    late_chunks = [0]
+    real_chunk = Attention._chunk
+
+    def chunk(self, q, kv, aux, s, cache, rows):
+        late_chunks[0] += s.start >= len(PROMPTS[0])  # a chunk after the shorter prompt: a verify or a catch-up
+        return real_chunk(self, q, kv, aux, s, cache, rows)
+
+    with monkeypatch.context() as m:
+        m.setattr(Attention, "_chunk", chunk)
+        if not fast:
+            m.setattr(mtp_proposer, "_decode_rows", lambda model, cache: 1)
+        eng = _engine("always")
+        if not fast:
+            eng.runner.decode_rows = 1
+        late_chunks[0] = 0
+        outs, logits = greedy_with_logits(eng, PROMPTS, NEW)
+    return outs, logits, late_chunks[0], dict(eng.runner.dispatcher.counts), eng.stats().num_steps - 1
+
+
+def test_verify_rows_take_the_native_layer_and_give_the_chunk_paths_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    outs, logits, late, counts, steps = _run(monkeypatch, fast=True)
+    ref_outs, ref_logits, ref_late, ref_counts, _ = _run(monkeypatch, fast=False)
+    assert late == 0 and ref_late > 0  # no verify step or catch-up ran the chunk path; the eager run did
+    assert steps > 0
+    # the build's row limits (MAX_M) take 2 x 3 verify rows natively (not the portable build: there every site
+    # declines and the decode rows run op by op)
+    if all(H.max_m(k) >= 6 for k in ("mhc", "sparse_attn", "linear", "fp8", "fp4")):
+        # each decode step: the target's 4 layers over its verify rows, then (but after the last step) the MTP block's
+        # catch-up and recursion; the eager run took only the recursion's one-row steps natively
+        assert counts[("host.attn_decode", "host")] >= 4 * steps + 2 * (steps - 1) > ref_counts[("host.attn_decode",
+                                                                                                  "host")]
+        assert counts[("host.decode_layer", "host")] > ref_counts[("host.decode_layer", "host")]
+    assert outs == ref_outs
+    dlogit = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))
+    assert dlogit <= FP32_LOGIT_TOL, dlogit
+    assert all(torch.isfinite(x).all() for x in logits)
+
+
+def _engine(policy: str):
+    cfg = EngineConfig.from_model_dir(TINY_SPEC, kernels="host", max_num_seqs=2, speculative="mtp",
+                                      num_speculative_tokens=2, enable_prefix_caching=False,
+                                      speculative_policy=policy)
+    return engine.build(cfg)
+
+
+def test_a_put_off_catch_up_writes_the_catch_ups_ring_rows() -> None:
+    """`mtp_fill_ring` (the MTP ring rows of positions whose catch-up was put off, from the held streams) writes
+    exactly what the catch-up over those positions wrote: here the prefill's, over a 20-token prompt, bit for bit
+    over the same rows (fewer rows at once round like any other change of a GEMM's row count)."""
+    eng = _engine("always")
+    eng.add_request(PROMPTS[1] + PROMPTS[0][:7], SamplingParams(temperature=0, max_tokens=4))
+    eng.step()  # the prefill, then the MTP block's catch-up over all 20 positions
+    run = eng.runner
+    seq = next(iter(eng._requests.values()))
+    lc = run.cache.layers[run.cfg.n_layers]
+    wl = lc.win_kv.shape[1]
+    pos = torch.arange(20)
+    last = pos[-wl:] % wl  # the ring keeps the last wl positions
+    caught = lc.win_kv[seq.slot, last].clone()
+    lc.win_kv[seq.slot].zero_()
+    hidden = run._last[1][pos]
+    ids = torch.tensor(seq.all_token_ids)[pos + 1]
+    mtp_proposer.mtp_fill_ring(run.model, run.cache, torch.full_like(pos, seq.slot), pos, hidden, ids)
+    assert torch.equal(lc.win_kv[seq.slot, last], caught) and caught.abs().sum() > 0
+
+
+def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy off for three steps, on for one, over and over: the catch-ups put off while it is off are resumed
+    (`ModelRunner._resume`), the tokens are the always-speculating engine's, and the drafts after a resume are
+    accepted as often as always-on drafts are (a resumed ring with stale rows would draft worse)."""
+    ref = _engine("always")
+    ref_out, _ = greedy_with_logits(ref, PROMPTS, NEW)
+    eng = _engine("auto")
+    pattern = iter([False, False, False, True] * 100)
+    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch: next(pattern))
+    resumed = []
+    real = eng.runner._resume
+
+    def resume(steps, hidden, requests):
+        resumed.append(sum(r.slot in eng.runner._behind and not r.defer for r in requests))
+        return real(steps, hidden, requests)
+
+    monkeypatch.setattr(eng.runner, "_resume", resume)
+    out, _ = greedy_with_logits(eng, PROMPTS, NEW)
+    assert out == ref_out
+    assert sum(resumed) > 0 and eng.spec_stats.num_drafts > 0
+    assert eng.spec_stats.acceptance_rate >= ref.spec_stats.acceptance_rate - 0.1, (eng.spec_stats.to_dict(),
+                                                                                      ref.spec_stats.to_dict())
