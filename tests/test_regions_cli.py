@@ -29,6 +29,11 @@ def test_regions_command_writes_results(tmp_path: Path) -> None:
     assert 0.5 < summary["stage_sum_over_step"] <= 1.05
     stages = set(pd.read_csv(run / "regions.csv")["stage"])
     assert {"attn.qkv", "attn.core", "moe.experts"} <= stages
+    # the plan beside it: layer mode's measured `layer` region against the plan's two halves, with the engine's own
+    # call overhead (measured on a width-free copy) in each prediction
+    vs = pd.read_csv(run / "regions_vs_plan.csv").set_index("region")
+    assert set(vs.index) == {"embed", "layer", "head", "step"} and (vs["predicted_ms"] > 0).all()
+    assert "predicted_over_p50" in vs.columns
 
 
 def test_tabulate_shares() -> None:

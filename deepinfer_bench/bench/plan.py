@@ -137,8 +137,9 @@ def engine_overheads(config: Any, batch: int, context: int, threads: int | None 
         moe=_moe_mode(config.model.config, batch, config.cp), kernels=str(config.kernels_requested),
         **{k: flat[k] for k in keep if k in flat})
     res = run_regions(econf, spec, threads=threads)
-    measured = res.summed.groupby("region", sort=False)["ms_per_step"].sum() / 1e3
-    step_s = float(res.summary["step_ms_mean"].iloc[0]) / 1e3
+    # medians: a step that recompiled or was preempted by another process is not a region's cost
+    measured = res.summed.groupby("region", sort=False)["p50_ms_sum"].sum() / 1e3
+    step_s = float(res.summary["step_ms_p50"].iloc[0]) / 1e3
     lay, _ = _engine_layout(econf, batch, context + spec.warmup + spec.steps // 2)
     zero = Instance(name="host", ranks=1, hbm_b_s=1.0, peak_flop_s=1.0, link_b_s=math.inf, hbm_bytes=math.inf,
                     launch_s=0.0, collective_s=0.0)
@@ -594,7 +595,8 @@ def with_outside(pred: pd.DataFrame, inst: Instance) -> pd.DataFrame:
     return df
 
 
-def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float) -> pd.DataFrame:
+def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float,
+                     step_p50_ms: float | None = None) -> pd.DataFrame:
     """Per region (summed over layers and stages) and for the whole step: measured ms per step (`regions`' summed
     table, mean and p50 sums) beside the plan's prediction."""
     meas = summed.groupby("region", sort=False)[["ms_per_step", "p50_ms_sum"]].sum()
@@ -605,10 +607,12 @@ def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float) -
     rows = [{"region": r, "measured_ms": float(meas.loc[r, "ms_per_step"]),
              "measured_p50_ms": float(meas.loc[r, "p50_ms_sum"]), "predicted_ms": float(planned.get(r, 0.0))}
             for r in meas.index]
-    rows.append({"region": "step", "measured_ms": step_ms, "measured_p50_ms": float(meas["p50_ms_sum"].sum()),
+    p50 = float(meas["p50_ms_sum"].sum()) if step_p50_ms is None else step_p50_ms
+    rows.append({"region": "step", "measured_ms": step_ms, "measured_p50_ms": p50,
                  "predicted_ms": float(pred["ms_per_step"].sum())})
     df = pd.DataFrame(rows)
     df["predicted_over_measured"] = df["predicted_ms"] / df["measured_ms"]
+    df["predicted_over_p50"] = df["predicted_ms"] / df["measured_p50_ms"]  # robust to a step another process stalled
     df["share_of_step"] = df["measured_ms"] / step_ms
     return df
 

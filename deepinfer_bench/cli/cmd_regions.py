@@ -66,7 +66,8 @@ def regions_cmd(
         from deepinfer_bench.bench.plan import against_measured, for_engine
 
         pred, inst, _ = for_engine(config, batch, context + warmup + steps // 2, threads=threads)
-        vs_plan = against_measured(pred, result.summed, float(result.summary["step_ms_mean"].iloc[0]))
+        vs_plan = against_measured(pred, result.summed, float(result.summary["step_ms_mean"].iloc[0]),
+                                   float(result.summary["step_ms_p50"].iloc[0]))
         render_df(vs_plan, f"measured vs `deepinfer plan` ({inst.name}: {inst.hbm_b_s / 1e9:.1f} GB/s, "
                   f"{inst.peak_flop_s / 1e9:.0f} GFLOP/s, {_launch_text(inst)})")
     where = measured_on(config.backend)
