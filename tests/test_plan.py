@@ -116,3 +116,25 @@ def test_cli_writes_csv_meta_and_png(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert set(draft["layer_type"]) == {"embed", "MTP", "head"}
     code, _, err = run_main(["plan", "--instance", "trn9"], capsys)
     assert code == 2 and "trn9" in err and len(err.strip().splitlines()) == 1
+
+
+def test_width_free_copy_keeps_the_structure_and_the_routed_expert_path() -> None:
+    """The host's call overheads are measured on a width-free copy (`plan.engine_overheads`): the same layers,
+    compress ratios, hash layers, heads and experts at small widths, running the routed-expert path `--moe auto`
+    would take at the real widths (engine/model/moe.py MoE.static_mode)."""
+    from engine.model.capabilities import HOST
+    from engine.model.moe import MoE
+    from engine.model_config import ModelConfig
+
+    _, flash = plan.model_config(GOLDEN_DIR / "configs" / "deepseek-v4-flash")
+    small = plan.width_free(flash)
+    for k in ("n_layers", "compress_ratios", "n_hash_layers", "n_heads", "n_routed_experts", "n_activated_experts",
+              "window_size", "index_topk"):
+        assert getattr(small, k) == getattr(flash, k), k
+    assert small.dim == 256 and small.vocab_size == 1024 and small.moe_inter_dim == 128
+    cfg = ModelConfig(**{**flash.__dict__, "n_routed_experts": 32, "n_activated_experts": 4, "dim": 1024,
+                         "moe_inter_dim": 512})
+    moe = MoE(cfg, 3)
+    moe.caps = HOST
+    for t in (1, 7, 8, 16):
+        assert plan._moe_mode(cfg, t, 1) == moe.static_mode(t), t

@@ -78,7 +78,9 @@ def plan_cmd(
     accept = _acceptance(acceptance)
     kind, cfg = plan.model_config(model_dir)
     hw = plan.load_hardware()
-    inst = plan.host_instance(threads, host_compiler) if instance == "host" else plan.trn2_instance(instance, lnc, hw)
+    engine_probe = kind == "v4" and graph_mode != "megakernel"  # host: the engine's own regions, not the probe
+    inst = (plan.host_instance(threads, host_compiler, probe_calls=not engine_probe) if instance == "host"
+            else plan.trn2_instance(instance, lnc, hw))
     ranks = cp or (1 if instance == "host" else inst.ranks)
     if ranks > inst.ranks:
         where = "the host runs one rank" if instance == "host" else f"{instance} at LNC {lnc} has {inst.ranks} ranks"
@@ -93,7 +95,14 @@ def plan_cmd(
         rows = plan.v3_rows(cfg, ranks, batch, context)
     else:
         rows = plan.v4_rows(cfg, lay)
-    df = plan.predict(rows, inst)
+    if instance == "host" and engine_probe:
+        from engine.config import EngineConfig
+
+        econf = EngineConfig.from_model_config(cfg, backend="host", graph_mode=graph_mode, dtype=dtype,
+                                               host_compiler=host_compiler, load_format="dummy", region_timing=True)
+        per_launch, outside, _ = plan.engine_overheads(econf, batch, context, threads=threads)
+        inst = dataclasses.replace(inst, launch_s_by_region=per_launch, outside_s=outside)
+    df = plan.with_outside(plan.predict(rows, inst), inst)
     tot = plan.totals(df)
     err_console.print(f"[dim]plan: {model_dir.name}, {instance} (LNC {lnc}), {ranks} ranks, batch {batch}, context "
                       f"{context}, {graph_mode}, KV {kv_cache_dtype}; per rank: HBM {inst.hbm_b_s / 1e9:.0f} GB/s, "
