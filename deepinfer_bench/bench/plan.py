@@ -159,6 +159,17 @@ def engine_overheads(config: Any, batch: int, context: int, threads: int | None 
                                  "moe": str(econf.graph.moe)}
 
 
+def launch_text(inst: Instance) -> str:
+    """The launch cost an instance gives: the engine's own per region (host, measured on a width-free copy), else
+    one per launch (+ per input)."""
+    if inst.launch_s_by_region:
+        each = ", ".join(f"{r} {v * 1e3:.2f}" for r, v in inst.launch_s_by_region.items())
+        return (f"ms per launch (the engine's, on a width-free copy): {each}; outside regions "
+                f"{inst.outside_s * 1e3:.2f} ms")
+    per_input = f" + {inst.launch_per_input_s * 1e6:.2f} us per input" if inst.launch_per_input_s else ""
+    return f"launch {inst.launch_s * 1e6:.1f} us{per_input}"
+
+
 def call_overhead_s(n_inputs: int, calls: int = 50, compiler: str = "inductor") -> float:
     """Median seconds of one call of a region-shaped torch.compile graph doing almost nothing: a module of
     `n_inputs` / 2 submodules holding a weight and a scale each, run through `torch.func.functional_call` with the

@@ -106,7 +106,7 @@ def plan_cmd(
     tot = plan.totals(df)
     err_console.print(f"[dim]plan: {model_dir.name}, {instance} (LNC {lnc}), {ranks} ranks, batch {batch}, context "
                       f"{context}, {graph_mode}, KV {kv_cache_dtype}; per rank: HBM {inst.hbm_b_s / 1e9:.0f} GB/s, "
-                      f"peak {inst.peak_flop_s / 1e12:.1f} TFLOP/s, launch {inst.launch_s * 1e6:.1f} us, collective "
+                      f"peak {inst.peak_flop_s / 1e12:.1f} TFLOP/s, {plan.launch_text(inst)}, collective "
                       f"{inst.collective_s * 1e6:.1f} us[/dim]")
     render_df(df, "predicted decode step, per rank (ms_per_layer x layers = ms_per_step)",
               columns=["layer_type", "layers", "region", "stage", "bytes", "flops", "coll_calls", "launches",
@@ -143,3 +143,4 @@ def plan_cmd(
                    f"{model_dir.name}: {instance} LNC {lnc}, {ranks} ranks, batch {batch}, context {context}, "
                    f"{graph_mode}: {tot['step_ms']:.1f} ms/step")
     err_console.print(f"-> {path.parent}")
+

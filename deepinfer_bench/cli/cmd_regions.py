@@ -63,13 +63,13 @@ def regions_cmd(
         render_df(result.native, "host kernels: each native entry point, and the step outside them")
     vs_plan = None
     if timing and len(result.summed):  # the plan's prediction beside each measured region (deepinfer_bench/plan.py)
-        from deepinfer_bench.bench.plan import against_measured, for_engine
+        from deepinfer_bench.bench.plan import against_measured, for_engine, launch_text
 
         pred, inst, _ = for_engine(config, batch, context + warmup + steps // 2, threads=threads)
         vs_plan = against_measured(pred, result.summed, float(result.summary["step_ms_mean"].iloc[0]),
                                    float(result.summary["step_ms_p50"].iloc[0]))
         render_df(vs_plan, f"measured vs `deepinfer plan` ({inst.name}: {inst.hbm_b_s / 1e9:.1f} GB/s, "
-                  f"{inst.peak_flop_s / 1e9:.0f} GFLOP/s, {_launch_text(inst)})")
+                  f"{inst.peak_flop_s / 1e9:.0f} GFLOP/s, {launch_text(inst)})")
     where = measured_on(config.backend)
     if str(config.backend) != "host":
         render_df(result.summary, f"device counters per timed decode step ({where})",
@@ -90,10 +90,3 @@ def regions_cmd(
         df.to_csv(path.parent / "regions_overhead.csv", index=False)
     err_console.print(f"-> {path.parent}")
 
-
-def _launch_text(inst) -> str:
-    """The launch cost the plan used: the engine's own per region (measured on a width-free copy), else the probe's."""
-    if inst.launch_s_by_region:
-        each = ", ".join(f"{r} {v * 1e3:.2f}" for r, v in inst.launch_s_by_region.items())
-        return f"ms per launch, measured on a width-free copy: {each}; outside regions {inst.outside_s * 1e3:.2f} ms"
-    return f"launch {inst.launch_s * 1e6:.0f} us + {inst.launch_per_input_s * 1e6:.2f} us per input"
