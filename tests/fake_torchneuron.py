@@ -53,6 +53,7 @@ class FakeSDK:
     fail_on: dict[str, str] = field(default_factory=dict)  # graph name -> NCC code only its artifact log names
     metrics: list[Metric] = field(default_factory=list)
     output: Any = None  # kernel launch -> outputs (default: one tensor shaped like the first operand)
+    peak_bytes: dict[int, int] = field(default_factory=dict)  # device index -> peak allocated bytes
 
     # -- torch.neuron ----------------------------------------------------------------------------------------------
     def _touch(self, what: str) -> None:
@@ -71,6 +72,11 @@ class FakeSDK:
 
     def neuron_synchronize(self) -> None:
         self._touch("synchronize")
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        # torch_neuronx/memory.py: memory_stats(device)["allocated_bytes"]["peak"] of that device index
+        self._touch("max_memory_allocated")
+        return self.peak_bytes.get(int(getattr(device, "index", device) or 0), 0)
 
     # -- the "neuron" process group (distributed/backend.py) -------------------------------------------------------
     def init_process_group(self, backend: str, **kw: Any) -> None:
@@ -183,7 +189,9 @@ def install(monkeypatch: Any, *, device: bool = True) -> FakeSDK:
     monkeypatch.setitem(sys.modules, "torch_neuronx", tnx)
     monkeypatch.setitem(sys.modules, "torch_neuronx.nki_hop", hop)
     monkeypatch.setattr(torch, "neuron", types.SimpleNamespace(set_device=sdk.neuron_set_device,
-                                                               synchronize=sdk.neuron_synchronize), raising=False)
+                                                               synchronize=sdk.neuron_synchronize,
+                                                               max_memory_allocated=sdk.max_memory_allocated),
+                        raising=False)
     real_lookup, real_list = torch._dynamo.lookup_backend, torch._dynamo.list_backends
     monkeypatch.setattr(torch._dynamo, "lookup_backend",
                         lambda name: sdk.backend if name == "neuron" else real_lookup(name))
