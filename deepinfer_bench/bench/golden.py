@@ -126,7 +126,8 @@ def workload(prompts: list[GoldenPrompt]) -> Workload:
     (`deepinfer golden --max-num-seqs 3 ...` overrides any of these sizes)."""
     lens = tuple(len(p.prompt_ids) + len(p.output_ids) for p in prompts)
     return Workload(max_num_seqs=len(prompts), max_model_len=max(lens), pool=(lens,),
-                    max_num_batched_tokens=sum(len(p.prompt_ids) for p in prompts))
+                    max_num_batched_tokens=sum(len(p.prompt_ids) for p in prompts),
+                    max_input_len=max(len(p.prompt_ids) for p in prompts))
 
 
 def default_dirs(numerics: Any = "hf", dtype: Any = "float32") -> tuple[Path, Path]:
