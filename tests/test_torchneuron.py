@@ -384,12 +384,22 @@ def test_compile_neuron_names_every_graph_and_reads_their_artifacts(sdk_no_devic
     assert f"{len(rows)} graphs:" in err.split("compiling the graphs")[0]
 
 
-def test_nki_kernels_at_lnc_2_are_refused_in_one_line(sdk, envs) -> None:
+def test_nki_kernels_at_lnc_2_are_refused_in_one_line(sdk, envs, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels do not split work by program id: at NEURON_LOGICAL_NC_CONFIG=2 both physical cores would write
-    every output, so `--kernels nki` needs LNC 1 (the first-contact default)."""
+    every output, so `--kernels nki` needs LNC 1 (the first-contact default). Without the real `nki` the device ops
+    cannot be registered: one line. With it they are registered when the backend is made, before any graph traces
+    one (found by tests/test_torchneuron_ranks.py: registering inside a Dynamo trace is not traceable)."""
     from engine.backends.torchneuron import TorchNeuronBackend
+    from nki_kernels import _nki, stand_in, torch_ops
 
+    if not torch_ops.device_registered.cache_info().currsize:
+        monkeypatch.setattr(_nki, "real_nki", lambda: None)
+        with pytest.raises(ValueError, match="--kernels nki: the NKI device ops need TorchNeuron"):
+            TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))
+    monkeypatch.setattr(_nki, "real_nki", lambda: (types.SimpleNamespace(jit=fake_torchneuron.nki_kernel),
+                                                   stand_in.language, stand_in.isa))
     TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))  # LNC unset: 1
+    assert torch_ops.device_registered() == "torchneuron" and hasattr(torch.ops.deepinfer_nki, "rmsnorm")
     envs(NEURON_LOGICAL_NC_CONFIG="2")
     with pytest.raises(ValueError, match="--kernels nki at NEURON_LOGICAL_NC_CONFIG=2"):
         TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))

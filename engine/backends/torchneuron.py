@@ -211,6 +211,13 @@ class TorchNeuronBackend:
         stack = neuron_stack()
         require_torchneuron(stack, self.compile_only)
         self._tnx = _import_torchneuron()
+        if config is not None and str(config.kernels) == "nki":
+            from nki_kernels.torch_ops import device_registered
+
+            try:
+                device_registered()  # the device ops, before any graph traces one (registering is not traceable)
+            except RuntimeError as e:
+                raise ValueError(f"--kernels nki: {e}") from None
         self._index = 0  # the device index of this rank: its local rank (setup_process)
         # compile-only without a device: graphs are traced on meta tensors (real neuron tensors need a device)
         self._on_meta = self.compile_only and not stack.device
