@@ -41,9 +41,12 @@ def test_golden_cp2_under_the_fake_sdk_end_to_end(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")
            and not k.startswith(("NEURON_", "TORCH_NEURONX_", "LOCAL_", "DEEPINFER_"))}
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fake_sdk")]), FAKE_VAR: "1",
-                RECORD_VAR: str(record), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+                RECORD_VAR: str(record), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                # every graph traced and every op dispatched in Python: far slower than a real job (the launcher's
+                # job timeout is 4 x this)
+                "DEEPINFER_DIST_TIMEOUT_S": "1200"})
     r = subprocess.run([sys.executable, "-m", "deepinfer_bench.cli", "golden", "--backend", "neuron", "--cp", "2",
-                        "--kernels", "nki", "--out", str(out)], env=env, capture_output=True, text=True, timeout=3000,
+                        "--kernels", "nki", "--out", str(out)], env=env, capture_output=True, text=True, timeout=5400,
                        cwd=tmp_path)
     said = r.stdout + r.stderr
     assert r.returncode == 0, said[-4000:]
