@@ -143,13 +143,14 @@ class Workload:
     `max_num_seqs` sequences at once, none longer than `max_model_len` (prompt + output); the KV pool must hold
     `pool_tokens` token positions and every group of `pool` at once (a group: the lengths of sequences that run
     together; each rounds up to whole blocks); one step should take `max_num_batched_tokens` tokens (0: one per
-    sequence)."""
+    sequence); no prompt is longer than `max_input_len` (0: max_model_len)."""
 
     max_num_seqs: int
     max_model_len: int
     pool: tuple[tuple[int, ...], ...] = ()
     pool_tokens: int = 0
     max_num_batched_tokens: int = 0
+    max_input_len: int = 0
 
     def sizes(self, block_size: int, cfg: ModelConfig) -> dict[str, int]:
         """The flat engine sizes for `block_size` (max_model_len capped by the model's max_position_embeddings)."""
@@ -160,7 +161,8 @@ class Workload:
         max_len = min(int(self.max_model_len), cfg.max_position_embeddings)
         return {"max_num_seqs": int(self.max_num_seqs), "max_model_len": max_len,
                 "num_kv_blocks": max(1, need, blocks(max_len)),
-                "max_num_batched_tokens": max(int(self.max_num_batched_tokens), int(self.max_num_seqs))}
+                "max_num_batched_tokens": max(int(self.max_num_batched_tokens), int(self.max_num_seqs)),
+                "max_input_len": min(int(self.max_input_len), max_len)}
 
 
 def resolve_graph_mode(requested: GraphMode | str, backend: Backend) -> GraphMode:
@@ -246,6 +248,9 @@ class CacheConfig:
     num_kv_blocks: int = 64  # fixed KV pool size
     block_size: int = 128  # token positions per block; a multiple of every compress ratio x cp
     max_model_len: int = 4096  # longest prompt + output
+    # longest prompt (0: max_model_len): a longer request is rejected on arrival, and the prefill chunk graphs
+    # compiled are those a prompt up to this long reaches (engine/regions.py `chunk_shapes`)
+    max_input_len: int = 0
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # window ring + compressed pool: compute dtype, or FP8 + scales
     # reuse the KV blocks and slot state of cached prompt prefixes (engine/kv_cache.py); None: EngineConfig turns
     # it on where it is exact (one rank, no DSpark head), a bare CacheConfig (scheduler tests) leaves it off
@@ -258,11 +263,20 @@ class CacheConfig:
         _positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
                               "max_model_len"))
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype, "kv_cache_dtype"))
+        m = self.max_input_len
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_model_len:
+            raise ValueError(f"max_input_len must be an int in [0, max_model_len={self.max_model_len}] (0: "
+                             f"max_model_len), got {m!r}")
         if not isinstance(self.num_prefix_snapshots, int) or self.num_prefix_snapshots < 0:
             raise ValueError(f"num_prefix_snapshots must be an int >= 0, got {self.num_prefix_snapshots!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs} (every running sequence decodes one token per step)")
+
+    @property
+    def input_limit(self) -> int:
+        """The longest prompt a request may have: max_input_len, else max_model_len."""
+        return self.max_input_len or self.max_model_len
 
     @property
     def pool_tokens(self) -> int:
@@ -531,6 +545,8 @@ class EngineConfig:
             for name, value in workload.sizes(int(flat["block_size"]), cfg).items():
                 flat.setdefault(name, value)
         flat.setdefault("max_model_len", min(CacheConfig.max_model_len, cfg.max_position_embeddings))
+        if "max_input_len" not in given:  # a workload's longest prompt, within a max_model_len the user lowered
+            flat["max_input_len"] = min(int(flat.get("max_input_len") or 0), int(flat["max_model_len"]))
         return _assemble(ModelSpec(config=cfg, model_dir=model_dir), flat)
 
     def replace(self, **overrides: Any) -> EngineConfig:

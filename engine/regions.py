@@ -75,25 +75,76 @@ def block_buckets(max_blocks: int, min_blocks: int = 1) -> list[int]:
 
 
 def decode_shapes(max_num_seqs: int, buckets: tuple[int, ...], max_blocks: int,
-                  min_blocks: int = 1) -> list[tuple[int, int]]:
-    """(batch bucket, block bucket) pairs a decode step of up to `max_num_seqs` sequences can take."""
-    bps = sorted({batch_bucket(b, buckets) for b in range(1, max_num_seqs + 1)})
-    return [(bp, nb) for bp in bps for nb in block_buckets(max_blocks, min_blocks)]
+                  min_blocks: int = 1, pool_blocks: int = 0) -> list[tuple[int, int]]:
+    """(batch bucket, block bucket) pairs a decode step of up to `max_num_seqs` sequences can take (with a pool of
+    `pool_blocks` blocks not shared between sequences: only batches it holds, `pool_fits`)."""
+    nbs = block_buckets(max_blocks, min_blocks)
+    fits = pool_fits(nbs, pool_blocks, max_num_seqs)
+    bps = {nb: {batch_bucket(b, buckets) for b in range(1, fits[nb] + 1)} for nb in nbs}
+    return [(bp, nb) for bp in sorted(set().union(*bps.values())) for nb in nbs if bp in bps[nb]]
+
+
+def pool_fits(nbs: list[int], pool_blocks: int, max_num_seqs: int) -> dict[int, int]:
+    """{block bucket: most sequences at once}: a sequence in block bucket nb holds more blocks than the bucket
+    before it, so a pool of `pool_blocks` blocks not shared between sequences (0: unbounded) holds at most
+    pool_blocks // (previous bucket + 1) of them."""
+    return {nb: min(max_num_seqs, pool_blocks // (low + 1)) if pool_blocks else max_num_seqs
+            for low, nb in zip([0, *nbs[:-1]], nbs, strict=True)}
 
 
 def chunk_shapes(max_num_seqs: int, max_num_batched_tokens: int, buckets: tuple[int, ...],
-                 chunk_buckets: tuple[int, ...], max_blocks: int, min_blocks: int = 1) -> list[tuple[int, int, int]]:
+                 chunk_buckets: tuple[int, ...], max_blocks: int, min_blocks: int = 1, *, block_size: int = 0,
+                 max_input_len: int = 0, verify_tokens: int = 0, pool_blocks: int = 0) -> list[tuple[int, int, int]]:
     """(batch bucket, chunk bucket, block bucket) triples a chunk run can take when the scheduler caps chunks at the
-    largest chunk bucket: B entries of a bucket C need B x (C_prev + 1) <= max_num_batched_tokens tokens."""
+    largest chunk bucket: B entries of a bucket C need B x (C_prev + 1) <= max_num_batched_tokens tokens. With the
+    workload's longest prompt (`max_input_len` tokens, blocks of `block_size`), only what a prefill chunk reaches:
+    no chunk bucket above the one that prompt fills, no block bucket past its context, and none below the context
+    the chunk itself fills (an entry of bucket C holds > C_prev tokens). Verify steps (`verify_tokens` = 1 + drafts,
+    speculative decoding) reach every context in the bucket that holds them. A pool of `pool_blocks` blocks not
+    shared between sequences (no prefix caching) holds only the entries `pool_fits` allows."""
     out = []
     nbs = block_buckets(max_blocks, min_blocks)
+    fits = pool_fits(nbs, pool_blocks, max_num_seqs)
+
+    def blocks(tokens: int) -> int:
+        return block_bucket(-(-tokens // block_size), max_blocks, min_blocks)
+
+    top = blocks(max_input_len) if max_input_len and block_size else max_blocks
     prev = 1
     for c in chunk_buckets:
+        verify = prev < verify_tokens <= c
+        if max_input_len and prev >= max_input_len and not verify:
+            break  # no prompt has more than prev tokens: no prefill chunk reaches this bucket
+        low = blocks(prev + 1) if block_size else 0
         most = min(max_num_seqs, max(1, max_num_batched_tokens // (prev + 1)))
-        bps = sorted({batch_bucket(b, buckets) for b in range(1, most + 1)})
-        out += [(bp, c, nb) for bp in bps for nb in nbs]
+        bps = {nb: {batch_bucket(b, buckets) for b in range(1, min(most, fits[nb]) + 1)} for nb in nbs}
+        out += [(bp, c, nb) for bp in sorted(set().union(*bps.values())) for nb in nbs
+                if bp in bps[nb] and (verify or low <= nb <= top)]
         prev = c
     return out
+
+
+def _pool(config: Any) -> int:
+    """The pool blocks that bound a batch: none with prefix caching (sequences share cached blocks)."""
+    return 0 if config.cache.enable_prefix_caching else config.cache.num_kv_blocks
+
+
+def engine_decode_shapes(config: Any) -> list[tuple[int, int]]:
+    """`decode_shapes` of an EngineConfig (its batch, context and pool)."""
+    g, c = config.graph, config.cache
+    return decode_shapes(c.max_num_seqs, g.batch_buckets, c.max_blocks_per_seq, g.min_blocks(c.block_size),
+                         _pool(config))
+
+
+def engine_chunk_shapes(config: Any) -> list[tuple[int, int, int]]:
+    """`chunk_shapes` of an EngineConfig: the chunk runs its workload reaches (its sizes, its longest prompt, its
+    verify steps). One definition for the compile budget and the graphs the engine lists."""
+    g, c = config.graph, config.cache
+    return chunk_shapes(c.max_num_seqs, c.max_num_batched_tokens, g.batch_buckets,
+                        g.chunk_sizes(c.max_num_batched_tokens), c.max_blocks_per_seq, g.min_blocks(c.block_size),
+                        block_size=c.block_size, max_input_len=c.max_input_len,
+                        verify_tokens=1 + config.spare_positions if config.spec.enabled else 0,
+                        pool_blocks=_pool(config))
 
 
 def plan_runs(ns: list[int], chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS) -> list[tuple[int, list[int]]]:
@@ -260,15 +311,6 @@ class RegionRunner:
             for reg in regions:
                 reps.setdefault(reg.structure(), (reg, li))
         return reps
-
-    def decode_shapes(self, max_num_seqs: int) -> list[tuple[int, int]]:
-        """(batch bucket, block bucket) pairs a decode step of up to `max_num_seqs` sequences can take."""
-        return decode_shapes(max_num_seqs, self.buckets, self.max_blocks, self.min_blocks)
-
-    def chunk_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int, int]]:
-        """(batch bucket, chunk bucket, block bucket) triples a chunk run can take (module `chunk_shapes`)."""
-        return chunk_shapes(max_num_seqs, max_num_batched_tokens, self.buckets, self.chunk_buckets, self.max_blocks,
-                            self.min_blocks)
 
     def _split(self, stage: str) -> None:
         if self.timer is not None:

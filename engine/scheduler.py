@@ -88,6 +88,9 @@ class Scheduler:
         total = num_prompt_tokens + max_tokens
         if num_prompt_tokens < 1:
             raise RequestRejected("the prompt is empty")
+        if cfg.max_input_len and num_prompt_tokens > cfg.max_input_len:
+            raise RequestRejected(f"prompt ({num_prompt_tokens} tokens) exceeds max_input_len={cfg.max_input_len} "
+                                  "(the longest prompt this engine was sized and compiled for)")
         if total > cfg.max_model_len:
             raise RequestRejected(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                                   f"exceeds the maximum context length max_model_len={cfg.max_model_len}")

@@ -237,8 +237,11 @@ def device_registered() -> str:
 
 
 def device_op(op: str) -> Any:
-    """`torch.ops.deepinfer_nki.<op>`, registered on first use."""
-    device_registered()
+    """`torch.ops.deepinfer_nki.<op>`, registered on first eager use. Inside a trace it must exist already (the
+    neuron backend registers the ops when it is made): Dynamo traces through functools.cache into the registration,
+    which imports modules, and that is not traceable."""
+    if not torch.compiler.is_compiling():
+        device_registered()
     return getattr(getattr(torch.ops, DEVICE_NAMESPACE), op)
 
 

@@ -166,3 +166,19 @@ def test_each_step_keeps_what_a_device_gate_keeps(tmp_path: Path, probe_ok, monk
     assert gold["device_peak_mb"] == 3.0 and gold["neffs"] == 0  # no new NEFF since it started
     md = B.markdown(df, meta, "x")
     assert "| compile-only | pass |" in md and "1 (1.0)" in md and "not measured" in md
+
+
+def test_device_peak_off_device_says_why_never_zero(tmp_path: Path) -> None:
+    """A golden run without a Neuron device reports why its device peak is not measured; the report shows that
+    line, not 0 and not a blank."""
+    import json
+
+    (tmp_path / "golden" / "run1").mkdir(parents=True)
+    (tmp_path / "golden" / "run1" / "meta.json").write_text(json.dumps(
+        {"device_peak_bytes": None, "device_peak": "not measured: no Neuron device"}))
+    assert B._step_results(tmp_path, "golden-cp1") == (None, "not measured: no Neuron device")
+    (tmp_path / "golden" / "run1" / "meta.json").write_text(json.dumps({"device_peak_bytes": 5 * 2**20,
+                                                                       "device_peak": 5 * 2**20}))
+    assert B._step_results(tmp_path, "golden-cp1") == (None, 5.0)
+    assert B._peak_cell("not measured: no Neuron device") == "not measured: no Neuron device"
+    assert B._peak_cell(5.0) == "5" and B._peak_cell(None) == "not measured"

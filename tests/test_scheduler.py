@@ -183,3 +183,10 @@ def test_rejections_say_why():
         sched.check_request(8, 1)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         CacheConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    capped = Scheduler(CacheConfig(max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=16, block_size=4,
+                                   max_model_len=64, max_input_len=20))
+    capped.check_request(20, 40)  # the longest prompt it was sized for, any output up to max_model_len
+    with pytest.raises(RequestRejected, match="prompt \\(21 tokens\\) exceeds max_input_len=20"):
+        capped.check_request(21, 1)
+    with pytest.raises(ValueError, match="max_input_len must be an int in \\[0, max_model_len=64\\]"):
+        CacheConfig(max_model_len=64, max_input_len=65)

@@ -384,13 +384,45 @@ def test_compile_neuron_names_every_graph_and_reads_their_artifacts(sdk_no_devic
     assert f"{len(rows)} graphs:" in err.split("compiling the graphs")[0]
 
 
-def test_nki_kernels_at_lnc_2_are_refused_in_one_line(sdk, envs) -> None:
+def test_nki_kernels_at_lnc_2_are_refused_in_one_line(sdk, envs, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels do not split work by program id: at NEURON_LOGICAL_NC_CONFIG=2 both physical cores would write
-    every output, so `--kernels nki` needs LNC 1 (the first-contact default)."""
+    every output, so `--kernels nki` needs LNC 1 (the first-contact default). Without the real `nki` the device ops
+    cannot be registered: one line. With it they are registered when the backend is made, before any graph traces
+    one (found by tests/test_torchneuron_ranks.py: registering inside a Dynamo trace is not traceable)."""
     from engine.backends.torchneuron import TorchNeuronBackend
+    from nki_kernels import _nki, stand_in, torch_ops
 
+    if not torch_ops.device_registered.cache_info().currsize:
+        monkeypatch.setattr(_nki, "real_nki", lambda: None)
+        with pytest.raises(ValueError, match="--kernels nki: the NKI device ops need TorchNeuron"):
+            TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))
+    monkeypatch.setattr(_nki, "real_nki", lambda: (types.SimpleNamespace(jit=fake_torchneuron.nki_kernel),
+                                                   stand_in.language, stand_in.isa))
     TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))  # LNC unset: 1
+    assert torch_ops.device_registered() == "torchneuron" and hasattr(torch.ops.deepinfer_nki, "rmsnorm")
     envs(NEURON_LOGICAL_NC_CONFIG="2")
     with pytest.raises(ValueError, match="--kernels nki at NEURON_LOGICAL_NC_CONFIG=2"):
         TorchNeuronBackend(fake_config(backend="neuron", kernels="nki"))
     TorchNeuronBackend(fake_config(backend="neuron", kernels="reference"))
+
+
+def test_device_peak_is_the_sdks_peak_or_says_why(sdk, envs, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Device peak memory as TorchNeuron exposes it (`torch.neuron.max_memory_allocated(index)`,
+    torch_neuronx/memory.py) on a device; "not measured: no Neuron device" on meta (compile-only) and on the stand-in
+    (never 0). golden puts it in its results meta (`device_peak_bytes`, `device_peak`)."""
+    from deepinfer_bench.bench.golden import device_peak, device_peak_meta
+    from engine.backends.torchneuron import NOT_MEASURED, NeuronStandinBackend, TorchNeuronBackend
+
+    envs(XDG_CACHE_HOME=str(tmp_path))
+    be = TorchNeuronBackend(fake_config(backend="neuron"))
+    be.setup_process(threads=None)
+    sdk.peak_bytes[0] = 7 * 2**20
+    assert device_peak(be) == 7 * 2**20
+    assert device_peak_meta(device_peak(be)) == {"device_peak_bytes": 7 * 2**20, "device_peak": 7 * 2**20}
+    fake_torchneuron.install(monkeypatch, device=False)
+    envs(**TorchNeuronBackend.compile_only_env(tmp_path))
+    meta_be = TorchNeuronBackend(fake_config(backend="neuron"))
+    assert meta_be.device.type == "meta" and device_peak(meta_be) == NOT_MEASURED == "not measured: no Neuron device"
+    assert device_peak_meta(NOT_MEASURED) == {"device_peak_bytes": None, "device_peak": NOT_MEASURED}
+    assert device_peak(types.SimpleNamespace()) == NOT_MEASURED  # a backend with no device memory (host, xla)
+    assert NeuronStandinBackend.device_peak(None) == NOT_MEASURED  # the stand-in runs on the CPU

@@ -29,7 +29,8 @@ is a step that cannot run on this backend (e.g. kernels on the stand-in). One re
 gate to keep (longdct/vllm-neuron docs/model-dev): the command, the Neuron / TorchNeuron / deepinfer environment it
 ran under, its full log, the bucket config (the compile step's graph budget), the NEFFs it left (count and bytes,
 under the step's folder and the NEFF cache), wall time, host peak RSS (the step's process, from wait4) and device
-peak memory (what the step reports in its results as `device_peak_bytes`; none is measured without a device).
+peak memory (what the step reports in its results as `device_peak_bytes`: `torch.neuron.max_memory_allocated`
+of rank 0's core; without a device the results say "not measured: no Neuron device", never 0).
 """
 
 from __future__ import annotations
@@ -163,9 +164,12 @@ def _step_results(dirs: Path, step: str) -> tuple[str | None, float | None]:
             buckets = (f"batch {b['batch_buckets']} x blocks {b['block_buckets']} x chunks {b['chunk_buckets']}: "
                        f"{b['total']} graphs")
     for meta in sorted(folder.rglob("meta.json")) if folder.is_dir() else []:
-        peak = json.loads(meta.read_text()).get("device_peak_bytes")
+        got = json.loads(meta.read_text())
+        peak = got.get("device_peak_bytes")
         if peak is not None:
             device = round(peak / 2**20, 3)
+        elif isinstance(got.get("device_peak"), str):
+            device = got["device_peak"]  # why it is not measured (no Neuron device), never 0
     return buckets, device
 
 
@@ -229,6 +233,13 @@ def bringup(plan: Plan, runner: Callable[[Sequence[str], Path], int] | None = No
     return df, meta
 
 
+def _peak_cell(v: Any) -> str:
+    """Device peak MiB, or why it was not measured."""
+    if isinstance(v, str):
+        return v
+    return "not measured" if v is None or pd.isna(v) else f"{v:.0f}"
+
+
 def _neff_cache() -> Path:
     """Where TorchNeuron keeps NEFFs: TORCH_NEURONX_NEFF_CACHE_DIR, else this project's cache root (per-rank
     folders under it: engine/backends/torchneuron.py `neff_cache_dir`)."""
@@ -266,7 +277,7 @@ def markdown(df: pd.DataFrame, meta: dict[str, Any], measured_on: str) -> str:
         code = "" if pd.isna(r.exit_code) else str(int(r.exit_code))
         neffs = "" if pd.isna(r.neffs) else f"{int(r.neffs)} ({r.neff_mb:.1f})"
         lines.append(f"| {r.step} | {r.status} | {cell(r.seconds, '{:.1f}')} | {code} | "
-                     f"{cell(r.host_peak_rss_mb, '{:.0f}')} | {cell(r.device_peak_mb, '{:.0f}') or 'not measured'} | "
+                     f"{cell(r.host_peak_rss_mb, '{:.0f}')} | {_peak_cell(r.device_peak_mb)} | "
                      f"{neffs} | {cell(r.buckets)} | {what.replace('|', '/')} |")
     lines += ["", "Environment of each step and its full log: bringup.csv (`env`, `log`)."]
     return "\n".join(lines) + "\n"

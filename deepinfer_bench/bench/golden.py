@@ -127,7 +127,8 @@ def workload(prompts: list[GoldenPrompt]) -> Workload:
     (`deepinfer golden --max-num-seqs 3 ...` overrides any of these sizes)."""
     lens = tuple(len(p.prompt_ids) + len(p.output_ids) for p in prompts)
     return Workload(max_num_seqs=len(prompts), max_model_len=max(lens), pool=(lens,),
-                    max_num_batched_tokens=sum(len(p.prompt_ids) for p in prompts))
+                    max_num_batched_tokens=sum(len(p.prompt_ids) for p in prompts),
+                    max_input_len=max(len(p.prompt_ids) for p in prompts))
 
 
 def default_dirs(numerics: Any = "hf", dtype: Any = "float32") -> tuple[Path, Path]:
@@ -319,9 +320,25 @@ def _golden_job(engine: Any, prompts: list[list[int]], max_new: list[int], progr
            "distinct_graphs": len(regions.compiled) if regions is not None else 0, "backend": counters.summary(),
            "kernels": kernel_dispatches(runner.dispatcher), "weights": _weight_summary(runner),
            "host_math": blas_mode(), "speculative": engine.spec_stats.to_dict(),
-           "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals]}
+           "drafts": [(f.num_draft_tokens, f.num_accepted_tokens) for f in finals],
+           "device_peak": device_peak(runner.backend)}
     res["layers"] = [capture_layers(engine, p, f) for p, f in per_layer]  # after the counters: not counted there
     return res
+
+
+def device_peak(backend: Any) -> int | str:
+    """Rank 0's device peak memory in bytes (the backend's `device_peak`, as its SDK exposes it), or why it is not
+    measured: a backend without a device memory has no such number (never reported as 0)."""
+    from engine.backends.torchneuron import NOT_MEASURED
+
+    peak = getattr(backend, "device_peak", None)
+    return peak() if peak is not None else NOT_MEASURED
+
+
+def device_peak_meta(peak: int | str) -> dict[str, Any]:
+    """Results metadata of a device peak: `device_peak_bytes` (None when not measured) and `device_peak` (the bytes,
+    or the reason)."""
+    return {"device_peak_bytes": peak if isinstance(peak, int) else None, "device_peak": peak}
 
 
 @contextlib.contextmanager
@@ -535,7 +552,7 @@ def run_golden(config: EngineConfig, golden_dir: str | Path | None = None, progr
                 "region_launches": res["region_launches"], "distinct_graphs": res["distinct_graphs"],
                 "backend": res["backend"], "weights": res["weights"], "collectives": res["collectives"],
                 "host_math": res["host_math"], "measured_on": measured_on(config.backend),
-                "speculative": None}
+                "speculative": None, **device_peak_meta(res["device_peak"])}
     if config.spec.enabled:
         run_meta["speculative"] = {"method": str(config.spec.method),
                                    "num_speculative_tokens": config.spec.num_speculative_tokens, **res["speculative"]}

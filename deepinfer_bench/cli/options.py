@@ -64,6 +64,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     block_size: int | None = None
     max_model_len: int | None = None
+    max_input_len: int | None = None
     enable_prefix_caching: bool | None = None
 
     def overrides(self) -> dict[str, Any]:
@@ -169,6 +170,9 @@ _OPTIONS: dict[str, Any] = {
     "block_size": Annotated[int | None, _opt("--block-size", min=1, help="Token positions per KV block (a multiple "
                                              "of every compress ratio x cp).")],
     "max_model_len": Annotated[int | None, _opt("--max-model-len", min=1, help="Longest prompt + output.")],
+    "max_input_len": Annotated[int | None, _opt("--max-input-len", min=1, help="Longest prompt (default: "
+                                                "max-model-len): longer requests are rejected, and only the prefill "
+                                                "chunk graphs such prompts reach are compiled.")],
     "enable_prefix_caching": Annotated[bool | None, _opt("--enable-prefix-caching/--no-enable-prefix-caching",
                                                          help="Reuse the KV blocks and slot state of cached prompt "
                                                          "prefixes (vLLM's flag; default: on where exact, i.e. one "

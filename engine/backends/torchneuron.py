@@ -69,6 +69,7 @@ FIRST_CONTACT_LNC = 1
 # neuronx-cc flags of a first contact when NEURON_CC_FLAGS is not set: whole-layer graphs at the default level took
 # ~120 GiB host RSS in the community V4 port (longdct/vllm-neuron docs/model-dev); -O1 keeps compiles small
 FIRST_CONTACT_CC_FLAGS = "-O1"
+NOT_MEASURED = "not measured: no Neuron device"
 STANDIN_INSTALL = "--backend neuron-standin (its compile pipeline on a CPU stand-in) or --backend host"
 
 
@@ -210,6 +211,13 @@ class TorchNeuronBackend:
         stack = neuron_stack()
         require_torchneuron(stack, self.compile_only)
         self._tnx = _import_torchneuron()
+        if config is not None and str(config.kernels) == "nki":
+            from nki_kernels.torch_ops import device_registered
+
+            try:
+                device_registered()  # the device ops, before any graph traces one (registering is not traceable)
+            except RuntimeError as e:
+                raise ValueError(f"--kernels nki: {e}") from None
         self._index = 0  # the device index of this rank: its local rank (setup_process)
         # compile-only without a device: graphs are traced on meta tensors (real neuron tensors need a device)
         self._on_meta = self.compile_only and not stack.device
@@ -351,6 +359,14 @@ class TorchNeuronBackend:
                                     + m.torch_neuronx_compile_us for m in got) / 1e6
         return c
 
+    def device_peak(self) -> int | str:
+        """Peak bytes allocated on this rank's NeuronCore since the process started, as the SDK exposes it
+        (`torch.neuron.max_memory_allocated(index)` = `memory_stats(index)["allocated_bytes"]["peak"]`,
+        torch_neuronx/memory.py); without a device, the reason it is not measured (never 0)."""
+        if self._on_meta:
+            return NOT_MEASURED
+        return int(torch.neuron.max_memory_allocated(self._index))
+
     # -- processes -----------------------------------------------------------------------------------------------------
     @classmethod
     def rank_env(cls, rank: int, world: int) -> dict[str, str]:
@@ -468,6 +484,10 @@ class NeuronStandinBackend(TorchNeuronBackend):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def device_peak(self) -> int | str:
+        """The stand-in runs on the CPU: no device memory to measure."""
+        return NOT_MEASURED
 
     def _dynamo_backend(self, name: str) -> Callable[..., Any]:
         from engine.backends.standin_pipeline import _Named

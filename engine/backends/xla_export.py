@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.model.cache import KVCache
+from engine.regions import engine_chunk_shapes, engine_decode_shapes
 
 _F8 = re.compile(r"\bf8e\w*\[")
 
@@ -85,7 +86,7 @@ def region_graph_inputs(runner: Any) -> Iterator[tuple[str, tuple, Any, Any, tor
     rr = runner.regions
     reps = rr.representatives()
     dim, n = runner.cfg.dim, runner.cfg.hc_mult
-    for bp, nb in rr.decode_shapes(runner.max_num_seqs):
+    for bp, nb in engine_decode_shapes(runner.config):
         packed = packed_inputs(runner, bp, nb)
         x = torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
         for structure, (reg, li) in reps.items():
@@ -112,11 +113,11 @@ def chunk_graph_inputs(runner: Any) -> Iterator[tuple[str, tuple, Any, Any, torc
                                                          torch.Tensor, dict[str, Any]]]:
     """Every prefill chunk-region graph a step can run (engine/regions.py ChunkRegion), with example inputs: as
     `region_graph_inputs`, per chunk structure x chunk shape (batch bucket x chunk bucket x block bucket, the
-    scheduler's cap: `RegionRunner.chunk_shapes`)."""
+    scheduler's cap and the workload's reach: `engine.regions.engine_chunk_shapes`)."""
     rr = runner.regions
     reps = rr.representatives(chunk=True)
     dim, n = runner.cfg.dim, runner.cfg.hc_mult
-    for bp, c, nb in rr.chunk_shapes(runner.max_num_seqs, runner.config.cache.max_num_batched_tokens):
+    for bp, c, nb in engine_chunk_shapes(runner.config):
         packed = chunk_packed_inputs(runner, bp, c, nb)
         x = torch.randn(bp * c, n, dim, dtype=runner.dtype).to(runner.device)
         for structure, (reg, li) in reps.items():
@@ -131,10 +132,8 @@ def chunk_graph_inputs(runner: Any) -> Iterator[tuple[str, tuple, Any, Any, torc
 def chunk_edge_inputs(runner: Any) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(batch bucket, chunk bucket, packed chunk inputs, streams x [bp*c, n, dim]) for the chunk embed / head graphs
     (their shapes do not depend on the block bucket)."""
-    rr = runner.regions
     dim, n = runner.cfg.dim, runner.cfg.hc_mult
-    for bp, c in sorted({(bp, c) for bp, c, _ in rr.chunk_shapes(runner.max_num_seqs,
-                                                                 runner.config.cache.max_num_batched_tokens)}):
+    for bp, c in sorted({(bp, c) for bp, c, _ in engine_chunk_shapes(runner.config)}):
         yield bp, c, chunk_packed_inputs(runner, bp, c, 1), torch.randn(bp * c, n, dim,
                                                                         dtype=runner.dtype).to(runner.device)
 
@@ -142,7 +141,7 @@ def chunk_edge_inputs(runner: Any) -> Iterator[tuple[int, int, torch.Tensor, tor
 def edge_graph_inputs(runner: Any) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(batch bucket, packed step inputs, streams x) for the embed and head graphs, one per batch bucket."""
     dim, n = runner.cfg.dim, runner.cfg.hc_mult
-    for bp in sorted({bp for bp, _ in runner.regions.decode_shapes(runner.max_num_seqs)}):
+    for bp in sorted({bp for bp, _ in engine_decode_shapes(runner.config)}):
         yield bp, packed_inputs(runner, bp, 1), torch.randn(bp, n, dim, dtype=runner.dtype).to(runner.device)
 
 
