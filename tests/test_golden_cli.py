@@ -24,6 +24,7 @@ from engine.config import ModelConfig
 TINY = GOLDEN_DIR / "tiny"
 
 
+@pytest.mark.heavy  # graph compiles / ranks: CI runs `-m heavy` beside the default run (docs/ci.md)
 def test_golden_cp2_chunked_prefill_matches_with_one_moe_allgather_per_layer() -> None:
     run = run_golden(golden_config(cp=2, max_num_batched_tokens=37), GOLDEN_DIR)
     assert run.ok, run.table.to_string()
@@ -92,6 +93,7 @@ def test_cli_user_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.Captu
         assert len(errors) == 1 and expect in errors[0] and "Traceback" not in err, err
 
 
+@pytest.mark.heavy  # graph compiles / ranks: CI runs `-m heavy` beside the default run (docs/ci.md)
 @pytest.mark.parametrize("mode", ["layer", "regions"])
 def test_golden_in_region_graph_modes(mode: str) -> None:
     """Region graph modes (static-shape decode, uncompiled so it stays fast) give the golden tokens too."""

@@ -115,6 +115,7 @@ def test_compiled_graphs_do_not_grow_with_layers() -> None:
     assert g6 == g2 > 0, (g2, g6)
 
 
+@pytest.mark.heavy  # graph compiles / ranks: CI runs `-m heavy` beside the default run (docs/ci.md)
 @pytest.mark.parametrize("moe", ["grouped", "gather", "dense"])
 def test_every_routed_expert_path_of_compiled_graphs_matches_eager(eager_ref: tuple, moe: str) -> None:
     """Through dynamo, the batch bucket 4 x K 2 = E 8 routed pairs, each routed-expert path forced: grouped (each

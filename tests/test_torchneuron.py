@@ -360,6 +360,7 @@ def test_measured_on_states_what_the_probe_found(envs, monkeypatch: pytest.Monke
     assert TorchNeuronBackend.measured_on().endswith("on a Neuron device (/dev/neuron*)")
 
 
+@pytest.mark.heavy  # graph compiles / ranks: CI runs `-m heavy` beside the default run (docs/ci.md)
 def test_compile_neuron_names_every_graph_and_reads_their_artifacts(sdk_no_device, envs, capsys: pytest.CaptureFixture,
                                                                     tmp_path: Path) -> None:
     """`deepinfer compile --backend neuron` under the fake, no device: the debug folder is set before the first

@@ -43,6 +43,7 @@ def baseline() -> tuple:
     return run_job(_config(), _job, (PROMPTS,))
 
 
+@pytest.mark.heavy  # graph compiles / ranks: CI runs `-m heavy` beside the default run (docs/ci.md)
 @pytest.mark.parametrize("cp,budget", [(2, None), (4, 13)])  # budget: tokens per step (chunked prefill)
 def test_cp_equals_cp1(baseline, cp: int, budget: int | None) -> None:
     outs, logits, coll, steps = run_job(_config(cp, budget), _job, (PROMPTS,))
