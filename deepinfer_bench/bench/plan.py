@@ -166,6 +166,8 @@ def launch_text(inst: Instance) -> str:
         each = ", ".join(f"{r} {v * 1e3:.2f}" for r, v in inst.launch_s_by_region.items())
         return (f"ms per launch (the engine's, on a width-free copy): {each}; outside regions "
                 f"{inst.outside_s * 1e3:.2f} ms")
+    if inst.name == "host" and not inst.launch_s:
+        return "launch cost not probed for this backend's graphs"
     per_input = f" + {inst.launch_per_input_s * 1e6:.2f} us per input" if inst.launch_per_input_s else ""
     return f"launch {inst.launch_s * 1e6:.1f} us{per_input}"
 
@@ -588,8 +590,12 @@ def for_engine(config: Any, batch: int, context: int, lnc: int = 2,
         inst = trn2_instance("trn2.48xlarge", lnc, load_hardware())
         return predict(v4_rows(cfg, lay), inst), inst, lay
     mode = str(config.graph.mode)  # eager: no region graphs, so no compiled call to probe
-    inst = host_instance(threads=threads or 1, compiler="none" if mode == "eager" else str(config.graph.host_compiler))
-    if str(config.backend) == "host" and mode != "eager" and config.cp == 1:
+    engine_probe = str(config.backend) == "host" and mode != "eager" and config.cp == 1
+    # xla / stand-in graphs are not torch.compile(host compiler) calls: their launch cost is not probed (0)
+    probe = str(config.backend) == "host" and not engine_probe
+    inst = host_instance(threads=threads or 1, probe_calls=probe,
+                         compiler="none" if mode == "eager" else str(config.graph.host_compiler))
+    if engine_probe:
         per_launch, outside, _ = engine_overheads(config, batch, context, threads=threads)
         inst = dataclasses.replace(inst, launch_s_by_region=per_launch, outside_s=outside)
     return with_outside(predict(v4_rows(cfg, lay), inst), inst), inst, lay
