@@ -119,7 +119,7 @@ def test_cli_writes_csv_meta_and_png(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_width_free_copy_keeps_the_structure_and_the_routed_expert_path() -> None:
-    """The host's call overheads are measured on a width-free copy (`plan.engine_overheads`): the same layers,
+    """The host's call overheads are measured on a width-free copy (`plan.with_engine_overheads`): the same layers,
     compress ratios, hash layers, heads and experts at small widths, running the routed-expert path `--moe auto`
     would take at the real widths (engine/model/moe.py MoE.static_mode)."""
     from engine.model.capabilities import HOST

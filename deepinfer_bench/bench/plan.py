@@ -49,7 +49,7 @@ class Instance:
     launch_s: float
     collective_s: float
     launch_per_input_s: float = 0.0  # host: each tensor a graph call takes in (functional_call, guards)
-    # host, measured on the engine itself (`engine_overheads`): seconds per launch of each plan region (replaces
+    # host, measured on the engine itself (`with_engine_overheads`): seconds per launch of each plan region (replaces
     # launch_s there), and seconds per step outside every region (scheduler, sampler, Python between regions)
     launch_s_by_region: dict[str, float] | None = None
     outside_s: float = 0.0
@@ -119,12 +119,18 @@ def _moe_mode(cfg: Any, tokens: int, cp: int) -> str:
     return "grouped" if extra >= GROUPED_MIN_EXTRA_MACS else "dense"
 
 
-def engine_overheads(config: Any, batch: int, context: int, threads: int | None = 1,
-                     steps: int = 10) -> tuple[dict[str, float], float, dict[str, Any]]:
-    """What the engine's own region calls cost besides their work, measured now: `regions --timing` on a width-free
-    copy of the model (same layers, structures, graph mode, compiler, timing and routed-expert path), minus that
-    copy's own roofline. Returns (seconds per launch of each plan region, seconds per step outside the regions,
-    what was measured). In layer mode the one launch a layer is the plan's `attn` row's."""
+def _as_measured(region: pd.Series, layer_graphs: bool) -> pd.Series:
+    """Plan regions under the names `regions --timing` measures: in layer graphs the attention and MoE halves are
+    one region, `layer`."""
+    return region.where(~region.isin(["attn", "moe"]), "layer") if layer_graphs else region
+
+
+def with_engine_overheads(inst: Instance, config: Any, batch: int, context: int, threads: int | None = 1,
+                          steps: int = 10) -> Instance:
+    """`inst` (this host's bandwidth and GEMM rate) with what the engine's own region calls cost besides their work,
+    measured now: `regions --timing` on a width-free copy of the model (same layers, structures, graph mode, compiler,
+    timing and routed-expert path), minus that copy's own roofline: seconds per launch of each plan region, and per
+    step outside the regions. In layer mode the one launch a layer is the plan's `attn` row's."""
     from deepinfer_bench.bench.region_timing import RegionsSpec, run_regions, workload
     from engine.config import EngineConfig
 
@@ -141,22 +147,17 @@ def engine_overheads(config: Any, batch: int, context: int, threads: int | None 
     measured = res.summed.groupby("region", sort=False)["p50_ms_sum"].sum() / 1e3
     step_s = float(res.summary["step_ms_p50"].iloc[0]) / 1e3
     lay, _ = _engine_layout(econf, batch, context + spec.warmup + spec.steps // 2)
-    zero = Instance(name="host", ranks=1, hbm_b_s=1.0, peak_flop_s=1.0, link_b_s=math.inf, hbm_bytes=math.inf,
-                    launch_s=0.0, collective_s=0.0)
-    inst = host_instance(threads=threads or 1, compiler="none", probe_calls=False)
-    df = predict(v4_rows(small, lay), dataclasses.replace(zero, hbm_b_s=inst.hbm_b_s, peak_flop_s=inst.peak_flop_s))
+    df = predict(v4_rows(small, lay), dataclasses.replace(inst, launch_s=0.0, launch_per_input_s=0.0,
+                                                          launch_s_by_region=None, outside_s=0.0))
     df["roof_s"] = df[["mem_ms", "flop_ms"]].max(axis=1) * df["layers"] / 1e3
     df["launch_n"] = df["launches"] * df["layers"]
-    region = df["region"].where(~((lay.graph_mode == "layer") & df["region"].isin(["attn", "moe"])), "layer")
+    region = _as_measured(df["region"], lay.graph_mode == "layer")
     roof, launches = df.groupby(region)["roof_s"].sum(), df.groupby(region)["launch_n"].sum()
     per_launch = {r: max(0.0, float(measured[r] - roof.get(r, 0.0))) / float(launches[r])
                   for r in measured.index if launches.get(r, 0) > 0}
     if "layer" in per_launch:
         per_launch["attn"] = per_launch.pop("layer")
-    outside = max(0.0, step_s - float(measured.sum()))
-    return per_launch, outside, {"model": "width-free copy", "widths": WIDTH_FREE, "step_ms": step_s * 1e3,
-                                 "regions_ms": {r: float(v) * 1e3 for r, v in measured.items()},
-                                 "moe": str(econf.graph.moe)}
+    return dataclasses.replace(inst, launch_s_by_region=per_launch, outside_s=max(0.0, step_s - float(measured.sum())))
 
 
 def launch_text(inst: Instance) -> str:
@@ -584,7 +585,7 @@ def for_engine(config: Any, batch: int, context: int, lnc: int = 2,
                threads: int | None = 1) -> tuple[pd.DataFrame, Instance, Layout]:
     """The plan of an engine config's decode step (`regions --timing` prints it beside what it measures):
     trn2.48xlarge for neuron; else this CPU measured now (they run on it), and on the host backend in a graph mode
-    the engine's own per-region call overheads (`engine_overheads`, a row for the step outside the regions)."""
+    the engine's own per-region call overheads (`with_engine_overheads`, a row for the step outside the regions)."""
     lay, cfg = _engine_layout(config, batch, context)
     if str(config.backend) == "neuron":
         inst = trn2_instance("trn2.48xlarge", lnc, load_hardware())
@@ -596,8 +597,7 @@ def for_engine(config: Any, batch: int, context: int, lnc: int = 2,
     inst = host_instance(threads=threads or 1, probe_calls=probe,
                          compiler="none" if mode == "eager" else str(config.graph.host_compiler))
     if engine_probe:
-        per_launch, outside, _ = engine_overheads(config, batch, context, threads=threads)
-        inst = dataclasses.replace(inst, launch_s_by_region=per_launch, outside_s=outside)
+        inst = with_engine_overheads(inst, config, batch, context, threads=threads)
     return with_outside(predict(v4_rows(cfg, lay), inst), inst), inst, lay
 
 
@@ -617,10 +617,7 @@ def against_measured(pred: pd.DataFrame, summed: pd.DataFrame, step_ms: float,
     """Per region (summed over layers and stages) and for the whole step: measured ms per step (`regions`' summed
     table, mean and p50 sums) beside the plan's prediction."""
     meas = summed.groupby("region", sort=False)[["ms_per_step", "p50_ms_sum"]].sum()
-    region = pred["region"]
-    if "layer" in meas.index:  # layer graphs: the plan's attention and MoE halves are one measured region
-        region = region.where(~region.isin(["attn", "moe"]), "layer")
-    planned = pred.groupby(region, sort=False)["ms_per_step"].sum()
+    planned = pred.groupby(_as_measured(pred["region"], "layer" in meas.index), sort=False)["ms_per_step"].sum()
     rows = [{"region": r, "measured_ms": float(meas.loc[r, "ms_per_step"]),
              "measured_p50_ms": float(meas.loc[r, "p50_ms_sum"]), "predicted_ms": float(planned.get(r, 0.0))}
             for r in meas.index]

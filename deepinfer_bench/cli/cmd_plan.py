@@ -100,8 +100,7 @@ def plan_cmd(
 
         econf = EngineConfig.from_model_config(cfg, backend="host", graph_mode=graph_mode, dtype=dtype,
                                                host_compiler=host_compiler, load_format="dummy", region_timing=True)
-        per_launch, outside, _ = plan.engine_overheads(econf, batch, context, threads=threads)
-        inst = dataclasses.replace(inst, launch_s_by_region=per_launch, outside_s=outside)
+        inst = plan.with_engine_overheads(inst, econf, batch, context, threads=threads)
     df = plan.with_outside(plan.predict(rows, inst), inst)
     tot = plan.totals(df)
     err_console.print(f"[dim]plan: {model_dir.name}, {instance} (LNC {lnc}), {ranks} ranks, batch {batch}, context "
