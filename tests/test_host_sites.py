@@ -320,3 +320,55 @@ def test_the_layer_struct_mirror_is_checked_against_the_library() -> None:
 
     assert "offset" in L.layout_mismatch(native, Wrong) or "sizeof" in L.layout_mismatch(native, Wrong)
     assert "fields" in L.layout_mismatch(native, Short)
+
+
+def test_the_draft_heads_input_and_the_lm_head_in_one_call_each_are_their_ops_bit_for_bit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mtp_input` and `lm_head` (step_ops.py; attn.c `dk_mtp_input`, `dk_lm_head`) against the same ops one by one:
+    MTP speculation on the tiny-spec model (the head's input every drafted token, the LM head every step and draft)
+    gives the same tokens and logits bit for bit, and both sites ran."""
+    def run(without: tuple[str, ...]) -> tuple[list, list, dict]:
+        with monkeypatch.context() as m:
+            for name in without:
+                m.delitem(H.NATIVE_OPS, name)
+            eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny-spec", kernels="host",
+                                                           max_num_seqs=4, speculative="mtp",
+                                                           num_speculative_tokens=2, speculative_policy="always"))
+            out, logits = greedy_with_logits(eng, PROMPTS[:2], 6)
+        return out, logits, dict(eng.runner.dispatcher.counts)
+
+    out, logits, counts = run(())
+    ref_out, ref_logits, ref_counts = run(("mtp_input", "lm_head"))
+    assert out == ref_out
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    taken = {k for k in ("host.mtp_input", "host.lm_head") if counts.get((k, "host"), 0) > 0}
+    assert taken == ({"host.mtp_input", "host.lm_head"} if _sites_take_three_rows() else set())
+    assert not any(ref_counts.get((k, "host"), 0) for k in ("host.mtp_input", "host.lm_head"))
+
+
+def test_the_draft_heads_input_declines_past_its_ops_row_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mtp_input` takes T x n stream rows within every one of its ops' limits (the norm of the streams runs on all of
+    them) and nothing past that: there the ops run one by one, the reference's past their own limits."""
+    from engine.host_kernels import step_ops
+
+    eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny-spec", kernels="host", speculative="mtp",
+                                                   num_speculative_tokens=1))
+    m, cfg = eng.runner.model, eng.runner.cfg
+    blk = m.mtp[0]
+    pack = step_ops.mtp_input_pack(m.embed.weight, blk.enorm.weight, blk.hnorm.weight, blk.e_proj, blk.h_proj,
+                                   cfg.norm_eps)
+    assert pack.args is not None  # stored FP8 projections, a bf16 embedding: what dk_mtp_input takes
+    rows = min(H.max_m(k) for k in pack.args.limit_keys) // cfg.hc_mult
+    g = torch.Generator().manual_seed(0)
+    for t in sorted({1, rows, rows + 1} - {0}):
+        x = torch.randn(t, cfg.hc_mult, cfg.dim, generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (t,), generator=g)
+        got = step_ops.mtp_input(pack, x, ids)
+        assert (got is not None) == (t <= rows)
+        if got is not None:
+            with monkeypatch.context() as mp:
+                mp.setattr(m.ops, "block_decoder", ops_for("reference").block_decoder)
+                assert torch.equal(got, m.mtp_input(x, ids))
+    if rows >= 1:
+        with pytest.raises(IndexError, match="token id outside"):
+            step_ops.mtp_input(pack, torch.randn(1, cfg.hc_mult, cfg.dim), torch.tensor([cfg.vocab_size]))

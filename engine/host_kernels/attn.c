@@ -430,6 +430,56 @@ int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, co
     return rc;
 }
 
+/* The MTP block's input (engine/model/model.py Transformer.mtp_input): out [T, n, dim] = e_proj(rms_norm(embed[ids],
+ * enorm)) on every stream + h_proj(rms_norm(x, hnorm)) over the T*n stream rows of x [T, n, dim]; embed [V, dim] rows
+ * bf16 (ebf16) or fp32, widened exactly; e_proj / h_proj [dim, dim] in format fe / fh (dk.h gemm). The host table's
+ * ops in the op-by-op order, so the same bits. -1: out of memory, -3: an id outside [0, V). */
+int dk_mtp_input(const float *x, const int64_t *ids, const void *embed, int ebf16, int64_t V, const float *enorm,
+                 const float *hnorm, float eps, int fe, const uint8_t *we, const uint8_t *se, int fh, const uint8_t *wh,
+                 const uint8_t *sh, float *out, int64_t T, int64_t n, int64_t dim, int nt) {
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= V) return -3;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(3 * T * dim + T * n * dim) + 64);
+    if (buf == NULL) return -1;
+    float *e = buf, *en = e + T * dim, *ep = en + T * dim, *hn = ep + T * dim;
+    for (int64_t t = 0; t < T; t++) {
+        if (ebf16) {
+            const uint16_t *row = (const uint16_t *)embed + ids[t] * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                const uint32_t bits = (uint32_t)row[d] << 16;
+                memcpy(e + t * dim + d, &bits, sizeof(float));
+            }
+        } else {
+            memcpy(e + t * dim, (const float *)embed + ids[t] * dim, sizeof(float) * (size_t)dim);
+        }
+    }
+    int rc = dk_rms_norm(e, enorm, en, T, dim, eps, nt);
+    if (!rc) rc = gemm(fe, en, we, se, ep, T, dim, dim, nt);
+    if (!rc) rc = dk_rms_norm(x, hnorm, hn, T * n, dim, eps, nt);
+    if (!rc) rc = gemm(fh, hn, wh, sh, out, T * n, dim, dim, nt);
+    for (int64_t t = 0; t < T && !rc; t++)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t d = 0; d < dim; d++) out[(t * n + j) * dim + d] = ep[t * dim + d] + out[(t * n + j) * dim + d];
+    free(buf);
+    return rc;
+}
+
+/* The LM head (engine/model/model.py Transformer.logits): logits [T, V] = head(rms_norm(hc_head(x), norm_w)) for the
+ * streams x [T, n, dim], head [V, dim] in format fmt (dk.h gemm); the host table's ops in their order. -1: out of
+ * memory, -2: n outside hc_head's range. */
+int dk_lm_head(const float *x, int64_t T, int64_t n, int64_t dim, const float *fn, const float *scale,
+               const float *base, float hc_eps, float norm_eps, const float *norm_w, int fmt, const uint8_t *w,
+               const uint8_t *s, int64_t V, float *logits, int nt) {
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * dim) + 64);
+    if (buf == NULL) return -1;
+    float *h = buf, *hn = h + T * dim;
+    int rc = dk_hc_head(x, fn, scale, base, h, T, n, dim, hc_eps, norm_eps, nt);
+    if (!rc) rc = dk_rms_norm(h, norm_w, hn, T, dim, norm_eps, nt);
+    if (!rc) rc = gemm(fmt, hn, w, s, logits, T, V, dim, nt);
+    free(buf);
+    return rc;
+}
+
 /* dk_layer's size and its fields' offsets, in dk.h's order: engine/host_kernels/layer_ops.py checks its ctypes
  * mirror against them when it loads the library. Returns the number of fields; out (room for cap values): the
  * size, then each offset. */

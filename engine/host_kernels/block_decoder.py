@@ -1,6 +1,7 @@
 """The host table's decode of one Block (engine/model/block.py asks its op table's `block_decoder`): the whole
 layer in one native call (decode_layer), else the attention half (attn_front, attn_decode) and the MoE
-half (ffn_site) each in one call, and the MoE FFN after the gate (moe_ffn). It reads the block's modules
+half (ffn_site) each in one call, and the MoE FFN after the gate (moe_ffn); outside the blocks, an MTP block's input
+(mtp_input) and the LM head (lm_head) each in one call. It reads the block's modules
 and its layer cache and keeps the packs it makes, so the model holds no native state; each method returns None
 where the step or the tensors are not what its kernels take (nothing counted, no state written: the block runs
 its ops one by one). Every native call is the op-by-op host path's kernels in its order: the same numbers bit for
@@ -18,7 +19,7 @@ from engine.host_kernels.layer_ops import decode_layer, layer_pack
 from engine.host_kernels.moe_ops import moe_ffn as moe_ffn_call
 from engine.host_kernels.native import max_m
 from engine.host_kernels.packs import PackStore
-from engine.host_kernels.step_ops import ffn_site, site_pack
+from engine.host_kernels.step_ops import ffn_site, lm_head, lm_head_pack, mtp_input, mtp_input_pack, site_pack
 
 # a compressor's closing blocks on a step where none closes (`_layer_inputs`)
 _NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
@@ -34,8 +35,9 @@ class HostBlockDecoder:
     `--numerics official`: the native sites quantise no activations)."""
 
     def __init__(self, layer: bool = True, front: bool = True, decode: bool = True, ffn: bool = True,
-                 moe: bool = True) -> None:
+                 moe: bool = True, mtp: bool = True, head: bool = True) -> None:
         self.use_layer, self.use_front, self.use_decode, self.use_ffn, self.use_moe = layer, front, decode, ffn, moe
+        self.use_mtp, self.use_head = mtp, head
         self.packs = PackStore()
         self._moe_args: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
@@ -124,6 +126,24 @@ class HostBlockDecoder:
         routed, shared = self._moe_inputs(moe)
         return moe_ffn_call(x, weights, indices, moe.experts[moe.local.start].limit, moe.local.start, routed,
                                shared, _none)
+
+    # -- the draft head's input and the LM head -------------------------------------------------------------------
+    def mtp_input(self, model: Any, blk: Any, x: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor | None:
+        """Transformer.mtp_input of MTP block `blk` in one `mtp_input` call, or None."""
+        if not self.use_mtp or torch.compiler.is_compiling():
+            return None
+        pack = self.packs.get(blk, "mtp_input", lambda: mtp_input_pack(
+            model.embed.weight, blk.enorm.weight, blk.hnorm.weight, blk.e_proj, blk.h_proj, model.cfg.norm_eps))
+        return mtp_input(pack, x, next_ids)
+
+    def logits(self, model: Any, x: torch.Tensor, hc: Any, norm: Any) -> torch.Tensor | None:
+        """Transformer.logits (hc_head of `hc`, final norm `norm`, the head) in one `lm_head` call, or None."""
+        if not self.use_head or torch.compiler.is_compiling():
+            return None
+        cfg = model.cfg
+        pack = self.packs.get(hc, "lm_head", lambda: lm_head_pack(
+            hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, norm.weight, model.head, cfg.hc_eps, cfg.norm_eps), norm)
+        return lm_head(pack, x)
 
     # -- what the sites read from the modules --------------------------------------------------------------------
     def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:

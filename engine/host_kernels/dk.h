@@ -32,6 +32,8 @@ int dk_sparse_attn(const float *q, const float *kv, const uint8_t *valid, const 
                    float *scratch, int64_t scratch_n, int64_t B, int64_t T, int64_t H, int64_t N, int64_t D,
                    float scale, int nthreads);
 int dk_attn_heads_per_pass(void);
+int dk_hc_head(const float *x, const float *fn, const float *scale, const float *base, float *y, int64_t T,
+               int64_t n, int64_t D, float hc_eps, float norm_eps, int nthreads);
 int dk_bf16_grouped_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t G, int64_t R, int64_t Kg,
                            int nthreads);
 int dk_route(const float *logits, const float *bias, const int64_t *hash_ids, float *weights, int64_t *indices,

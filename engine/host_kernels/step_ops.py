@@ -11,6 +11,16 @@ library is the one `engine.host_kernels` loads):
     hc_head               x fp32 [T, n, D], T <= max_m("mhc"), fn [n, n*D], scale [1],   "host.hc_head"
                           base [n] fp32
 
+    mtp_input             every op of Transformer.mtp_input would run natively: x fp32   "host.mtp_input" (+ its
+                          [T, n, D], T*n <= max_m("mhc") and the projections' limit      ops' keys)
+    lm_head               every op of Transformer.logits would run natively: x fp32      "host.lm_head" (+ its
+                          [T, n, D], T <= max_m("mhc") and the head's limit, head bf16   ops' keys)
+                          or stored FP8 / FP4
+
+`mtp_input` / `lm_head` (attn.c `dk_mtp_input` / `dk_lm_head`: the MTP block's input, the head's hc_head + final
+norm + GEMM) are the op-by-op host path's kernels in its order, one call each, bit for bit; a draft head runs them
+for every drafted token, where the ~12 op calls around them cost more than the kernels at small widths.
+
 `ffn_site` is moe.c `dk_ffn_site`, the MoE half of a decode block (hc_pre + gate + moe_ffn + hc_expand) in one
 call with the same kernels in the same order (bit for bit); it declines (None, nothing counted) wherever one of them
 would not run natively. block_decoder.py `HostBlockDecoder.ffn_half` calls it.
@@ -183,3 +193,96 @@ def hc_head_impl(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
 
 hc_head = native._native_op("hc_head", hc_head_impl,
                         lambda x, fn, scale, base, hc_eps, norm_eps: x.new_empty(x.shape[0], x.shape[2]))
+
+
+def _gemm_args(lin: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+    """(format code, weight, scale) of a Linear whose GEMM the host table runs natively on x fp32 (a bf16 or stored
+    FP8 / FP4 weight, contiguous, on the CPU), else None (an fp32 weight runs torch's GEMM)."""
+    w, s = lin.weight, getattr(lin, "scale", None) if lin.fmt is not None else None
+    if lin.fmt is None and w.dtype is not torch.bfloat16 or lin.fmt is not None and w.dtype is not torch.uint8:
+        return None
+    if not w.is_cpu or not w.is_contiguous() or s is not None and (not s.is_cpu or not s.is_contiguous()):
+        return None
+    return packs._FMT_CODE[lin.fmt], w, s
+
+
+def mtp_input_pack(embed: torch.Tensor, enorm_w: torch.Tensor, hnorm_w: torch.Tensor, e_proj: torch.nn.Module,
+                   h_proj: torch.nn.Module, eps: float) -> Pack:
+    """`mtp_input`'s static arguments (Pack(None) where the weights are not what dk_mtp_input takes)."""
+    e, h = _gemm_args(e_proj), _gemm_args(h_proj)
+    keep = (embed, enorm_w, hnorm_w, *(t for g in (e, h) if g is not None for t in g[1:]))
+    dim = embed.shape[-1] if embed.dim() == 2 else 0
+    if e is None or h is None or embed.dim() != 2 or embed.dtype not in (torch.bfloat16, torch.float32) \
+            or not embed.is_cpu or not embed.is_contiguous() or not packs.fp32_cpu(enorm_w, hnorm_w) \
+            or any(tuple(t.shape) != (dim,) for t in (enorm_w, hnorm_w)) \
+            or any(lin.in_features != dim or lin.out_features != dim for lin in (e_proj, h_proj)):
+        return Pack(None, keep)
+    keys = ("host.mtp_input", "host.rms_norm", _FMT_COUNT[e_proj.fmt], "host.rms_norm", _FMT_COUNT[h_proj.fmt])
+    return Pack(types.SimpleNamespace(
+        dim=dim, vocab=embed.shape[0], keys=tuple((k, native.EXECUTOR) for k in keys),
+        limit_keys=("mhc", packs._FMT_KEY[e_proj.fmt], packs._FMT_KEY[h_proj.fmt]),
+        norms=(embed.data_ptr(), int(embed.dtype is torch.bfloat16), embed.shape[0], enorm_w.data_ptr(),
+               hnorm_w.data_ptr(), eps),
+        gemms=tuple(v for code, w, sc in (e, h) for v in (code, w.data_ptr(), None if sc is None else sc.data_ptr()))),
+        keep)
+
+
+def mtp_input(pack: Pack, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """Transformer.mtp_input in one native call (attn.c `dk_mtp_input`): x [T, n, D] fp32 streams, ids [T] int64 the
+    next tokens -> the block's input streams [T, n, D]; None where an op of it would not run natively (nothing
+    counted: the caller runs them one by one)."""
+    a = pack.args
+    if a is None or x.dim() != 3 or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != x.shape[:1]:
+        return None
+    t, n = x.shape[0], x.shape[1]
+    if n < 1 or not packs.rows_ok(x, (t, n, a.dim), min(native.max_m(k) for k in a.limit_keys) // n):  # T*n rows
+        return None
+    native._count_each(a.keys)
+    out = torch.empty(t, n, a.dim, dtype=native.F32)
+    idc = ids.contiguous()
+    rc = native._native().lib.dk_mtp_input(x.data_ptr(), idc.data_ptr(), *a.norms, *a.gemms, out.data_ptr(), t, n,
+                                           a.dim, torch.get_num_threads())
+    if rc == -3:
+        raise IndexError(f"mtp_input: a token id outside [0, {a.vocab})")
+    if rc != 0:
+        raise MemoryError(f"host kernel mtp_input: out of memory for x [{t}, {n}, {a.dim}]")
+    return out
+
+
+def lm_head_pack(fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
+                 head: torch.nn.Module, hc_eps: float, norm_eps: float) -> Pack:
+    """`lm_head`'s static arguments (Pack(None) where the weights are not what dk_lm_head takes)."""
+    g = _gemm_args(head)
+    keep = (fn, scale, base, norm_w, *(g[1:] if g is not None else ()))
+    n = base.numel()
+    dim = norm_w.shape[0] if norm_w.dim() == 1 else 0
+    if g is None or not packs.fp32_cpu(fn, scale, base, norm_w) or not 0 < n <= 16 or scale.numel() != 1 \
+            or tuple(fn.shape) != (n, n * dim) or head.in_features != dim:
+        return Pack(None, keep)
+    keys = ("host.lm_head", "host.hc_head", "host.rms_norm", _FMT_COUNT[head.fmt])
+    return Pack(types.SimpleNamespace(
+        n=n, dim=dim, vocab=head.out_features, keys=tuple((k, native.EXECUTOR) for k in keys),
+        limit_keys=("mhc", packs._FMT_KEY[head.fmt]),
+        front=(fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps, norm_w.data_ptr()),
+        gemm=(g[0], g[1].data_ptr(), g[2].data_ptr() if g[2] is not None else None)), keep)
+
+
+def lm_head(pack: Pack, x: torch.Tensor) -> torch.Tensor | None:
+    """Transformer.logits in one native call (attn.c `dk_lm_head`): x [T, n, D] fp32 streams -> fp32 logits [T, V];
+    None where an op of it would not run natively (nothing counted)."""
+    a = pack.args
+    if a is None:
+        return None
+    t = x.shape[0] if x.dim() == 3 else 0
+    if not packs.rows_ok(x, (t, a.n, a.dim), min(native.max_m(k) for k in a.limit_keys)):
+        return None
+    native._count_each(a.keys)
+    out = torch.empty(t, a.vocab, dtype=native.F32)
+    rc = native._native().lib.dk_lm_head(x.data_ptr(), t, a.n, a.dim, *a.front, *a.gemm, a.vocab, out.data_ptr(),
+                                         torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"host kernel lm_head: out of memory for x [{t}, {a.n}, {a.dim}]")
+    return out
+
+
+_FMT_COUNT = {None: "host.linear", "fp8": "host.fp8", "fp4": "host.fp4"}  # the GEMMs' dispatch keys (gemm.py)

@@ -10,6 +10,7 @@ Both call the same reference ops, and tests check that they agree.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,12 @@ def global_topk(cands: torch.Tensor, k: int, bitcast: bool = True) -> torch.Tens
 def _picked(scores: torch.Tensor, pick: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The entries `index_topk`'s `pick` (order, valid) keeps, as a mask shaped like `scores` [B, T, E]."""
     return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, pick[0], pick[1])
+
+
+@functools.cache
+def _ring_offsets(wl: int) -> torch.Tensor:
+    """wl - i for the rows i of a window ring of `wl` rows (CPU, read-only): `Attention._ring_valid`'s one-rank form."""
+    return wl - torch.arange(wl)
 
 
 def floor_mod(a: torch.Tensor, m: int) -> torch.Tensor:
@@ -261,16 +268,23 @@ class Attention(OpsUser, nn.Module):
         query sees it iff p_i >= 0 and p_i > pos - win (with spare rows for speculative drafts, the ring holds more
         than a window)."""
         cp = self.cp
+        if cp == 1 and pos.is_cpu and not torch.compiler.is_compiling():
+            # one rank on the host (every eager decode step): row i holds pos - d_i, d_i = (pos - i) mod wl, seen iff
+            # d_i < win and d_i <= pos; the dividend kept non-negative, so `%` is the floor rule (see floor_mod)
+            d = (pos[:, None] + _ring_offsets(wl)) % wl
+            return (d < self.win) & (d <= pos[:, None])
         jmax = torch.div(pos - self.rank, cp, rounding_mode="floor")[:, None]  # [B, 1], >= -1
         j = jmax - floor_mod(jmax - torch.arange(wl, device=pos.device)[None], wl)
         p = self.rank + cp * j
         return (j >= 0) & (p > pos[:, None] - self.win)
 
-    def _entry_ids(self, visible: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    def _entry_ids(self, visible: torch.Tensor, num: int | None = None,
+                   ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """For queries with `visible` [B, T] causal entries: this rank's entry count, their global ids [E] and which
-        of them each query sees [B, T, E]; None while no entry exists (a host sync: the count sizes the gather)."""
+        of them each query sees [B, T, E]; None while no entry exists (a host sync where `num`, the most entries a
+        query sees, is not given: the count sizes the gather)."""
         cp = self.cp
-        num = int(visible.max())  # entries that exist (all ranks)
+        num = int(visible.max()) if num is None else num  # entries that exist (all ranks)
         if num == 0:
             return None
         nloc = max(0, -(-(num - self.rank) // cp))  # this rank's share
@@ -431,19 +445,21 @@ class Attention(OpsUser, nn.Module):
 
     def step_entries(self, plan: StepPlan) -> tuple[torch.Tensor, tuple | None]:
         """`_visible` of the step's decode positions, made once a step for every layer of this ratio and rank."""
-        return plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(plan.dec_pos))
+        last = max(plan.dec_list)  # the decode group's last position, known on the host
+        return plan.shared(("entries", self.ratio, self.rank, self.cp), lambda: self._visible(plan.dec_pos, last))
 
-    def _visible(self, pos: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids`."""
+    def _visible(self, pos: torch.Tensor, last: int | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """Causal entry counts [B, 1] of decode queries at `pos` [B] and their `_entry_ids` (`last`: max(pos), where
+        the caller knows it)."""
         visible = ((pos + 1) // self.ratio)[:, None]
-        return visible, self._entry_ids(visible)
+        return visible, self._entry_ids(visible, None if last is None else (last + 1) // self.ratio)
 
     def _decode_index(self, plan: StepPlan, wl: int) -> _DecodeIndex:
         """The step's decode-group indices for a window ring of `wl` rows (`_DecodeIndex`)."""
         tok, slots, pos = plan.dec_tokens, plan.dec_slots, plan.dec_pos
         all_rows = not plan.prefill and [s.token_start for s in plan.seqs] == list(range(len(plan.seqs)))
-        own = self._owned(pos)
-        mine = bool(own.all())
+        own = None if self.cp == 1 else self._owned(pos)
+        mine = own is None or bool(own.all())
         ring = (slots, (pos // self.cp) % wl, None if all_rows and mine else tok) if mine else \
             (slots[own], (pos[own] // self.cp) % wl, tok[own])
         return _DecodeIndex(all_rows, ring, self._ring_valid(pos, wl)[:, None], tok)
@@ -454,7 +470,8 @@ class Attention(OpsUser, nn.Module):
         comp = comp or self.compressor
         rows = state.shape[1]
         return plan.shared(("compress", comp.ratio, rows, self.rope.key, self.rank, self.cp),
-                           lambda: comp.decode_index(plan.dec_pos, plan.dec_slots, plan.dec_tables, rows, self.rope))
+                           lambda: comp.decode_index(plan.dec_pos, plan.dec_slots, plan.dec_tables, rows, self.rope,
+                                                     list(plan.dec_list)))
 
 
 @dataclass

@@ -419,6 +419,7 @@ class StepPlan:
     dec_slots: torch.Tensor | None = None  # [B]
     dec_pos: torch.Tensor | None = None  # [B]
     dec_tables: torch.Tensor | None = None  # [B, max_blocks] (padded with 0; masked by position)
+    dec_list: tuple[int, ...] = ()  # dec_pos on the host: what the layers derive without a device sync
     prefill: tuple[SeqStep, ...] = ()
     # tensors every layer of the step derives alike from the plan (RoPE tables, window masks), made once: `shared`
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -441,20 +442,27 @@ class StepPlan:
         (the rings are indexed by position with `spare` extra rows; `_ring_valid` masks the later rows' positions)."""
         if batch_decode and decode_rows > 1:
             seqs = _as_rows(seqs, decode_rows)
-        positions = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(device)
-        plan = StepPlan(seqs=seqs, positions=positions, block_size=block_size)
+        # index lists on the host, one tensor each (a step's plan is built every step: per-sequence tensors cost more
+        # than the layers' native calls at small widths)
+        positions = torch.tensor([p for s in seqs for p in range(s.start, s.start + s.n)])
+        plan = StepPlan(seqs=seqs, positions=positions.to(device), block_size=block_size)
         dec = [s for s in seqs if s.n == 1] if batch_decode else []
         plan.prefill = tuple(dataclasses.replace(s, block_table=s.block_table.to(device))
                              for s in seqs if not (batch_decode and s.n == 1))
         if dec:
             plan.dec_tokens = torch.tensor([s.token_start for s in dec], device=device)
             plan.dec_slots = torch.tensor([s.slot for s in dec], device=device)
-            plan.dec_pos = torch.tensor([s.start for s in dec], device=device)
-            width = max(1, max(len(s.block_table) for s in dec))
-            tables = torch.zeros(len(dec), width, dtype=torch.long)
-            for i, s in enumerate(dec):
-                tables[i, : len(s.block_table)] = s.block_table
-            plan.dec_tables = tables.to(device)
+            plan.dec_list = tuple(s.start for s in dec)
+            plan.dec_pos = (positions if len(dec) == len(seqs) else torch.tensor(plan.dec_list)).to(device)
+            tables = [s.block_table for s in dec]
+            width = max(1, max(len(t) for t in tables))
+            if all(len(t) == width for t in tables):
+                plan.dec_tables = torch.stack(tables).to(device)
+            else:
+                plan.dec_tables = torch.zeros(len(dec), width, dtype=torch.long)
+                for i, t in enumerate(tables):
+                    plan.dec_tables[i, : len(t)] = t
+                plan.dec_tables = plan.dec_tables.to(device)
         return plan
 
 
@@ -465,7 +473,7 @@ def _as_rows(seqs: list[SeqStep], most: int) -> list[SeqStep]:
     out = []
     for s in seqs:
         if 1 < s.n <= most and not s.snaps:
-            out += [dataclasses.replace(s, start=s.start + j, n=1, token_start=s.token_start + j) for j in range(s.n)]
+            out += [SeqStep(s.slot, s.start + j, 1, s.token_start + j, s.block_table) for j in range(s.n)]
         else:
             out.append(s)
     return out

@@ -99,13 +99,17 @@ class Compressor(OpsUser, nn.Module):
 
     # -- B sequences, one new token each ---------------------------------------------------------------------------
     def decode_index(self, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, rows: int,
-                     rope: Rope) -> tuple:
+                     rope: Rope, known: list[int] | None = None) -> tuple:
         """What `decode` derives from the step's positions alone, the same for every layer of this ratio and state
         size (a decode step makes it once: `StepPlan.shared`): (state rows [B], pos % m [B], closing), closing None
         when no block closes, else (their rows of the step, slots, block ids w, block tables, rope's (cos, sin) at
-        w * m)."""
+        w * m). `known`: pos as a list, where the caller has it (no host sync for the closing rows)."""
         m = self.ratio
-        closing = ((pos + 1) % m == 0).nonzero().flatten()
+        if known is None:
+            closing = ((pos + 1) % m == 0).nonzero().flatten()
+        else:
+            closing = torch.tensor([i for i, p in enumerate(known) if (p + 1) % m == 0], dtype=torch.long,
+                                   device=pos.device)
         if closing.numel() == 0:
             return self._state_rows(pos, rows), pos % m, None
         w = pos[closing] // m

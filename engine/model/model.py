@@ -124,6 +124,9 @@ class Transformer(OpsUser, nn.Module):
     def logits(self, x: torch.Tensor, hc: nn.Module | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
         """Streams [T, n, dim] -> fp32 logits [T, vocab] via hc_head, the final norm and the head."""
         hc = hc or self
+        fused = self.ops.block_decoder.logits(self, x, hc, norm or self.norm)
+        if fused is not None:
+            return fused
         h = self.ops.hc_head(x, hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, self.cfg.hc_eps, self.cfg.norm_eps)
         h = self.ops.rms_norm(h, (norm or self.norm).weight, self.cfg.norm_eps)
         return self.head(h.float())
@@ -138,6 +141,9 @@ class Transformer(OpsUser, nn.Module):
     def mtp_input(self, x: torch.Tensor, next_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """MTP block k's input streams [T, n, dim]: e_proj(enorm(embedding of tokens t+1)) + h_proj(hnorm(x))."""
         blk: MTPBlock = self.mtp[k]
+        fused = self.ops.block_decoder.mtp_input(self, blk, x, next_ids)
+        if fused is not None:
+            return fused
         eps = self.cfg.norm_eps
         e = self.ops.rms_norm(self.embed.weight[next_ids].to(self.dtype), blk.enorm.weight, eps)
         h = self.ops.rms_norm(x, blk.hnorm.weight, eps)

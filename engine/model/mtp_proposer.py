@@ -13,13 +13,14 @@ streams, "the flat pre-hc_head residual", as the next step's hidden state):
 2. **recursion** (k > 1): draft j+1 comes from the block at the next position, fed its own output streams of the
    previous row and draft j. These rows write window KV at positions whose target state does not exist yet.
 
-State of the MTP layer per sequence: its sliding-window KV ring (`KVCache.layers[n_layers]`, [win, head_dim] per
-slot, position p in row p % win; no compressor, no pool entries: compress ratio 0). The catch-up writes the truth;
-the recursion's rows are speculative and would overwrite ring rows of positions p - win that later queries still
-need, so `propose_mtp` saves the ring rows of the drafting slots before the recursion and puts them back after it.
-After a `propose_mtp` call the MTP state is exactly "catch-up done through the last final position": rejected
-drafts need no MTP rollback, as long as the next call's catch-up covers precisely the positions that became final
-(it rewrites the bonus position, which the recursion had filled speculatively, with the target's state).
+State of the MTP layer per sequence: its sliding-window KV ring (`KVCache.layers[n_layers]`, [win + spare,
+head_dim] per slot, position p in row p % (win + spare); no compressor, no pool entries: compress ratio 0). The
+catch-up writes the truth; the recursion's rows (positions last + 1 .. last + k - 1) are speculative and are left in
+the ring: with spare = k rows past a window, the rows they overwrite held positions no later query sees, and a later
+query reads one of their rows only once its position is final, after a catch-up (or `mtp_fill_ring`) rewrote it;
+before that `_ring_valid` masks it as a position past the query's window. So rejected drafts need no MTP rollback,
+as long as the next call's catch-up covers precisely the positions that became final (it rewrites the bonus
+position, which the recursion had filled speculatively, with the target's state).
 """
 
 from __future__ import annotations
@@ -81,32 +82,26 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
                 next_ids: torch.Tensor, num_tokens: int, block_size: int,
                 sample: Sampler = greedy) -> Proposal:
     """k = `num_tokens` MTP drafts for each sequence of `seqs`, after the target step that made their positions
-    [start, start + n) final: catch-up (`mtp_catch_up`, persistent) then k - 1 recursive steps (speculative: the
-    MTP ring rows they overwrite are restored before returning). See the module docstring."""
+    [start, start + n) final: catch-up (`mtp_catch_up`, persistent) then k - 1 recursive steps (speculative ring
+    rows, masked until a catch-up rewrites them). See the module docstring."""
     if model.cfg.has_dspark or len(model.mtp) != 1:
         raise ValueError(f"MTP drafting needs exactly one MTP block, the model has {len(model.mtp)} draft layers"
                          + (" (DSpark stages)" if model.cfg.has_dspark else ""))
     if num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens}: draft at least one token")
+    if cache.spare < num_tokens - 1:
+        raise ValueError(f"{num_tokens} MTP drafts write {num_tokens - 1} positions past the last final one; the KV "
+                         f"cache holds {cache.spare} (build it with spare >= num_speculative_tokens)")
     blk = model.mtp[0]
     x = mtp_catch_up(model, cache, seqs, hidden, next_ids, block_size)  # [B, n, dim]
     logits = [model.logits(x, blk, blk.norm)]
     tokens = [sample(logits[0], 0)]
-    if num_tokens > 1:
-        ring = cache.layers[blk.layer_id].win_store.tensors()  # the ring's bytes (+ scales, RoPE part: fp8 cache)
-        slots = torch.tensor([s.slot for s in seqs], device=ring[0].device)
-        saved = [t[slots].clone() for t in ring]
-        try:
-            for j in range(1, num_tokens):
-                steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=s.block_table)
-                         for i, s in enumerate(seqs)]
-                plan = StepPlan.build(steps, block_size, device=x.device)
-                x = model.mtp_streams(x, tokens[-1], plan, cache)
-                logits.append(model.logits(x, blk, blk.norm))
-                tokens.append(sample(logits[-1], j))
-        finally:
-            for t, v in zip(ring, saved, strict=True):
-                t[slots] = v
+    for j in range(1, num_tokens):  # speculative ring rows, left in place (module docstring)
+        steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=s.block_table)
+                 for i, s in enumerate(seqs)]
+        x = model.mtp_streams(x, tokens[-1], StepPlan.build(steps, block_size, device=x.device), cache)
+        logits.append(model.logits(x, blk, blk.norm))
+        tokens.append(sample(logits[-1], j))
     k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=x.device)
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=k)
 

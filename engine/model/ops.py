@@ -36,6 +36,10 @@ class BlockDecoder(Protocol):
 
     def ffn_half(self, block: Any, x: T, plan: Any, input_ids: T) -> T | None: ...
 
+    def mtp_input(self, model: Any, blk: Any, x: T, next_ids: T) -> T | None: ...
+
+    def logits(self, model: Any, x: T, hc: Any, norm: Any) -> T | None: ...
+
 
 class OpByOp:
     """The `BlockDecoder` of tables without fused decode sites: it takes no step."""
@@ -47,6 +51,12 @@ class OpByOp:
         return None
 
     def ffn_half(self, *_: Any) -> None:
+        return None
+
+    def mtp_input(self, *_: Any) -> None:
+        return None
+
+    def logits(self, *_: Any) -> None:
         return None
 
 
@@ -188,7 +198,7 @@ REFERENCE = _table("reference")
 
 # the host's fused decode sites, each present while engine/host_kernels NATIVE_OPS lists it
 _HOST_SITES = {"layer": "decode_layer", "front": "attn_front", "decode": "attn_decode_takes", "ffn": "ffn_site_pack",
-               "moe": "moe_ffn"}
+               "moe": "moe_ffn", "mtp": "mtp_input", "head": "lm_head"}
 
 
 def _host_table(numerics: str = "hf", kv_cache_dtype: str = "auto") -> OpTable:

@@ -34,7 +34,9 @@ _BLOCK_KEYS = ("attn.", "ffn.", "attn_norm.", "ffn_norm.", "hc_attn_", "hc_ffn_"
 
 def _engine(cfg: ModelConfig, seed: int = 0):
     w = random_weights(cfg, seed=seed, with_mtp=True)
-    return build(cfg, w, with_mtp=True, dtype="float32", max_num_seqs=2, num_kv_blocks=32), w
+    # an MTP model's cache sized for 4 drafts: the recursion's rows land on the spare ring rows (mtp_proposer.py)
+    spec = {} if cfg.has_dspark else {"speculative": "mtp", "num_speculative_tokens": 4}
+    return build(cfg, w, with_mtp=True, dtype="float32", max_num_seqs=2, num_kv_blocks=32, **spec), w
 
 
 def _hf_stack(cfg: ModelConfig, w: dict[str, torch.Tensor]):

@@ -84,7 +84,8 @@ def test_a_put_off_catch_up_writes_the_catch_ups_ring_rows() -> None:
     lc = run.cache.layers[run.cfg.n_layers]
     wl = lc.win_kv.shape[1]
     pos = torch.arange(20)
-    last = pos[-wl:] % wl  # the ring keeps the last wl positions
+    # the ring's rows of the last window (its spare rows past a window hold the drafting recursion's speculative rows)
+    last = pos[-run.cfg.window_size:] % wl
     caught = lc.win_kv[seq.slot, last].clone()
     lc.win_kv[seq.slot].zero_()
     hidden = run._last[1][pos]
