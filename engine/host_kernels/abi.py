@@ -25,6 +25,22 @@ class DkLayer(ctypes.Structure):
         ("r", _P), ("fmt_s", _I), ("s", _P), ("n", _I), ("dim", _I)]
 
 
+class DkMtpIn(ctypes.Structure):
+    """attn.c `dk_mtp_in` (dk_mtp_pass's MTP-input arguments), field for field."""
+
+    _fields_ = [  # noqa: RUF012
+        ("embed", _P), ("ebf16", _I), ("V", _I), ("enorm", _P), ("hnorm", _P), ("eps", _F), ("fe", _I), ("we", _P),
+        ("se", _P), ("fh", _I), ("wh", _P), ("sh", _P)]
+
+
+class DkHead(ctypes.Structure):
+    """attn.c `dk_head` (dk_mtp_pass's LM-head arguments), field for field."""
+
+    _fields_ = [  # noqa: RUF012
+        ("fn", _P), ("scale", _P), ("base", _P), ("hc_eps", _F), ("norm_eps", _F), ("norm_w", _P), ("fmt", _I),
+        ("w", _P), ("s", _P), ("V", _I)]
+
+
 def layout_mismatch(lib: ctypes.CDLL, struct: type[ctypes.Structure] = DkLayer) -> str | None:
     """Where `struct` (DkLayer) differs from the library's dk_layer (attn.c dk_layer_layout: its size and every
     field's offset), else None. The library's loader refuses a library where it does."""

@@ -480,6 +480,60 @@ int dk_lm_head(const float *x, int64_t T, int64_t n, int64_t dim, const float *f
     return rc;
 }
 
+/* One pass of an MTP block as the draft head runs it (engine/model/model.py Transformer.mtp_pass): dk_mtp_input
+ * (x [B, n, dim], ids [B]; `in`: its static arguments) -> dk_decode_layer (L and the step's arguments, as that takes
+ * them) -> streams [B, n, dim]; then dk_lm_head (`hd`) over the R rows `rows` of them, copied out first as the
+ * op-by-op path indexes them -> logits [R, V], and each row's first largest logit -> tokens [R] (torch.argmax). */
+typedef struct {
+    const void *embed;
+    int64_t ebf16, V;
+    const float *enorm, *hnorm;
+    float eps;
+    int64_t fe;
+    const uint8_t *we, *se;
+    int64_t fh;
+    const uint8_t *wh, *sh;
+} dk_mtp_in;
+
+typedef struct {
+    const float *fn, *scale, *base;
+    float hc_eps, norm_eps;
+    const float *norm_w;
+    int64_t fmt;
+    const uint8_t *w, *s;
+    int64_t V;
+} dk_head;
+
+int dk_mtp_pass(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, const float *x, const int64_t *ids,
+                float *streams, int64_t B, const float *cs, const float *sn, const int64_t *slots,
+                const int64_t *ring_rows, const uint8_t *ring_valid, const int64_t *tables, int64_t nb, int64_t nloc,
+                const int64_t *visible, const void *const *crow, const int64_t *ck, const int64_t *rows, int64_t R,
+                float *logits, int64_t *tokens, int nt) {
+    const int64_t n = L->n, dim = L->dim, V = hd->V;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(B * n * dim + R * n * dim) + 64);
+    if (buf == NULL) return -1;
+    float *h = buf, *sel = h + B * n * dim;
+    int rc = dk_mtp_input(x, ids, in->embed, (int)in->ebf16, in->V, in->enorm, in->hnorm, in->eps, (int)in->fe, in->we,
+                          in->se, (int)in->fh, in->wh, in->sh, h, B, n, dim, nt);
+    if (!rc)
+        rc = dk_decode_layer(L, h, streams, B, cs, sn, slots, ring_rows, ring_valid, tables, nb, nloc, visible, crow,
+                             ck, NULL, nt);
+    for (int64_t r = 0; r < R && !rc; r++)
+        memcpy(sel + r * n * dim, streams + rows[r] * n * dim, sizeof(float) * (size_t)(n * dim));
+    if (!rc)
+        rc = dk_lm_head(sel, R, n, dim, hd->fn, hd->scale, hd->base, hd->hc_eps, hd->norm_eps, hd->norm_w,
+                        (int)hd->fmt, hd->w, hd->s, V, logits, nt);
+    for (int64_t r = 0; r < R && !rc; r++) {
+        const float *l = logits + r * V;
+        int64_t best = 0;
+        for (int64_t v = 1; v < V; v++)
+            if (l[v] > l[best] || (l[v] != l[v] && l[best] == l[best])) best = v; /* NaN is the largest, as torch */
+        tokens[r] = best;
+    }
+    free(buf);
+    return rc;
+}
+
 /* dk_layer's size and its fields' offsets, in dk.h's order: engine/host_kernels/layer_ops.py checks its ctypes
  * mirror against them when it loads the library. Returns the number of fields; out (room for cap values): the
  * size, then each offset. */

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.host_kernels.attn_ops import attn_decode, attn_decode_takes, attn_front, decode_pack, front_pack
-from engine.host_kernels.layer_ops import decode_layer, layer_pack
+from engine.host_kernels.layer_ops import decode_layer, layer_pack, mtp_pass
 from engine.host_kernels.moe_ops import moe_ffn as moe_ffn_call
 from engine.host_kernels.native import max_m
 from engine.host_kernels.packs import PackStore
@@ -56,15 +56,18 @@ class HostBlockDecoder:
         if dyn[-1] and self._closing_over_limit(dyn[-2]):
             return None
 
+        g = block.ffn.gate
+        return decode_layer(self._layer_pack(block, lc), x, *dyn[:-1], g.tid2eid[input_ids] if g.hash else None)
+
+    def _layer_pack(self, block: Any, lc: Any) -> Any:
+        """The block's `decode_layer` pack for layer cache `lc`."""
         def build() -> Any:  # the three sites' packs (each made again if stale), then the layer's from them
             site = self._site_pack(block)
             if site is None:
                 return layer_pack(None, None, None)
-            return layer_pack(self._front_pack(block), self._decode_pack(attn, lc), site)
+            return layer_pack(self._front_pack(block), self._decode_pack(block.attn, lc), site)
 
-        g = block.ffn.gate
-        return decode_layer(self.packs.get(block, "layer", build, lc), x, *dyn[:-1],
-                                      g.tid2eid[input_ids] if g.hash else None)
+        return self.packs.get(block, "layer", build, lc)
 
     # -- the attention half --------------------------------------------------------------------------------------
     def attn_half(self, block: Any, x: torch.Tensor, plan: Any, lc: Any) -> torch.Tensor | None:
@@ -144,6 +147,24 @@ class HostBlockDecoder:
         pack = self.packs.get(hc, "lm_head", lambda: lm_head_pack(
             hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, norm.weight, model.head, cfg.hc_eps, cfg.norm_eps), norm)
         return lm_head(pack, x)
+
+    def mtp_pass(self, model: Any, blk: Any, x: torch.Tensor, next_ids: torch.Tensor, plan: Any, lc: Any,
+                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Transformer.mtp_pass of MTP block `blk` (its input, the block, the head over `rows` of its output and
+        their argmax) in one `mtp_pass` call where `mtp_input`, `layer` and `logits` would each take theirs, or None."""
+        if not (self.use_mtp and self.use_head and self.use_layer) or torch.compiler.is_compiling():
+            return None
+        attn = blk.attn
+        dyn = self._layer_inputs(attn, plan, lc)
+        if dyn is None or attn.selects(plan) or dyn[-1] and self._closing_over_limit(dyn[-2]):
+            return None
+        cfg = model.cfg
+        inp = self.packs.get(blk, "mtp_input", lambda: mtp_input_pack(
+            model.embed.weight, blk.enorm.weight, blk.hnorm.weight, blk.e_proj, blk.h_proj, cfg.norm_eps))
+        head = self.packs.get(blk, "lm_head", lambda: lm_head_pack(
+            blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm.weight, model.head, cfg.hc_eps,
+            cfg.norm_eps), blk.norm)
+        return mtp_pass(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, *dyn[:-1])
 
     # -- what the sites read from the modules --------------------------------------------------------------------
     def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:

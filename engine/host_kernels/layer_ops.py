@@ -71,21 +71,64 @@ def decode_layer(pack: Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, hash_ids, b):
         return None
     native._count_each(a.keys)
-    sl, rr, rv, tb = slots.contiguous(), ring_rows.contiguous(), ring_valid.contiguous(), tables.contiguous()
-    vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
-    rows = [t.contiguous() for c in crow for t in c]  # alive until the call returns
-    cptr = (_P * max(1, len(rows)))(*[t.data_ptr() for t in rows])
-    ck = (_I * max(1, len(crow)))(*[c[2].numel() for c in crow])
-    if any(ck):
-        native._count_each(attn_ops.CLOSE_KEY)
     h = hash_ids.contiguous() if hash_ids is not None else None
     out = torch.empty(b, a.n, a.dim, dtype=native.F32)
-    rc = native._native().lib.dk_decode_layer(
-        a.ref, x.data_ptr(), out.data_ptr(), b, cos.data_ptr(), sin.data_ptr(), sl.data_ptr(), rr.data_ptr(),
-        rv.data_ptr(), tb.data_ptr(), tb.shape[1], nloc, vis.data_ptr() if vis is not None else None, cptr, ck,
-        h.data_ptr() if h is not None else None, torch.get_num_threads())
+    args, keep = _step_args(cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow)
+    rc = native._native().lib.dk_decode_layer(a.ref, x.data_ptr(), out.data_ptr(), b, *args,
+                                              h.data_ptr() if h is not None else None, torch.get_num_threads())
+    del keep
     if rc == -3:
         raise ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})")
     if rc != 0:
         raise MemoryError(f"host kernel decode_layer: error {rc} for x [{b}, {a.n}, {a.dim}]")
     return out
+
+
+def _step_args(cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ring_rows: torch.Tensor,
+               ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int, visible: torch.Tensor | None,
+               crow: tuple[tuple[torch.Tensor, ...], ...]) -> tuple[tuple, list]:
+    """dk_decode_layer's step arguments from cos to ck (the tensors made contiguous, counted where a block closes)
+    and what must stay alive until the call returns."""
+    sl, rr, rv, tb = slots.contiguous(), ring_rows.contiguous(), ring_valid.contiguous(), tables.contiguous()
+    vis = visible.reshape(-1).contiguous() if visible is not None and nloc else None
+    rows = [t.contiguous() for c in crow for t in c]
+    cptr = (_P * max(1, len(rows)))(*[t.data_ptr() for t in rows])
+    ck = (_I * max(1, len(crow)))(*[c[2].numel() for c in crow])
+    if any(ck):
+        native._count_each(attn_ops.CLOSE_KEY)
+    args = (cos.data_ptr(), sin.data_ptr(), sl.data_ptr(), rr.data_ptr(), rv.data_ptr(), tb.data_ptr(), tb.shape[1],
+            nloc, vis.data_ptr() if vis is not None else None, cptr, ck)
+    return args, [sl, rr, rv, tb, vis, rows, cos, sin]
+
+
+def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, rows: list[int],
+             cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ring_rows: torch.Tensor,
+             ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int, visible: torch.Tensor | None,
+             crow: tuple[tuple[torch.Tensor, ...], ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """attn.c `dk_mtp_pass`: an MTP block's pass in one call - step_ops.mtp_input (`inp`), decode_layer (`layer`,
+    the step's arguments as decode_layer takes them) and step_ops.lm_head (`head`) over the streams' rows `rows`
+    (R of them) - with each one's checks; -> (streams [B, n, dim], logits [R, V], their argmax [R]), or None where
+    one of the three would not take its part (nothing counted, no state written)."""
+    a, ia, ha = layer.args, inp.args, head.args
+    b = None if a is None or ia is None or ha is None else packs.step_rows(a, x, cos, sin)
+    if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, None, b) \
+            or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or b * a.n > min(native.max_m(k) for k in ia.limit_keys) \
+            or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) \
+            or not 0 < len(rows) <= min(native.max_m(k) for k in ha.limit_keys) or not 0 <= min(rows) <= max(rows) < b:
+        return None
+    for keys in (ia.keys, a.keys, ha.keys):
+        native._count_each(keys)
+    r = len(rows)
+    out, logits = torch.empty(b, a.n, a.dim, dtype=native.F32), torch.empty(r, ha.vocab, dtype=native.F32)
+    tokens = torch.empty(r, dtype=torch.int64)
+    idc, rc_ = ids.contiguous(), torch.tensor(rows, dtype=torch.int64)
+    args, keep = _step_args(cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow)
+    rc = native._native().lib.dk_mtp_pass(
+        a.ref, ctypes.byref(ia.struct), ctypes.byref(ha.struct), x.data_ptr(), idc.data_ptr(), out.data_ptr(), b,
+        *args, rc_.data_ptr(), r, logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+    del keep
+    if rc == -3:
+        raise IndexError(f"mtp_input: a token id outside [0, {ia.vocab})")
+    if rc != 0:
+        raise MemoryError(f"host kernel mtp_pass: error {rc} for x [{b}, {a.n}, {a.dim}]")
+    return out, logits, tokens

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.host_kernels import moe_ops, native, packs
+from engine.host_kernels.abi import DkHead, DkMtpIn
 from engine.host_kernels.packs import Pack
 from nki_kernels import dispatch, reference
 
@@ -218,13 +219,13 @@ def mtp_input_pack(embed: torch.Tensor, enorm_w: torch.Tensor, hnorm_w: torch.Te
             or any(lin.in_features != dim or lin.out_features != dim for lin in (e_proj, h_proj)):
         return Pack(None, keep)
     keys = ("host.mtp_input", "host.rms_norm", _FMT_COUNT[e_proj.fmt], "host.rms_norm", _FMT_COUNT[h_proj.fmt])
+    norms = (embed.data_ptr(), int(embed.dtype is torch.bfloat16), embed.shape[0], enorm_w.data_ptr(),
+             hnorm_w.data_ptr(), eps)
+    gemms = tuple(v for code, w, sc in (e, h) for v in (code, w.data_ptr(), None if sc is None else sc.data_ptr()))
     return Pack(types.SimpleNamespace(
         dim=dim, vocab=embed.shape[0], keys=tuple((k, native.EXECUTOR) for k in keys),
-        limit_keys=("mhc", packs._FMT_KEY[e_proj.fmt], packs._FMT_KEY[h_proj.fmt]),
-        norms=(embed.data_ptr(), int(embed.dtype is torch.bfloat16), embed.shape[0], enorm_w.data_ptr(),
-               hnorm_w.data_ptr(), eps),
-        gemms=tuple(v for code, w, sc in (e, h) for v in (code, w.data_ptr(), None if sc is None else sc.data_ptr()))),
-        keep)
+        limit_keys=("mhc", packs._FMT_KEY[e_proj.fmt], packs._FMT_KEY[h_proj.fmt]), norms=norms, gemms=gemms,
+        struct=DkMtpIn(*norms, *gemms)), keep)
 
 
 def mtp_input(pack: Pack, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
@@ -260,11 +261,12 @@ def lm_head_pack(fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm
             or tuple(fn.shape) != (n, n * dim) or head.in_features != dim:
         return Pack(None, keep)
     keys = ("host.lm_head", "host.hc_head", "host.rms_norm", _FMT_COUNT[head.fmt])
+    front = (fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps, norm_w.data_ptr())
+    gemm = (g[0], g[1].data_ptr(), g[2].data_ptr() if g[2] is not None else None)
     return Pack(types.SimpleNamespace(
         n=n, dim=dim, vocab=head.out_features, keys=tuple((k, native.EXECUTOR) for k in keys),
-        limit_keys=("mhc", packs._FMT_KEY[head.fmt]),
-        front=(fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps, norm_w.data_ptr()),
-        gemm=(g[0], g[1].data_ptr(), g[2].data_ptr() if g[2] is not None else None)), keep)
+        limit_keys=("mhc", packs._FMT_KEY[head.fmt]), front=front, gemm=gemm,
+        struct=DkHead(*front, *gemm, head.out_features)), keep)
 
 
 def lm_head(pack: Pack, x: torch.Tensor) -> torch.Tensor | None:

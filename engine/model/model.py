@@ -138,6 +138,18 @@ class Transformer(OpsUser, nn.Module):
         (before its hc_head). Writes the block's window KV at positions t (engine/model/mtp_proposer.py)."""
         return self.mtp[k](self.mtp_input(x, next_ids, k), plan, cache, next_ids)
 
+    def mtp_pass(self, x: torch.Tensor, next_ids: torch.Tensor, plan: StepPlan, cache: KVCache, rows: list[int],
+                 k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One drafting pass of MTP block k: `mtp_streams` (its output streams [T, n, dim]), then the head over their
+        rows `rows` -> (streams, fp32 logits [len(rows), vocab] of the tokens two past those rows, their argmax where
+        the op table runs the pass as one call, else None)."""
+        blk: MTPBlock = self.mtp[k]
+        fused = self.ops.block_decoder.mtp_pass(self, blk, x, next_ids, plan, cache.layers[blk.layer_id], rows)
+        if fused is not None:
+            return fused
+        out = self.mtp_streams(x, next_ids, plan, cache, k)
+        return out, self.logits(out[torch.tensor(rows, device=out.device)], blk, blk.norm), None
+
     def mtp_input(self, x: torch.Tensor, next_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """MTP block k's input streams [T, n, dim]: e_proj(enorm(embedding of tokens t+1)) + h_proj(hnorm(x))."""
         blk: MTPBlock = self.mtp[k]

@@ -49,19 +49,25 @@ def _decode_rows(model: Transformer, cache: KVCache) -> int:
     return cache.spare + 1 if model.mtp[0].attn.par is None and model.embed.weight.device.type == "cpu" else 1
 
 
-def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
-                 next_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Run the MTP block over the final positions of `seqs` (rows back to back: hidden [T, n, dim] = the target's
-    last-layer streams there, next_ids [T] = the committed token at each position + 1) and write its window KV.
-    Returns the block's output streams of each sequence's last row [B, n, dim]."""
+def _catch_up_plan(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
+                   next_ids: torch.Tensor, block_size: int) -> tuple[StepPlan, list[int]]:
+    """The catch-up's step plan over the final positions of `seqs` and each sequence's last row in it."""
     steps = _steps(seqs)
     if hidden.shape[0] != steps[-1].token_start + steps[-1].n or next_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"hidden {tuple(hidden.shape)} / next_ids {tuple(next_ids.shape)}: expected one row per "
                          f"final position ({sum(s.n for s in seqs)})")
     plan = StepPlan.build(steps, block_size, device=hidden.device, decode_rows=_decode_rows(model, cache))
+    return plan, [s.token_start + s.n - 1 for s in steps]
+
+
+def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
+                 next_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Run the MTP block over the final positions of `seqs` (rows back to back: hidden [T, n, dim] = the target's
+    last-layer streams there, next_ids [T] = the committed token at each position + 1) and write its window KV.
+    Returns the block's output streams of each sequence's last row [B, n, dim]."""
+    plan, last = _catch_up_plan(model, cache, seqs, hidden, next_ids, block_size)
     out = model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
-    last = torch.tensor([s.token_start + s.n - 1 for s in steps], device=hidden.device)
-    return out[last]
+    return out[torch.tensor(last, device=hidden.device)]
 
 
 def mtp_fill_ring(model: Transformer, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor,
@@ -92,16 +98,18 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
     if cache.spare < num_tokens - 1:
         raise ValueError(f"{num_tokens} MTP drafts write {num_tokens - 1} positions past the last final one; the KV "
                          f"cache holds {cache.spare} (build it with spare >= num_speculative_tokens)")
-    blk = model.mtp[0]
-    x = mtp_catch_up(model, cache, seqs, hidden, next_ids, block_size)  # [B, n, dim]
-    logits = [model.logits(x, blk, blk.norm)]
-    tokens = [sample(logits[0], 0)]
-    for j in range(1, num_tokens):  # speculative ring rows, left in place (module docstring)
+    # the catch-up (persistent), its last rows' logits give draft 1; then the recursion (module docstring)
+    plan, last = _catch_up_plan(model, cache, seqs, hidden, next_ids, block_size)
+    out, lg, tok = model.mtp_pass(hidden, next_ids.to(hidden.device), plan, cache, last)
+    x = out if last == list(range(out.shape[0])) else out[torch.tensor(last, device=out.device)]
+    logits, tokens = [lg], [tok if tok is not None and sample is greedy else sample(lg, 0)]
+    every = list(range(len(seqs)))
+    for j in range(1, num_tokens):
         steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=s.block_table)
                  for i, s in enumerate(seqs)]
-        x = model.mtp_streams(x, tokens[-1], StepPlan.build(steps, block_size, device=x.device), cache)
-        logits.append(model.logits(x, blk, blk.norm))
-        tokens.append(sample(logits[-1], j))
+        x, lg, tok = model.mtp_pass(x, tokens[-1], StepPlan.build(steps, block_size, device=x.device), cache, every)
+        logits.append(lg)
+        tokens.append(tok if tok is not None and sample is greedy else sample(lg, j))
     k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=x.device)
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=k)
 
@@ -114,21 +122,21 @@ class MTPProposer:
     def propose(self, model: Transformer, cache: KVCache, steps: list[SeqStep], hidden: torch.Tensor,
                 captured: torch.Tensor | None, requests: list, block_size: int) -> list[list[int]]:
         dev = hidden.device
-        rows = [steps[r.entry].token_start + torch.arange(r.n) for r in requests]
         out: list[list[int]] = [[] for _ in requests]
         groups = ([i for i, r in enumerate(requests) if r.want == 0], [i for i, r in enumerate(requests) if r.want > 0])
         for idx, drafting in zip(groups, (False, True), strict=True):
             if not idx:
                 continue
-            sel = torch.cat([rows[i] for i in idx]).to(dev)
+            rows = [steps[requests[i].entry].token_start + j for i in idx for j in range(requests[i].n)]
+            x = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=dev)]
             ids = torch.tensor([t for i in idx for t in requests[i].next_ids], dtype=torch.long, device=dev)
             seqs = [draft_input(requests[i], dev) for i in idx]
             if not drafting:
-                mtp_catch_up(model, cache, seqs, hidden[sel], ids, block_size)
+                mtp_catch_up(model, cache, seqs, x, ids, block_size)
                 continue
-            p = propose_mtp(model, cache, seqs, hidden[sel], ids, max(requests[i].want for i in idx), block_size)
-            for j, i in enumerate(idx):
-                out[i] = p.tokens[j, : requests[i].want].tolist()
+            p = propose_mtp(model, cache, seqs, x, ids, max(requests[i].want for i in idx), block_size)
+            for j, toks in zip(idx, p.tokens.tolist(), strict=True):
+                out[j] = toks[: requests[j].want]
         return out
 
 

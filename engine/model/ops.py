@@ -40,6 +40,9 @@ class BlockDecoder(Protocol):
 
     def logits(self, model: Any, x: T, hc: Any, norm: Any) -> T | None: ...
 
+    def mtp_pass(self, model: Any, blk: Any, x: T, next_ids: T, plan: Any, lc: Any,
+                 rows: list[int]) -> tuple[T, T, T] | None: ...
+
 
 class OpByOp:
     """The `BlockDecoder` of tables without fused decode sites: it takes no step."""
@@ -57,6 +60,9 @@ class OpByOp:
         return None
 
     def logits(self, *_: Any) -> None:
+        return None
+
+    def mtp_pass(self, *_: Any) -> None:
         return None
 
 
