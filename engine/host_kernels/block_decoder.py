@@ -107,6 +107,13 @@ class HostBlockDecoder:
         return attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
                                     writes, keep, (*aux["q"], attn.indexer.topk) if native_index else None)
 
+    def attn_front(self, block: Any, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The attention half's front in one `attn_front` call: (post, comb, q, kv before the KV numerics, qr,
+        *the compressors' projections), or None where it does not take the call."""
+        pack = self._front_pack(block)
+        return None if pack is None else attn_front(pack, x, cos, sin)
+
     # -- the MoE half and the MoE FFN ----------------------------------------------------------------------------
     def ffn_half(self, block: Any, x: torch.Tensor, plan: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The block's MoE half (hc_pre, gate, MoE FFN, hc_expand) in one `ffn_site` call, or None."""

@@ -36,6 +36,11 @@ class BlockDecoder(Protocol):
 
     def ffn_half(self, block: Any, x: T, plan: Any, input_ids: T) -> T | None: ...
 
+    def attn_front(self, block: Any, x: T, cos: T, sin: T) -> tuple[T, ...] | None:
+        """The attention half's front alone (hc_pre, q, kv, the compressors' projections): (post, comb, q, kv before
+        the KV numerics, qr, *projections), or None (the DSpark block attends its own keys after it)."""
+        ...
+
 
 class OpByOp:
     """The `BlockDecoder` of tables without fused decode sites: it takes no step."""
@@ -47,6 +52,9 @@ class OpByOp:
         return None
 
     def ffn_half(self, *_: Any) -> None:
+        return None
+
+    def attn_front(self, *_: Any) -> None:
         return None
 
 
