@@ -24,6 +24,8 @@ from engine.host_kernels.step_ops import ffn_site, site_pack
 _NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
              torch.empty(0, 1))
 
+_NO_TABLES = torch.zeros(1, 1, dtype=torch.int64)  # `ring_layer`: no compressed entry, no block table read
+
 
 def _none() -> None:
     return None
@@ -54,15 +56,33 @@ class HostBlockDecoder:
         if dyn[-1] and self._closing_over_limit(dyn[-2]):
             return None
 
+        g = block.ffn.gate
+        return decode_layer(self._layer_pack(block, lc), x, *dyn[:-1], g.tid2eid[input_ids] if g.hash else None)
+
+    def ring_layer(self, block: Any, x: torch.Tensor, lc: Any, slots: torch.Tensor, ring_rows: torch.Tensor,
+                   ring_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   input_ids: torch.Tensor) -> torch.Tensor | None:
+        """A sliding-only block over rows whose window the caller says (the DSpark block: its rows see the context
+        and each other) in one `decode_layer` call: every row's kv written at ring_rows [B] of its slot's ring
+        (slots [B]) first, then each row attends over the ring rows ring_valid [B, wl] marks; or None where it does
+        not take the call (nothing written)."""
+        a = block.attn
+        if not self.use_layer or a.ratio or a.par is not None or lc.win_store.fmt != "auto" \
+                or torch.compiler.is_compiling():
+            return None
+        g = block.ffn.gate
+        return decode_layer(self._layer_pack(block, lc), x, cos, sin, slots, ring_rows, ring_valid, _NO_TABLES, 0,
+                            None, (), g.tid2eid[input_ids] if g.hash else None)
+
+    def _layer_pack(self, block: Any, lc: Any) -> Any:
+        """The block's `decode_layer` pack for layer cache `lc`."""
         def build() -> Any:  # the three sites' packs (each made again if stale), then the layer's from them
             site = self._site_pack(block)
             if site is None:
                 return layer_pack(None, None, None)
-            return layer_pack(self._front_pack(block), self._decode_pack(attn, lc), site)
+            return layer_pack(self._front_pack(block), self._decode_pack(block.attn, lc), site)
 
-        g = block.ffn.gate
-        return decode_layer(self.packs.get(block, "layer", build, lc), x, *dyn[:-1],
-                                      g.tid2eid[input_ids] if g.hash else None)
+        return self.packs.get(block, "layer", build, lc)
 
     # -- the attention half --------------------------------------------------------------------------------------
     def attn_half(self, block: Any, x: torch.Tensor, plan: Any, lc: Any) -> torch.Tensor | None:

@@ -41,6 +41,12 @@ class BlockDecoder(Protocol):
         the KV numerics, qr, *projections), or None (the DSpark block attends its own keys after it)."""
         ...
 
+    def ring_layer(self, block: Any, x: T, lc: Any, slots: T, ring_rows: T, ring_valid: T, cos: T, sin: T,
+                   input_ids: T) -> T | None:
+        """A sliding-only block over rows whose ring rows and masks the caller gives (each row's kv written at its
+        ring row first), in one call, or None."""
+        ...
+
 
 class OpByOp:
     """The `BlockDecoder` of tables without fused decode sites: it takes no step."""
@@ -55,6 +61,9 @@ class OpByOp:
         return None
 
     def attn_front(self, *_: Any) -> None:
+        return None
+
+    def ring_layer(self, *_: Any) -> None:
         return None
 
 
