@@ -103,6 +103,22 @@ class DSparkAttention(Attention):
         wl = cache.win_kv.shape[1]
         return cache.win_store[slots], self._ring_valid(last, wl) if valid is None else valid
 
+    def ring_inputs(self, cache: LayerCache, slots: torch.Tensor, pos: torch.Tensor, ctx_valid: torch.Tensor,
+                    ) -> tuple | None:
+        """`block_forward`'s `ring` for a block at positions pos [B, bs] of slots [B] whose context mask is ctx_valid
+        [B, wl]: the block's keys go to the ring rows of its positions, and every row sees the valid context rows and
+        the block's rows. None under cp, or where the ring has no room for the block past a window (spare rows <
+        bs): its rows would overwrite context keys. The rows written are past the last final position, so
+        `ring_context` masks them, and `write_context` writes them when their positions become final."""
+        b, bs = pos.shape
+        wl = cache.win_kv.shape[1]
+        if self.cp != 1 or wl < self.win + bs:
+            return None
+        rows = pos % wl
+        mask = ctx_valid.clone()
+        mask.scatter_(1, rows, True)
+        return (cache, slots.repeat_interleave(bs), rows.flatten(), mask.repeat_interleave(bs, 0))
+
     def block_valid(self, ctx_valid: torch.Tensor, bs: int) -> torch.Tensor:
         """Which keys each block query sees: ctx_valid [B, N] -> [B, bs, N + bs], every valid context key and
         every block key (non-causal inside the block)."""
@@ -152,12 +168,18 @@ class DSparkBlock(Block):
 
     def block_forward(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
                       ctx_valid: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      valid: torch.Tensor | None = None) -> torch.Tensor:
+                      valid: torch.Tensor | None = None, ring: tuple | None = None) -> torch.Tensor:
         """Streams x [B*bs, n, dim] of the block (ids / positions [B*bs]) -> [B*bs, n, dim]. `rope` (cos, sin of
-        pos) and `valid` (`DSparkAttention.block_valid`) are every stage's: the caller may make them once. The
-        attention's front (hc_pre, q, kv) and the MoE half run as the op table's fused sites where it has them."""
+        pos) and `valid` (`DSparkAttention.block_valid`) are every stage's: the caller may make them once. `ring`
+        (layer cache, then per row: slot, ring row, ring mask; `ring_inputs`): the whole stage as the op table's
+        `ring_layer` where it takes it (the block's keys written to the ring's spare rows). Else the attention's front
+        (hc_pre, q, kv) and the MoE half run as the table's fused sites where it has them."""
         a, ops = self.attn, self.ops
         cos, sin = rope if rope is not None else a.rope.cos_sin(pos)
+        if ring is not None:
+            out = ops.block_decoder.ring_layer(self, x, *ring, cos, sin, ids)
+            if out is not None:
+                return out
         if valid is None:
             valid = a.block_valid(ctx_valid, x.shape[0] // ctx.shape[0])
         front = ops.block_decoder.attn_front(self, x, cos, sin)

@@ -101,18 +101,20 @@ def write_context(model: Transformer, cache: KVCache, seqs: list[DraftInput], ca
 
 
 def block_streams(model: Transformer, ids: torch.Tensor, pos: torch.Tensor,
-                  context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                  context: list[tuple[torch.Tensor, torch.Tensor]], rings: list | None = None) -> torch.Tensor:
     """The stages over a block: ids / pos [B, bs], `context` per stage (keys [B, N, head_dim], valid [B, N]) ->
-    the last stage's streams [B*bs, n, dim]."""
+    the last stage's streams [B*bs, n, dim]. `rings`: per stage its `ring_inputs` (or None), where the block runs
+    over the stages' rings in the cache."""
     stages = _stages(model)
     ids, pos = ids.flatten(), pos.flatten()
     x = model.streams(ids)
     rope = stages[0].attn.rope.cos_sin(pos)  # every stage's: the plain base (DSparkAttention)
-    masks: dict[int, torch.Tensor] = {}  # per context mask: the stages of one ring length share one
-    for st, (ctx, valid) in zip(stages, context, strict=True):
-        if id(valid) not in masks:
+    masks: dict[int, torch.Tensor] = {}  # per context mask, made where a stage needs it: stages share one
+    for i, (st, (ctx, valid)) in enumerate(zip(stages, context, strict=True)):
+        ring = rings[i] if rings is not None else None
+        if ring is None and id(valid) not in masks:
             masks[id(valid)] = st.attn.block_valid(valid, ids.shape[0] // ctx.shape[0])
-        x = st.block_forward(x, ids, pos, ctx, valid, rope, masks[id(valid)])
+        x = st.block_forward(x, ids, pos, ctx, valid, rope, masks.get(id(valid)), ring)
     return x
 
 
@@ -158,13 +160,17 @@ def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last
     ids[:, 0] = bonus
     pos = last[:, None] + 1 + torch.arange(bs, device=dev)
     valid: dict[tuple[int, int], torch.Tensor] = {}  # per (window, ring length): the stages share one
-    context = []
+    rings: dict[tuple[int, int], tuple | None] = {}
+    context, stage_rings = [], []
     for st in stages:
         lc = cache.layers[st.layer_id]
         key = (st.attn.win, lc.win_kv.shape[1])
         keys, valid[key] = st.attn.ring_context(slots, last, lc, valid.get(key))
         context.append((keys, valid[key]))
-    h, base = block_head(model, block_streams(model, ids, pos, context))
+        if key not in rings:
+            rings[key] = st.attn.ring_inputs(lc, slots, pos, valid[key])
+        stage_rings.append(None if rings[key] is None else (lc, *rings[key][1:]))
+    h, base = block_head(model, block_streams(model, ids, pos, context, stage_rings))
     h, base = h.view(len(slots), bs, -1), base.view(len(slots), bs, -1)
     markov = stages[-1].markov_head
     prev, tokens, logits, embs = bonus, [], [], []
