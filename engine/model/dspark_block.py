@@ -30,7 +30,8 @@ class MarkovHead(nn.Module):
 
     def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """markov_w1[prev] in fp32: [...] -> [..., rank]."""
-        return self.markov_w1.weight[prev_ids].float()
+        w = self.markov_w1.weight
+        return w.index_select(0, prev_ids.reshape(-1)).view(*prev_ids.shape, w.shape[1]).float()
 
     def bias(self, emb: torch.Tensor) -> torch.Tensor:
         """The logit bias of a Markov embedding, fp32: [..., rank] -> [..., vocab]."""
@@ -93,13 +94,13 @@ class DSparkAttention(Attention):
             return
         kv = self.context_kv(main_x, pos, rope)
         wl = cache.win_kv.shape[1]
-        cache.win_store[slots, torch.div(pos, self.cp, rounding_mode="floor") % wl] = kv
+        cache.win_store[slots, (pos if self.cp == 1 else torch.div(pos, self.cp, rounding_mode="floor")) % wl] = kv
 
-    def ring_context(self, slots: torch.Tensor, last: torch.Tensor, cache: LayerCache,
+    def ring_context(self, slots: torch.Tensor, last: torch.Tensor | None, cache: LayerCache,
                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's window of context keys for sequences whose last context position is last [B]: keys
         [B, wl, head_dim] and which rows hold a position <= last (the ring is filled for every final position;
-        `valid`: that mask, where another stage of the same window and ring length made it)."""
+        `valid`: that mask, where the caller made it already, then `last` is not read)."""
         wl = cache.win_kv.shape[1]
         return cache.win_store[slots], self._ring_valid(last, wl) if valid is None else valid
 
@@ -166,13 +167,14 @@ class DSparkBlock(Block):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         raise TypeError("a DSpark stage runs a whole draft block: engine.model.dspark_proposer.propose_dspark")
 
-    def block_forward(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
+    def block_forward(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor | None,
                       ctx_valid: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                       valid: torch.Tensor | None = None, ring: tuple | None = None) -> torch.Tensor:
         """Streams x [B*bs, n, dim] of the block (ids / positions [B*bs]) -> [B*bs, n, dim]. `rope` (cos, sin of
         pos) and `valid` (`DSparkAttention.block_valid`) are every stage's: the caller may make them once. `ring`
         (layer cache, then per row: slot, ring row, ring mask; `ring_inputs`): the whole stage as the op table's
-        `ring_layer` where it takes it (the block's keys written to the ring's spare rows). Else the attention's front
+        `ring_layer` where it takes it (the block's keys written to the ring's spare rows; `ctx` None: gathered from
+        that ring where it does not). Else the attention's front
         (hc_pre, q, kv) and the MoE half run as the table's fused sites where it has them."""
         a, ops = self.attn, self.ops
         cos, sin = rope if rope is not None else a.rope.cos_sin(pos)
@@ -180,6 +182,8 @@ class DSparkBlock(Block):
             out = ops.block_decoder.ring_layer(self, x, *ring, cos, sin, ids)
             if out is not None:
                 return out
+        if ctx is None:  # the context keys, gathered only here: where a stage runs op by op
+            ctx = a.ring_context(ring[1][::pos.shape[0] // ctx_valid.shape[0]], None, ring[0], ctx_valid)[0]
         if valid is None:
             valid = a.block_valid(ctx_valid, x.shape[0] // ctx.shape[0])
         front = ops.block_decoder.attn_front(self, x, cos, sin)

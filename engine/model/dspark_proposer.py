@@ -113,7 +113,7 @@ def block_streams(model: Transformer, ids: torch.Tensor, pos: torch.Tensor,
     for i, (st, (ctx, valid)) in enumerate(zip(stages, context, strict=True)):
         ring = rings[i] if rings is not None else None
         if ring is None and id(valid) not in masks:
-            masks[id(valid)] = st.attn.block_valid(valid, ids.shape[0] // ctx.shape[0])
+            masks[id(valid)] = st.attn.block_valid(valid, ids.shape[0] // valid.shape[0])
         x = st.block_forward(x, ids, pos, ctx, valid, rope, masks.get(id(valid)), ring)
     return x
 
@@ -165,11 +165,13 @@ def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last
     for st in stages:
         lc = cache.layers[st.layer_id]
         key = (st.attn.win, lc.win_kv.shape[1])
-        keys, valid[key] = st.attn.ring_context(slots, last, lc, valid.get(key))
-        context.append((keys, valid[key]))
-        if key not in rings:
+        if key not in valid:
+            valid[key] = st.attn._ring_valid(last, key[1])
             rings[key] = st.attn.ring_inputs(lc, slots, pos, valid[key])
-        stage_rings.append(None if rings[key] is None else (lc, *rings[key][1:]))
+        ring = None if rings[key] is None else (lc, *rings[key][1:])
+        # the context keys: gathered now for a stage that runs op by op, else by block_forward where it must
+        context.append((None if ring else st.attn.ring_context(slots, last, lc, valid[key])[0], valid[key]))
+        stage_rings.append(ring)
     h, base = block_head(model, block_streams(model, ids, pos, context, stage_rings))
     h, base = h.view(len(slots), bs, -1), base.view(len(slots), bs, -1)
     markov = stages[-1].markov_head
