@@ -31,6 +31,8 @@ class MarkovHead(nn.Module):
     def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """markov_w1[prev] in fp32: [...] -> [..., rank]."""
         w = self.markov_w1.weight
+        if prev_ids.dim() == 1:
+            return w.index_select(0, prev_ids).float()
         return w.index_select(0, prev_ids.reshape(-1)).view(*prev_ids.shape, w.shape[1]).float()
 
     def bias(self, emb: torch.Tensor) -> torch.Tensor:

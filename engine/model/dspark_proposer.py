@@ -90,12 +90,15 @@ def write_context(model: Transformer, cache: KVCache, seqs: list[DraftInput], ca
     back, `hidden_and_capture`'s output for exactly those rows) into every stage's ring."""
     stages = _stages(model)
     a0 = stages[0].attn
-    rows, slots, pos = (torch.tensor(v, dtype=torch.long, device=captured.device) for v in a0.context_rows(seqs))
-    if not rows.numel():
+    rows, slots, pos = a0.context_rows(seqs)
+    if not rows:
         return
+    if rows != list(range(captured.shape[0])):  # else every row, in order: no gather
+        captured = captured.index_select(0, torch.tensor(rows, device=captured.device))
+    slots, pos = torch.tensor([slots, pos], dtype=torch.long, device=captured.device)
     # which rows and their RoPE: the same for every stage (one window, the plain base: DSparkAttention)
     at = (slots, pos, a0.rope.cos_sin(pos))
-    main_x = main_context(model, captured.index_select(0, rows))
+    main_x = main_context(model, captured)
     for st in stages:
         st.attn.write_context(main_x, seqs, cache.layers[st.layer_id], at)
 
