@@ -179,9 +179,9 @@ def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last
     h, base = h.view(len(slots), bs, -1), base.view(len(slots), bs, -1)
     markov = stages[-1].markov_head
     prev, tokens, logits, embs = bonus, [], [], []
-    for k in range(bs):
+    for k, base_k in enumerate(base.unbind(1)):
         embs.append(markov.embed(prev))
-        logits.append(base[:, k] + markov.bias(embs[-1]))
+        logits.append(base_k + markov.bias(embs[-1]))
         prev = sample(logits[-1], k)
         tokens.append(prev)
     conf = stages[-1].confidence_head(h, torch.stack(embs, 1)) if confidence or threshold > 0 else None
