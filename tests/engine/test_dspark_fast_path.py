@@ -38,9 +38,10 @@ def _native_rows() -> bool:
     return all(H.max_m(k) >= 10 for k in ("mhc", "sparse_attn", "linear", "fp8", "fp4"))
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, ring: bool) -> tuple[list, list, int, int, dict]:
+def _run(monkeypatch: pytest.MonkeyPatch, ring: bool) -> tuple[list, list, int, int, dict, dict, int]:
     """Greedy DSpark on tiny-spec-dspark with host kernels: (tokens, logits, eager chunks past the prompts,
-    accepted drafts, dispatch counts of the draft calls); `ring` False: the stages op by op."""
+    accepted drafts, dispatch counts of the draft calls, of the target steps, decode steps: every step after the one
+    prefill step); `ring` False: the stages op by op."""
     late_chunks = [0]
     real_chunk = Attention._chunk
 
@@ -67,19 +68,25 @@ def _run(monkeypatch: pytest.MonkeyPatch, ring: bool) -> tuple[list, list, int, 
         m.setattr(run, "draft", draft)
         late_chunks[0] = 0
         outs, logits = greedy_with_logits(eng, PROMPTS, NEW)
-    return outs, logits, late_chunks[0], eng.spec_stats.num_accepted_tokens, draft_counts
+    target = {k: v - draft_counts.get(k, 0) for k, v in run.dispatcher.counts.items()}
+    return (outs, logits, late_chunks[0], eng.spec_stats.num_accepted_tokens, draft_counts, target,
+            eng.stats().num_steps - 1)
 
 
 def test_dspark_verify_and_draft_take_the_native_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    outs, logits, late, accepted, counts = _run(monkeypatch, ring=True)
+    outs, logits, late, accepted, counts, target, steps = _run(monkeypatch, ring=True)
     plain_outs, plain_logits = greedy_with_logits(_engine("none"), PROMPTS, NEW)
     assert outs == plain_outs  # greedy speculation is plain decoding
     dlogit = max(float((a - b).abs().max()) for a, b in zip(logits, plain_logits, strict=True))
     assert dlogit <= FP32_LOGIT_TOL, dlogit
     assert late == 0  # the verify steps with the capture ran as decode rows, not the eager chunk path
-    ref_outs, _, _, ref_accepted, ref_counts = _run(monkeypatch, ring=False)
+    ref_outs, _, _, ref_accepted, ref_counts, _, _ = _run(monkeypatch, ring=False)
     assert ref_outs == outs and accepted == ref_accepted > 0  # the same drafts, accepted as often
     if _native_rows():
+        # every decode step (its verify rows and the capture): the target's 4 layers' attention natively, as in
+        # a plain decode step, the layers whose indexer does not select in one call
+        assert steps > 0 and target[("host.attn_decode", "host")] >= 4 * steps
+        assert target[("host.decode_layer", "host")] >= steps
         key = ("host.decode_layer", "host")
         drafts = counts.get(("host.hc_head", "host"), 0)  # one head per block
         assert drafts > 0 and counts.get(key, 0) >= 2 * drafts  # both stages of every block: one call each
