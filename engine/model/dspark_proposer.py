@@ -150,11 +150,13 @@ def confident_prefix(confidence: torch.Tensor, threshold: float) -> torch.Tensor
 
 def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last: torch.Tensor,
                    bonus: torch.Tensor, sample: Sampler = greedy, threshold: float = 0.0,
-                   confidence: bool = True) -> Proposal:
+                   confidence: bool = True, drafts: int | None = None) -> Proposal:
     """One DSpark block per sequence: slots [B], last [B] = the last final position (its context written by
     `write_context`), bonus [B] = the token at last + 1. Returns dspark_block_size drafts (tokens at last + 2 ...),
     drawn left to right through the Markov head, and how many survive the confidence cut (`confidence` False and
-    no threshold: the confidence head does not run, `Proposal.confidence` is None)."""
+    no threshold: the confidence head does not run, `Proposal.confidence` is None). `drafts`: only the first that
+    many go through the Markov head (no caller wants more; the block itself runs whole: its attention is
+    non-causal)."""
     stages, cfg = _stages(model), model.cfg
     bs = cfg.dspark_block_size
     dev = model.embed.weight.device
@@ -179,13 +181,15 @@ def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last
     h, base = h.view(len(slots), bs, -1), base.view(len(slots), bs, -1)
     markov = stages[-1].markov_head
     prev, tokens, logits, embs = bonus, [], [], []
-    for k, base_k in enumerate(base.unbind(1)):
+    for k, base_k in enumerate(base.unbind(1)[:drafts]):
         embs.append(markov.embed(prev))
         logits.append(base_k + markov.bias(embs[-1]))
         prev = sample(logits[-1], k)
         tokens.append(prev)
-    conf = stages[-1].confidence_head(h, torch.stack(embs, 1)) if confidence or threshold > 0 else None
-    keep = confident_prefix(conf, threshold) if conf is not None else torch.full((len(slots),), bs, device=dev)
+    conf = stages[-1].confidence_head(h[:, :len(embs)], torch.stack(embs, 1)) if confidence or threshold > 0 \
+        else None
+    keep = confident_prefix(conf, threshold) if conf is not None else torch.full((len(slots),), len(tokens),
+                                                                                  device=dev)
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=keep,
                     confidence=conf)
 
@@ -216,7 +220,8 @@ class DSparkProposer:
         if want:
             p = propose_dspark(model, cache, torch.tensor([requests[i].slot for i in want]),
                                torch.tensor([seqs[i].last for i in want]),
-                               torch.tensor([requests[i].next_ids[-1] for i in want]), confidence=False)
+                               torch.tensor([requests[i].next_ids[-1] for i in want]), confidence=False,
+                               drafts=max(requests[i].want for i in want))
             keep = p.num_proposed.tolist()
             for j, (i, toks) in enumerate(zip(want, p.tokens.tolist(), strict=True)):
                 out[i] = toks[: min(requests[i].want, keep[j])]

@@ -126,6 +126,9 @@ def test_a_block_on_the_ring_writes_past_the_context_only() -> None:
         HostBlockDecoder.ring_layer = real
     assert torch.equal(on_ring.tokens, op_by_op.tokens)
     assert (on_ring.logits - op_by_op.logits).abs().max() <= FP32_LOGIT_TOL
+    # the engine asks for no more drafts than a request wants: the first ones, the same
+    short = dspark.propose_dspark(model, cache, torch.tensor([0]), torch.tensor([last]), torch.tensor([5]), drafts=2)
+    assert torch.equal(short.tokens, on_ring.tokens[:, :2]) and short.num_proposed.tolist() == [2]
     # a ring without spare rows for the block: no ring inputs (its writes would land on context rows)
     attn = model.mtp[0].attn
     pos = last + 1 + torch.arange(bs)[None]
