@@ -25,6 +25,8 @@ from engine.host_kernels.step_ops import ffn_site, lm_head, lm_head_pack, mtp_in
 _NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, 1),
              torch.empty(0, 1))
 
+_NO_TABLES = torch.zeros(1, 1, dtype=torch.int64)  # `ring_layer`: no compressed entry, no block table read
+
 
 def _none() -> None:
     return None
@@ -58,6 +60,21 @@ class HostBlockDecoder:
 
         g = block.ffn.gate
         return decode_layer(self._layer_pack(block, lc), x, *dyn[:-1], g.tid2eid[input_ids] if g.hash else None)
+
+    def ring_layer(self, block: Any, x: torch.Tensor, lc: Any, slots: torch.Tensor, ring_rows: torch.Tensor,
+                   ring_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   input_ids: torch.Tensor) -> torch.Tensor | None:
+        """A sliding-only block over rows whose window the caller says (the DSpark block: its rows see the context
+        and each other) in one `decode_layer` call: every row's kv written at ring_rows [B] of its slot's ring
+        (slots [B]) first, then each row attends over the ring rows ring_valid [B, wl] marks; or None where it does
+        not take the call (nothing written)."""
+        a = block.attn
+        if not self.use_layer or a.ratio or a.par is not None or lc.win_store.fmt != "auto" \
+                or torch.compiler.is_compiling():
+            return None
+        g = block.ffn.gate
+        return decode_layer(self._layer_pack(block, lc), x, cos, sin, slots, ring_rows, ring_valid, _NO_TABLES, 0,
+                            None, (), g.tid2eid[input_ids] if g.hash else None)
 
     def _layer_pack(self, block: Any, lc: Any) -> Any:
         """The block's `decode_layer` pack for layer cache `lc`."""
@@ -111,6 +128,13 @@ class HostBlockDecoder:
         # else, where the indexer selects, attn_decode scores the entries and picks them after the writes
         return attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
                                     writes, keep, (*aux["q"], attn.indexer.topk) if native_index else None)
+
+    def attn_front(self, block: Any, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The attention half's front in one `attn_front` call: (post, comb, q, kv before the KV numerics, qr,
+        *the compressors' projections), or None where it does not take the call."""
+        pack = self._front_pack(block)
+        return None if pack is None else attn_front(pack, x, cos, sin)
 
     # -- the MoE half and the MoE FFN ----------------------------------------------------------------------------
     def ffn_half(self, block: Any, x: torch.Tensor, plan: Any, input_ids: torch.Tensor) -> torch.Tensor | None:

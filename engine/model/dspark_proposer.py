@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.cache import KVCache, StepPlan
+from engine.model.cache import DraftInput, KVCache, StepPlan
 from engine.model.dspark_block import DSparkBlock
 from engine.model.model import Transformer
-from engine.model.mtp_proposer import DraftInput, draft_input
 from engine.model.proposer import Proposal, Sampler, greedy
-from nki_kernels.reference import hc_head
+
+_NO_TABLE = torch.empty(0, dtype=torch.long)  # DSpark's rings are sliding: no block table read
 
 
 def _stages(model: Transformer) -> list[DSparkBlock]:
@@ -63,13 +63,20 @@ def hidden_and_capture(model: Transformer, input_ids: torch.Tensor, plan: StepPl
     """`Transformer.hidden` that also returns DSpark's context input: the streams entering each target layer
     (`layer_ids`, default the config's dspark_target_layer_ids), averaged over the hc streams and concatenated ->
     (last-layer streams [T, n, dim], captured [T, ncap*dim])."""
-    ids = set(model.cfg.dspark_target_layer_ids if layer_ids is None else layer_ids)
-    x, caps = model.streams(input_ids), []
+    ids = model.cfg.dspark_target_layer_ids if layer_ids is None else layer_ids
+    x = model.streams(input_ids)
+    t, dim = x.shape[0], x.shape[-1]
+    captured = torch.empty(t, len(ids) * dim, dtype=x.dtype, device=x.device)
     for layer in model.layers:
         if layer.layer_id in ids:
-            caps.append(x.float().mean(1).to(x.dtype))
+            i = ids.index(layer.layer_id)
+            out = captured[:, i * dim: (i + 1) * dim]
+            if x.dtype is torch.float32:
+                torch.mean(x, 1, out=out)
+            else:
+                out.copy_(x.float().mean(1))
         x = layer(x, plan, cache, input_ids)
-    return x, torch.cat(caps, -1)
+    return x, captured
 
 
 def main_context(model: Transformer, captured: torch.Tensor) -> torch.Tensor:
@@ -81,25 +88,43 @@ def main_context(model: Transformer, captured: torch.Tensor) -> torch.Tensor:
 def write_context(model: Transformer, cache: KVCache, seqs: list[DraftInput], captured: torch.Tensor) -> None:
     """After a target step: write the context keys of the positions that became final (rows of `captured` back to
     back, `hidden_and_capture`'s output for exactly those rows) into every stage's ring."""
+    stages = _stages(model)
+    a0 = stages[0].attn
+    rows, slots, pos = a0.context_rows(seqs)
+    if not rows:
+        return
+    if rows != list(range(captured.shape[0])):  # else every row, in order: no gather
+        captured = captured.index_select(0, torch.tensor(rows, device=captured.device))
+    slots, pos = torch.tensor([slots, pos], dtype=torch.long, device=captured.device)
+    # which rows and their RoPE: the same for every stage (one window, the plain base: DSparkAttention)
+    at = (slots, pos, a0.rope.cos_sin(pos))
     main_x = main_context(model, captured)
-    for st in _stages(model):
-        st.attn.write_context(main_x, seqs, cache.layers[st.layer_id])
+    for st in stages:
+        st.attn.write_context(main_x, seqs, cache.layers[st.layer_id], at)
 
 
 def block_streams(model: Transformer, ids: torch.Tensor, pos: torch.Tensor,
-                  context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                  context: list[tuple[torch.Tensor, torch.Tensor]], rings: list | None = None) -> torch.Tensor:
     """The stages over a block: ids / pos [B, bs], `context` per stage (keys [B, N, head_dim], valid [B, N]) ->
-    the last stage's streams [B*bs, n, dim]."""
-    x = model.streams(ids.flatten())
-    for st, (ctx, valid) in zip(_stages(model), context, strict=True):
-        x = st.block_forward(x, ids.flatten(), pos.flatten(), ctx, valid)
+    the last stage's streams [B*bs, n, dim]. `rings`: per stage its `ring_inputs` (or None), where the block runs
+    over the stages' rings in the cache."""
+    stages = _stages(model)
+    ids, pos = ids.flatten(), pos.flatten()
+    x = model.streams(ids)
+    rope = stages[0].attn.rope.cos_sin(pos)  # every stage's: the plain base (DSparkAttention)
+    masks: dict[int, torch.Tensor] = {}  # per context mask, made where a stage needs it: stages share one
+    for i, (st, (ctx, valid)) in enumerate(zip(stages, context, strict=True)):
+        ring = rings[i] if rings is not None else None
+        if ring is None and id(valid) not in masks:
+            masks[id(valid)] = st.attn.block_valid(valid, ids.shape[0] // valid.shape[0])
+        x = st.block_forward(x, ids, pos, ctx, valid, rope, masks.get(id(valid)), ring)
     return x
 
 
 def block_head(model: Transformer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Last stage's streams [M, n, dim] -> (h [M, dim] = hc_head output before `norm`, base logits [M, vocab] fp32)."""
     last, c = _stages(model)[-1], model.cfg
-    h = hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
+    h = model.ops.hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
     return h, model.head(model.ops.rms_norm(h, last.norm.weight, c.norm_eps).float())
 
 
@@ -124,10 +149,14 @@ def confident_prefix(confidence: torch.Tensor, threshold: float) -> torch.Tensor
 
 
 def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last: torch.Tensor,
-                   bonus: torch.Tensor, sample: Sampler = greedy, threshold: float = 0.0) -> Proposal:
+                   bonus: torch.Tensor, sample: Sampler = greedy, threshold: float = 0.0,
+                   confidence: bool = True, drafts: int | None = None) -> Proposal:
     """One DSpark block per sequence: slots [B], last [B] = the last final position (its context written by
     `write_context`), bonus [B] = the token at last + 1. Returns dspark_block_size drafts (tokens at last + 2 ...),
-    drawn left to right through the Markov head, and how many survive the confidence cut."""
+    drawn left to right through the Markov head, and how many survive the confidence cut (`confidence` False and
+    no threshold: the confidence head does not run, `Proposal.confidence` is None). `drafts`: only the first that
+    many go through the Markov head (no caller wants more; the block itself runs whole: its attention is
+    non-causal)."""
     stages, cfg = _stages(model), model.cfg
     bs = cfg.dspark_block_size
     dev = model.embed.weight.device
@@ -135,19 +164,34 @@ def propose_dspark(model: Transformer, cache: KVCache, slots: torch.Tensor, last
     ids = torch.full((len(slots), bs), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
     ids[:, 0] = bonus
     pos = last[:, None] + 1 + torch.arange(bs, device=dev)
-    context = [st.attn.ring_context(slots, last, cache.layers[st.layer_id]) for st in stages]
-    h, base = block_head(model, block_streams(model, ids, pos, context))
+    valid: dict[tuple[int, int], torch.Tensor] = {}  # per (window, ring length): the stages share one
+    rings: dict[tuple[int, int], tuple | None] = {}
+    context, stage_rings = [], []
+    for st in stages:
+        lc = cache.layers[st.layer_id]
+        key = (st.attn.win, lc.win_kv.shape[1])
+        if key not in valid:
+            valid[key] = st.attn._ring_valid(last, key[1])
+            rings[key] = st.attn.ring_inputs(lc, slots, pos, valid[key])
+        ring = None if rings[key] is None else (lc, *rings[key][1:])
+        # the context keys: gathered now for a stage that runs op by op, else by block_forward where it must
+        context.append((None if ring else st.attn.ring_context(slots, last, lc, valid[key])[0], valid[key]))
+        stage_rings.append(ring)
+    h, base = block_head(model, block_streams(model, ids, pos, context, stage_rings))
     h, base = h.view(len(slots), bs, -1), base.view(len(slots), bs, -1)
     markov = stages[-1].markov_head
     prev, tokens, logits, embs = bonus, [], [], []
-    for k in range(bs):
+    for k, base_k in enumerate(base.unbind(1)[:drafts]):
         embs.append(markov.embed(prev))
-        logits.append(base[:, k] + markov.bias(embs[-1]))
+        logits.append(base_k + markov.bias(embs[-1]))
         prev = sample(logits[-1], k)
         tokens.append(prev)
-    confidence = stages[-1].confidence_head(h, torch.stack(embs, 1))
-    return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1),
-                    num_proposed=confident_prefix(confidence, threshold), confidence=confidence)
+    conf = stages[-1].confidence_head(h[:, :len(embs)], torch.stack(embs, 1)) if confidence or threshold > 0 \
+        else None
+    keep = confident_prefix(conf, threshold) if conf is not None else torch.full((len(slots),), len(tokens),
+                                                                                  device=dev)
+    return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=keep,
+                    confidence=conf)
 
 
 class DSparkProposer:
@@ -164,17 +208,21 @@ class DSparkProposer:
                 captured: torch.Tensor | None, requests: list, block_size: int) -> list[list[int]]:
         if captured is None:
             raise RuntimeError("DSpark drafting needs the captured context of the target step")
-        dev = hidden.device
-        rows = [steps[r.entry].token_start + torch.arange(r.n) for r in requests]
-        inputs = [draft_input(r, dev) for r in requests]
-        write_context(model, cache, inputs, captured[torch.cat(rows).to(dev)])
+        rows = [j for r in requests for j in range(steps[r.entry].token_start, steps[r.entry].token_start + r.n)]
+        seqs = [DraftInput(slot=r.slot, start=r.start, n=r.n, block_table=_NO_TABLE) for r in requests]
+        if rows == list(range(len(rows))):  # the step's rows in order (a decode step): no gather
+            captured = captured[: len(rows)]
+        else:
+            captured = captured.index_select(0, torch.tensor(rows, device=captured.device))
+        write_context(model, cache, seqs, captured)
         want = [i for i, r in enumerate(requests) if r.want > 0]
         out: list[list[int]] = [[] for _ in requests]
         if want:
             p = propose_dspark(model, cache, torch.tensor([requests[i].slot for i in want]),
-                               torch.tensor([inputs[i].last for i in want]),
-                               torch.tensor([requests[i].next_ids[-1] for i in want]))
+                               torch.tensor([seqs[i].last for i in want]),
+                               torch.tensor([requests[i].next_ids[-1] for i in want]), confidence=False,
+                               drafts=max(requests[i].want for i in want))
             keep = p.num_proposed.tolist()
-            for j, i in enumerate(want):
-                out[i] = p.tokens[j, : min(requests[i].want, keep[j])].tolist()
+            for j, (i, toks) in enumerate(zip(want, p.tokens.tolist(), strict=True)):
+                out[i] = toks[: min(requests[i].want, keep[j])]
         return out

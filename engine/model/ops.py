@@ -43,6 +43,17 @@ class BlockDecoder(Protocol):
     def mtp_pass(self, model: Any, blk: Any, x: T, next_ids: T, plan: Any, lc: Any,
                  rows: list[int]) -> tuple[T, T, T] | None: ...
 
+    def attn_front(self, block: Any, x: T, cos: T, sin: T) -> tuple[T, ...] | None:
+        """The attention half's front alone (hc_pre, q, kv, the compressors' projections): (post, comb, q, kv before
+        the KV numerics, qr, *projections), or None (the DSpark block attends its own keys after it)."""
+        ...
+
+    def ring_layer(self, block: Any, x: T, lc: Any, slots: T, ring_rows: T, ring_valid: T, cos: T, sin: T,
+                   input_ids: T) -> T | None:
+        """A sliding-only block over rows whose ring rows and masks the caller gives (each row's kv written at its
+        ring row first), in one call, or None."""
+        ...
+
 
 class OpByOp:
     """The `BlockDecoder` of tables without fused decode sites: it takes no step."""
@@ -63,6 +74,12 @@ class OpByOp:
         return None
 
     def mtp_pass(self, *_: Any) -> None:
+        return None
+
+    def attn_front(self, *_: Any) -> None:
+        return None
+
+    def ring_layer(self, *_: Any) -> None:
         return None
 
 
