@@ -101,7 +101,7 @@ def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.Mo
     ref_out, _ = greedy_with_logits(ref, PROMPTS, NEW)
     eng = _engine("auto")
     pattern = iter([False, False, False, True] * 100)
-    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch: next(pattern))
+    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch, seqs=(): next(pattern))
     resumed = []
     real = eng.runner._resume
 
