@@ -21,6 +21,7 @@ k + 1 logits rows: row i is the target's distribution p_i of the token at t + 1 
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import time
 from collections import deque
@@ -195,8 +196,8 @@ class _Rates:
     """Running acceptance: r_j, the rate at which the first j + 1 drafts are all accepted (a running mean over
     the first 1 / alpha verifies, then an EMA with weight alpha), per draft position."""
 
-    def __init__(self, alpha: float, prior: list[float] | None = None) -> None:
-        self.alpha, self.rates, self.seen = alpha, list(prior or []), [0] * len(prior or [])
+    def __init__(self, alpha: float, prior: list[float] | None = None, seen: int = 0) -> None:
+        self.alpha, self.rates, self.seen = alpha, list(prior or []), [seen] * len(prior or [])
 
     def add(self, drafted: int, accepted: int) -> None:
         while len(self.rates) < drafted:
@@ -234,13 +235,13 @@ class SpecPolicy:
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
                  interval: int = 32, max_interval: int = 1024, probe_every: int = 8, alpha: float = 0.1,
-                 seq_alpha: float = 0.3, margin: float = 0.05, band: float = 1.25) -> None:
+                 seq_alpha: float = 0.3, margin: float = 0.05, band: float = 1.1) -> None:
         self.k, self.always, self.margin, self.band = k, policy == "always", margin, band
         self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
         self.least = 2  # kept samples that make a batch size measured
         self.base, self.max_interval, self.probe_every = interval, max_interval, probe_every
         self.interval: int | None = None  # probe one off step in this many (None: on)
-        self.off_steps = 0
+        self.off_steps, self._every = 0, 0
         self.clock = clock
         self.accepted = _Rates(alpha)  # every sequence's verifies
         self.seq_alpha = seq_alpha
@@ -260,7 +261,9 @@ class SpecPolicy:
         target = what in ("verify", "plain")
         switched = self._last.get(target) not in (None, what)
         self._last[target] = what
-        if not switched:  # the first step after a switch of kind is not kept: it rebuilds that kind's packs
+        if switched:  # the first step after a switch of kind is not kept either: it rebuilds that kind's packs
+            self.parts[what].samples.setdefault(batch, deque(maxlen=self.parts[what].window))
+        else:
             self.parts[what].add(batch, seconds)
 
     def cost(self, what: str, batch: int, least: int = 1) -> float | None:
@@ -268,18 +271,33 @@ class SpecPolicy:
         return self.parts[what].mean(batch, least)
 
     def estimate(self, batch: int) -> tuple[float | None, float | None]:
-        """(spec(B), plain(B)) from the curves, None for a side with no measured step at any size yet."""
+        """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
+        spec(B) from its own where a size within a quarter of B is measured, else from the measured size b0 nearest
+        B (by ratio) that has both sides: a verify step costs a plain one plus its draft rows, (verify(b0) -
+        plain(b0)) * B / b0, and drafting scales like a plain step, draft(b0) * plain(B) / plain(b0)."""
         p = self.parts
-        verify, draft, plain = p["verify"].at(batch), p["draft"].at(batch), p["plain"].at(batch)
-        return (None if verify is None or draft is None else verify + draft,
-                None if plain is None else plain + (p["catch_up"].at(batch) or 0.0))
+        plain = p["plain"].at(batch)
+        if plain is not None:
+            plain += p["catch_up"].at(batch) or 0.0
+        if p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least) or plain is None:
+            verify, draft = p["verify"].at(batch), p["draft"].at(batch)
+            return (None if verify is None or draft is None else verify + draft), plain
+        both = [b for b in p["verify"].sizes(self.least) if b in p["plain"].sizes(self.least)
+                and b in p["draft"].sizes(self.least)]
+        if not both:
+            verify, draft = p["verify"].at(batch), p["draft"].at(batch)
+            return (None if verify is None or draft is None else verify + draft), plain
+        b0 = min(both, key=lambda b: (abs(math.log(b / batch)), b))
+        plain0, target = p["plain"].mean(b0), p["plain"].at(batch)
+        extra = max(p["verify"].mean(b0) - plain0, 0.0) * batch / b0
+        return target + extra + p["draft"].mean(b0) * target / plain0, plain
 
     def observe(self, drafted: int, accepted: int, seq: object = None) -> None:
         """One sequence's verify: `accepted` of its `drafted` drafts (`seq`: its id, for its own rates)."""
         self.accepted.add(drafted, accepted)
         if seq is not None:
-            if seq not in self._seqs:
-                self._seqs[seq] = _Rates(self.seq_alpha)
+            if seq not in self._seqs:  # the engine's rates, as if from 2 verifies: one verify moves it by a third
+                self._seqs[seq] = _Rates(self.seq_alpha, self.accepted.rates, seen=2)
             self._seqs[seq].add(drafted, accepted)
 
     def expected_tokens(self, seqs: Sequence[object] = ()) -> float:
@@ -314,7 +332,8 @@ class SpecPolicy:
             return self._on("measuring a speculative step" if spec is None else "measuring E")
         if plain is None:
             return self._off(None, why="measuring a plain step")
-        gain = e * plain / ((1 + self.margin) * spec)
+        margin = self.slack(batch)
+        gain = e * plain / ((1 + margin) * spec)
         sure = not 1 / self.band < gain < self.band
         p = self.parts
         if gain >= 1:
@@ -324,12 +343,18 @@ class SpecPolicy:
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
         if not spec_known and not sure:
             return self._on(f"gain {gain:.2f} from estimates: measuring speculative steps")
-        if (self.k + 1) * plain < (1 + self.margin) * spec and spec_known:
+        if (self.k + 1) * plain < (1 + margin) * spec:
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
         if seqs and not any(s in self._seqs for s in seqs):
             self.probe_one = batch > 1
             return self._on(f"gain {gain:.2f}: new sequences' first verify")
-        return self._off(4 if gain >= 0.9 else self.probe_every, why=f"gain {gain:.2f}")
+        # a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8 at 0.6)
+        return self._off(min(max(2, round((1 - gain) / 0.05)), self.probe_every), why=f"gain {gain:.2f}")
+
+    def slack(self, batch: int) -> float:
+        """The margin at B: margin * (1 + log2 B). A batch runs as long as its slowest sequence, and B sequences'
+        accepted counts spread more the more there are, so a near tie per step loses over a batch."""
+        return self.margin * (1 + math.log2(max(batch, 1)))
 
     def pick(self, seqs: Sequence[object]) -> object:
         """The sequence a one-sequence probe drafts for: the one with the fewest verifies of its own."""
@@ -345,10 +370,9 @@ class SpecPolicy:
         self.why = why
         if every is None:
             return False
-        if self.interval is None:
+        if self.interval is None or every < self._every:  # G came nearer 1: probe sooner than the doubling says
             self.interval = every
-        elif every == 4:  # a near miss: E may just be low by chance, and it only moves while verifying
-            self.interval = min(self.interval, 4)
+        self._every = every
         if self.off_steps >= self.interval:
             self.off_steps, self.interval = 0, min(2 * self.interval, self.max_interval)
             self.why, self.probe_one = f"{why}: probing E", True

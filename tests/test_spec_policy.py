@@ -34,7 +34,7 @@ def test_it_measures_speculative_then_plain_steps_first() -> None:
     p = SpecPolicy(2)
     for _ in range(3):  # the first sample of each part is dropped: three to keep two
         assert p.speculate(4)
-        p.record("verify", 4, 4.0)
+        p.record("verify", 4, 3.5)
         p.record("draft", 4, 1.5)
         p.observe(2, 2)
     assert p.speculate(4)  # E from 3 verified sequences is too rough to turn it off on
@@ -44,7 +44,7 @@ def test_it_measures_speculative_then_plain_steps_first() -> None:
         p.record("plain", 4, 2.0)
         p.record("catch_up", 4, 0.1)
     assert p.expected_tokens() == 3.0
-    assert p.speculate(4)  # 3 * 2.1 >= 1.05 * 5.5
+    assert p.speculate(4)  # 3 * 2.1 >= (1 + 0.05 * (1 + log2 4)) * 5
 
 
 def test_off_and_stays_off_where_not_even_full_acceptance_pays() -> None:
@@ -56,18 +56,27 @@ def test_off_and_stays_off_where_not_even_full_acceptance_pays() -> None:
     assert "not even full acceptance pays" in p.why
 
 
-def test_on_where_it_wins_and_probed_where_it_loses_by_little() -> None:
+def test_on_where_it_wins_and_probed_where_it_loses() -> None:
     p = SpecPolicy(2)
     _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
     _accept(p, 16, 2)
     assert all(p.speculate(1) for _ in range(50))  # 3 * 1.3 >= 1.05 * 2.5
     _accept(p, 40, 0)  # acceptance falls: E ~ 1.03 (an EMA), then rises a little
-    _accept(p, 6, 1)
-    e = p.expected_tokens()
-    assert 1.05 < e < 1.05 * 2.5 / 1.3  # could pay with more acceptance, does not now
+    _accept(p, 4, 1)
+    gain = p.expected_tokens() * 1.3 / (1.05 * 2.5)
+    assert 0.5 < gain < 0.7  # could pay with more acceptance, does not now
     decisions = [p.speculate(1) for _ in range(64)]
-    assert 2 <= sum(decisions) <= 8  # off, one step in 8 (then 16, ...) probes E
-    assert not any(decisions[:7])
+    # off; a probe loses 1 - G of a step, so one step in (1 - G) / 0.05 probes E, then the interval doubles
+    every = round((1 - gain) / 0.05)
+    assert 6 <= every <= 8
+    assert [i for i, d in enumerate(decisions) if d] == [every - 1, 3 * every - 1, 7 * every - 1]
+
+
+def test_a_near_miss_is_probed_sooner() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    _accept(p, 16, 1)  # E = 2: G = 2 * 1.3 / (1.05 * 2.5) = 0.99
+    assert [p.speculate(1) for _ in range(6)] == [False, True, False, False, False, True]  # 2, then 4
 
 
 def test_a_new_batch_size_between_measured_ones_is_not_measured() -> None:
@@ -100,7 +109,7 @@ def test_acceptance_is_each_sequences_own() -> None:
     _feed(p, 2, verify=2.0, draft=1.0, plain=1.2, catch_up=0.1)
     _accept(p, 40, 2, seqs=("a", "b"))
     _accept(p, 12, 0, seqs=("c", "d"))
-    assert p.expected_tokens(["a", "b"]) > 2.9 and p.expected_tokens(["c", "d"]) < 1.1
+    assert p.expected_tokens(["a", "b"]) > 2.9 and p.expected_tokens(["c", "d"]) < 1.3
     assert p.speculate(2, ["a", "b"])
     assert not p.speculate(2, ["c", "d"])
     assert p.expected_tokens(["e"]) == p.expected_tokens()  # a sequence with no verify: the engine's rates
@@ -108,13 +117,26 @@ def test_acceptance_is_each_sequences_own() -> None:
 
 def test_a_probe_of_a_batch_drafts_for_one_sequence() -> None:
     p = SpecPolicy(2)
-    _feed(p, 4, verify=4.0, draft=1.5, plain=2.0, catch_up=0.1)
-    _accept(p, 16, 1, seqs=("a", "b", "c", "d"))  # E = 2: 2 * 2.1 < 1.05 * 5.5, full acceptance would pay
-    decisions = [p.speculate(4, ["a", "b", "c", "d"]) for _ in range(8)]
-    assert decisions == [False] * 7 + [True] and p.probe_one
-    assert p.pick(["a", "b", "c", "d"]) in {"a", "b", "c", "d"}
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1, seqs=("a", "b", "c", "d"))  # E = 2: 2 * 2.1 < 1.15 * 4.5, full acceptance would pay
+    decisions = [p.speculate(4, ["a", "b", "c", "d"]) for _ in range(16)]
+    first = decisions.index(True)
+    assert 1 <= first < 8
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1, seqs=("a", "b", "c", "d"))
+    for _ in range(first):
+        assert not p.speculate(4, ["a", "b", "c", "d"])
+    assert p.speculate(4, ["a", "b", "c", "d"]) and p.probe_one and "probing" in p.why
     p.observe(2, 1, "a")
     assert p.pick(["a", "b"]) == "b"  # the fewest verifies of its own
+
+
+def test_a_batch_of_new_sequences_verifies_once() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1)
+    assert p.speculate(4, ["x", "y", "z", "w"]) and p.probe_one  # for one of them
 
 
 def test_always_speculates() -> None:
