@@ -235,7 +235,7 @@ class SpecPolicy:
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
                  interval: int = 32, max_interval: int = 1024, probe_every: int = 8, alpha: float = 0.1,
-                 seq_alpha: float = 0.3, margin: float = 0.05, band: float = 1.1) -> None:
+                 seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1) -> None:
         self.k, self.always, self.margin, self.band = k, policy == "always", margin, band
         self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
         self.least = 2  # kept samples that make a batch size measured
@@ -272,9 +272,9 @@ class SpecPolicy:
 
     def estimate(self, batch: int) -> tuple[float | None, float | None]:
         """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
-        spec(B) from its own where a size within a quarter of B is measured, else from the measured size b0 nearest
-        B (by ratio) that has both sides: a verify step costs a plain one plus its draft rows, (verify(b0) -
-        plain(b0)) * B / b0, and drafting scales like a plain step, draft(b0) * plain(B) / plain(b0)."""
+        spec(B) from its own where a size within a quarter of B is measured, else from the sizes where both sides
+        are: a verify step costs a plain one plus B times its draft rows' cost per sequence, and drafting costs a
+        share of a plain step (both fitted over those sizes)."""
         p = self.parts
         plain = p["plain"].at(batch)
         if plain is not None:
@@ -287,16 +287,20 @@ class SpecPolicy:
         if not both:
             verify, draft = p["verify"].at(batch), p["draft"].at(batch)
             return (None if verify is None or draft is None else verify + draft), plain
-        b0 = min(both, key=lambda b: (abs(math.log(b / batch)), b))
-        plain0, target = p["plain"].mean(b0), p["plain"].at(batch)
-        extra = max(p["verify"].mean(b0) - plain0, 0.0) * batch / b0
-        return target + extra + p["draft"].mean(b0) * target / plain0, plain
+        # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
+        # each weighted by its samples (a size seen twice in a batch's tail says little)
+        n = {b: len(p["verify"].samples[b]) + len(p["plain"].samples[b]) for b in both}
+        rows = sum(n[b] * b * (p["verify"].mean(b) - p["plain"].mean(b)) for b in both) / sum(n[b] * b * b
+                                                                                              for b in both)
+        share = sum(n[b] * p["draft"].mean(b) for b in both) / sum(n[b] * p["plain"].mean(b) for b in both)
+        target = p["plain"].at(batch)
+        return target + max(rows, 0.0) * batch + share * target, plain
 
     def observe(self, drafted: int, accepted: int, seq: object = None) -> None:
         """One sequence's verify: `accepted` of its `drafted` drafts (`seq`: its id, for its own rates)."""
         self.accepted.add(drafted, accepted)
         if seq is not None:
-            if seq not in self._seqs:  # the engine's rates, as if from 2 verifies: one verify moves it by a third
+            if seq not in self._seqs:  # the engine's rates, as if from 2 verifies: the first moves it by a third
                 self._seqs[seq] = _Rates(self.seq_alpha, self.accepted.rates, seen=2)
             self._seqs[seq].add(drafted, accepted)
 
@@ -336,13 +340,12 @@ class SpecPolicy:
         gain = e * plain / ((1 + margin) * spec)
         sure = not 1 / self.band < gain < self.band
         p = self.parts
+        spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
         if gain >= 1:
-            if sure or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
+            # a batch size with neither side measured: plain steps first (the cheap side to try, and the off state)
+            if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")
             return self._off(None, why=f"gain {gain:.2f} from estimates: measuring plain steps")
-        spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
-        if not spec_known and not sure:
-            return self._on(f"gain {gain:.2f} from estimates: measuring speculative steps")
         if (self.k + 1) * plain < (1 + margin) * spec:
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
         if seqs and not any(s in self._seqs for s in seqs):
