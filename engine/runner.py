@@ -114,6 +114,7 @@ class ModelRunner:
             width = (len(cfg.dspark_target_layer_ids) * cfg.dim,) if self.capture else (cfg.hc_mult, cfg.dim)
             self._held = torch.zeros(cache.max_num_seqs, rows, *width, dtype=self.dtype, device=self.device)
             self._held_ids = torch.zeros(cache.max_num_seqs, rows, dtype=torch.long, device=self.device)
+            self._pending: list[tuple[torch.Tensor, list[int], list[int], list[int]]] = []  # (rows, slot, ring row, id)
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -258,10 +259,13 @@ class ModelRunner:
                 gap[1].extend(range(first, r.start))
                 if r.start > first:
                     spans.append(DraftInput(r.slot, first, r.start - first, torch.empty(0, dtype=torch.long)))
-        if keep[0]:  # one write for every deferred request
-            at = (torch.tensor(keep[0], device=dev), torch.tensor(keep[1], device=dev))
-            self._held[at] = hidden[torch.tensor(keep[2], device=dev)]
-            self._held_ids[at] = torch.tensor(keep[3], device=dev)
+        if keep[0]:  # kept as they are, written into `_held` in one go when a slot resumes (or some steps have)
+            step_rows = keep[2]
+            held = hidden[: len(step_rows)].clone() if step_rows == list(range(len(step_rows))) \
+                else hidden[torch.tensor(step_rows, device=dev)]
+            self._pending.append((held, keep[0], keep[1], keep[3]))
+        if self._pending and (gap[0] or len(self._pending) >= min(16, max(1, rows // 2))):
+            self._flush()
         if gap[0]:  # their draft ring rows, for all resumed slots at once
             slots, pos = torch.tensor(gap[0], device=dev), torch.tensor(gap[1], device=dev)
             if self.capture:
@@ -270,6 +274,22 @@ class ModelRunner:
                 mtp_fill_ring(self.model, self.cache, slots, pos, self._held[slots, pos % rows],
                               self._held_ids[slots, pos % rows])
         return live
+
+    def _flush(self) -> None:
+        """Write the pending held rows into `_held` / `_held_ids` (in order: a later write to a row wins)."""
+        dev = self._held.device
+        held = torch.cat([p[0] for p in self._pending])
+        at = (torch.tensor([x for p in self._pending for x in p[1]], device=dev),
+              torch.tensor([x for p in self._pending for x in p[2]], device=dev))
+        ids = torch.tensor([x for p in self._pending for x in p[3]], device=dev)
+        self._pending.clear()
+        if len(set(zip(at[0].tolist(), at[1].tolist(), strict=True))) < len(ids):  # a row written twice: last wins
+            for i in range(len(ids)):
+                self._held[at[0][i], at[1][i]] = held[i]
+                self._held_ids[at[0][i], at[1][i]] = ids[i]
+            return
+        self._held[at] = held
+        self._held_ids[at] = ids
 
 
 class DistributedRunner:

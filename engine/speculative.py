@@ -248,6 +248,8 @@ class SpecPolicy:
         self._seqs: dict[object, _Rates] = {}  # each decoding sequence's own
         self.parts = {w: _Costs(window) for w in ("verify", "draft", "plain", "catch_up")}
         self.why = ""
+        self.hysteresis = 1.1  # the gain that turns it on at a batch size where it was off (costs drift)
+        self._was_on: dict[int, bool] = {}
         self._last: dict[bool, str] = {}  # the kind of the last target step / draft call recorded
         self.probe_one = False  # the step speculates for one sequence only (`pick`): a probe of E
 
@@ -341,7 +343,9 @@ class SpecPolicy:
         sure = not 1 / self.band < gain < self.band
         p = self.parts
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
-        if gain >= 1:
+        # off at B: on again only past the hysteresis (costs measured at different times drift on a shared box)
+        self._was_on[batch] = gain >= (1 if self._was_on.get(batch, True) else self.hysteresis)
+        if self._was_on[batch]:
             # a batch size with neither side measured: plain steps first (the cheap side to try, and the off state)
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")
@@ -351,8 +355,10 @@ class SpecPolicy:
         if seqs and not any(s in self._seqs for s in seqs):
             self.probe_one = batch > 1
             return self._on(f"gain {gain:.2f}: new sequences' first verify")
-        # a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8 at 0.6)
-        return self._off(min(max(2, round((1 - gain) / 0.05)), self.probe_every), why=f"gain {gain:.2f}")
+        # at B = 1 a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8
+        # at 0.6); a probe of a batch (one sequence's drafts, its resume) costs a share of a step whatever G is
+        every = min(max(2, round((1 - gain) / 0.05)), self.probe_every) if batch == 1 else self.probe_every
+        return self._off(every, why=f"gain {gain:.2f}")
 
     def slack(self, batch: int) -> float:
         """The margin at B: margin * (1 + log2 B). A batch runs as long as its slowest sequence, and B sequences'

@@ -108,7 +108,7 @@ def test_acceptance_is_each_sequences_own() -> None:
     p = SpecPolicy(2)
     _feed(p, 2, verify=2.0, draft=1.0, plain=1.2, catch_up=0.1)
     _accept(p, 40, 2, seqs=("a", "b"))
-    _accept(p, 12, 0, seqs=("c", "d"))
+    _accept(p, 20, 0, seqs=("c", "d"))
     assert p.expected_tokens(["a", "b"]) > 2.9 and p.expected_tokens(["c", "d"]) < 1.3
     assert p.speculate(2, ["a", "b"])
     assert not p.speculate(2, ["c", "d"])
