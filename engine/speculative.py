@@ -343,8 +343,9 @@ class SpecPolicy:
         sure = not 1 / self.band < gain < self.band
         p = self.parts
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
-        # off at B: on again only past the hysteresis (costs measured at different times drift on a shared box)
-        self._was_on[batch] = gain >= (1 if self._was_on.get(batch, True) else self.hysteresis)
+        # off at B > 1: on again only past the hysteresis (costs measured at different times drift on a shared box,
+        # and a batch that flips pays for the sequences it puts apart)
+        self._was_on[batch] = gain >= (1 if self._was_on.get(batch, True) or batch == 1 else self.hysteresis)
         if self._was_on[batch]:
             # a batch size with neither side measured: plain steps first (the cheap side to try, and the off state)
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):

@@ -144,3 +144,31 @@ def test_always_speculates() -> None:
     _feed(p, 1, verify=9.0, draft=9.0, plain=1.0, catch_up=0.0)
     _accept(p, 3, 0)
     assert all(p.speculate(1) for _ in range(10))
+
+
+def test_an_unmeasured_batch_sizes_spec_cost_comes_from_the_draft_rows() -> None:
+    """Measured at B = 1 (both sides) and plain at B = 8 only: spec(8) = plain(8) + 8 x the draft rows' cost per
+    sequence (verify(1) - plain(1)) + drafting's share of a plain step (draft(1) / plain(1)) - no spec step at 8."""
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    for what, s in (("plain", 2.0), ("catch_up", 0.1)):
+        for _ in range(4):
+            p.record(what, 8, s)
+    spec, plain = p.estimate(8)
+    assert plain == pytest.approx(2.1) and spec == pytest.approx(2.0 + 8 * 0.3 + 2.0 / 1.2)
+    _accept(p, 16, 2)  # E = 3, and still (k + 1) * 2.1 < (1 + 0.05 * (1 + log2 8)) * 6.07
+    assert not any(p.speculate(8) for _ in range(100)) and p.cost("verify", 8) is None
+    assert "not even full acceptance pays" in p.why
+
+
+def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
+    for batch, on in ((8, False), (1, True)):
+        p = SpecPolicy(2, margin=0.0)
+        _feed(p, batch, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+        _accept(p, 16, 0)  # E ~ 1.2: G = 0.6
+        assert not p.speculate(batch)
+        p.accepted.rates = [0.6, 0.45]  # E = 2.05: G = 2.05 * 2 / 4 = 1.025
+        decisions = [p.speculate(batch) for _ in range(5)]
+        assert all(decisions) if on else not any(decisions)  # B > 1 needs G >= 1.1 (no probe within 5 steps)
+        p.accepted.rates = [0.7, 0.6]  # E = 2.3: G = 1.15
+        assert p.speculate(batch)
