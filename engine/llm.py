@@ -332,10 +332,11 @@ class LLMEngine:
             room = min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                        self.config.cache.max_model_len - seq.num_tokens) if decoding[i] else 0
             drafts = (on and one in (None, seq.seq_id)) or not seq.sampling_params.greedy
+            defer = decoding[i] and not drafts and self._defers
             requests.append(DraftRequest(entry=i, slot=seq.slot, start=starts[i], n=n_final,
-                                         block_table=list(seq.block_table), want=max(0, room) if drafts else 0,
-                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1],
-                                         defer=decoding[i] and not drafts and self._defers))
+                                         block_table=[] if defer else list(seq.block_table),  # (held only)
+                                         want=max(0, room) if drafts else 0,
+                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1], defer=defer))
         if not requests:
             return
         t0 = self.spec_policy.clock()

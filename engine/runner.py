@@ -217,9 +217,13 @@ class ModelRunner:
         target's streams there (kept by the last forward) and propose `want` drafts; the drafted ids per request."""
         if self._last is None:
             raise RuntimeError("draft() before any forward of this runner")
+        steps, hidden, captured = self._last
+        requests = list(requests)
+        if self.defers_catch_up and all(r.defer for r in requests):  # only held: no draft head runs
+            with self.backend.grad_context():
+                self._resume(steps, hidden if captured is None else captured, requests)
+            return [[] for _ in requests]
         with self.backend.grad_context(), self.dispatcher.active():
-            steps, hidden, captured = self._last
-            requests = list(requests)
             if not self.defers_catch_up:
                 return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
                                                    requests)
