@@ -242,8 +242,6 @@ class LLMEngine:
         t0 = clock()
         logits = self.runner.execute(batch.entries, full) if full else self.runner.execute(batch.entries)
         decode_only = batch.num_batched_tokens == num_decode
-        if self.spec_policy is not None and decode_only and len(verify) in (0, len(batch.entries)):
-            self.spec_policy.record("verify" if verify else "plain", len(batch.entries), clock() - t0)
         self.scheduler.advance(batch)
         self._c.steps += 1
         self._c.prefill_tokens += batch.num_batched_tokens - num_decode
@@ -268,7 +266,7 @@ class LLMEngine:
             rows = logits[first_row[i]: first_row[i] + n]  # [1 + k, V]
             toks, accepted = accept(rows, drafts[i], seq.sampling_params, seq.generator)
             self.spec_stats.add(len(drafts[i]), accepted)
-            self.spec_policy.observe(len(drafts[i]), accepted)
+            self.spec_policy.observe(len(drafts[i]), accepted, seq.seq_id)
             seq.num_draft_tokens += len(drafts[i])
             seq.num_accepted_tokens += accepted
             emitted[i] = (toks, rows[: len(toks)])
@@ -277,6 +275,9 @@ class LLMEngine:
             self.on_logits([batch.entries[i][0].seq_id for i in order for _ in emitted[i][0]],
                            torch.cat([emitted[i][1] for i in order]))
         outputs = [self._emit(batch.entries[i][0], *emitted[i], i in verify) for i in sorted(emitted)]
+        if self.spec_policy is not None and decode_only and len(verify) in (0, len(batch.entries)):
+            # the whole target step, sampling and acceptance included (a verify step's are dearer per sequence)
+            self.spec_policy.record("verify" if verify else "plain", len(batch.entries), clock() - t0)
         if self.config.spec.enabled:
             self._draft(batch, starts, decode_only)
         for slot, snap in self.scheduler.take_snapshots(batch, starts, self.config.spare_positions):
@@ -318,7 +319,10 @@ class LLMEngine:
         k = self.config.spec.num_speculative_tokens
         decoding = [seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > starts[i]
                     and seq.num_uncomputed_tokens == 1 for i, (seq, _) in enumerate(batch.entries)]
-        on = self.spec_policy.speculate(sum(decoding))
+        ids = [s.seq_id for (s, _), d in zip(batch.entries, decoding, strict=True) if d]
+        on = self.spec_policy.speculate(len(ids), ids)
+        # a probe of the acceptance drafts for one sequence: a verify step of B + k rows, not B * (k + 1)
+        one = self.spec_policy.pick(ids) if on and self.spec_policy.probe_one and ids else None
         requests = []
         for i, (seq, _) in enumerate(batch.entries):
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens <= starts[i]:
@@ -327,16 +331,17 @@ class LLMEngine:
             end = starts[i] + n_final
             room = min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                        self.config.cache.max_model_len - seq.num_tokens) if decoding[i] else 0
-            drafts = on or not seq.sampling_params.greedy
+            drafts = (on and one in (None, seq.seq_id)) or not seq.sampling_params.greedy
+            defer = decoding[i] and not drafts and self._defers
             requests.append(DraftRequest(entry=i, slot=seq.slot, start=starts[i], n=n_final,
-                                         block_table=list(seq.block_table), want=max(0, room) if drafts else 0,
-                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1],
-                                         defer=decoding[i] and not drafts and self._defers))
+                                         block_table=[] if defer else list(seq.block_table),  # (held only)
+                                         want=max(0, room) if drafts else 0,
+                                         next_ids=seq.all_token_ids[starts[i] + 1: end + 1], defer=defer))
         if not requests:
             return
         t0 = self.spec_policy.clock()
         drafted = self.runner.draft(requests)
-        if decode_only and (on or not any(r.want for r in requests)):
+        if decode_only and one is None and (on or not any(r.want for r in requests)):
             self.spec_policy.record("draft" if on else "catch_up", len(requests), self.spec_policy.clock() - t0)
         for req, toks in zip(requests, drafted, strict=True):
             seq = batch.entries[req.entry][0]

@@ -18,7 +18,8 @@ from engine.config import EngineConfig, GraphMode
 from engine.envs import get_envs
 from engine.host_memory import place_weights
 from engine.model import drafting
-from engine.model.cache import KVCache, SeqStep, StepPlan
+from engine.model.cache import DraftInput, KVCache, SeqStep, StepPlan
+from engine.model.dspark_proposer import write_context
 from engine.model.model import Transformer
 from engine.model.mtp_proposer import mtp_fill_ring
 from engine.model.numerics import index_key_format
@@ -103,16 +104,17 @@ class ModelRunner:
         self.proposer = drafting.proposer_for(config.spec.method)
         self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
         self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
-        # MTP with speculation off for a step (SpecPolicy): the catch-up is put off and the target's final streams
-        # (and the next ids) of those positions kept per slot, position p at row p % rows; `_behind[slot]` = the
-        # first position not caught up. The next drafting call catches up over the last window of them first.
-        self.defers_catch_up = self.proposer is not None and not self.proposer.captures and self.par.cp == 1 \
-            and graph.mode is GraphMode.EAGER
+        # Speculation off for a step (SpecPolicy): the draft head's catch-up is put off and what it would read of
+        # those positions kept per slot, position p at row p % rows - MTP: the target's final streams and the next
+        # ids; DSpark: the captured context input - `_behind[slot]` = the first position not caught up. The next
+        # drafting call writes the draft ring's rows of the last window of them first.
+        self.defers_catch_up = self.proposer is not None and self.par.cp == 1 and graph.mode is GraphMode.EAGER
         if self.defers_catch_up:
-            rows = self.cache.layers[cfg.n_layers].win_kv.shape[1]  # the MTP ring's: window + spare
-            self._held = torch.zeros(cache.max_num_seqs, rows, cfg.hc_mult, cfg.dim, dtype=self.dtype,
-                                     device=self.device)
+            rows = self.cache.layers[cfg.n_layers].win_kv.shape[1]  # the draft ring's: window + spare
+            width = (len(cfg.dspark_target_layer_ids) * cfg.dim,) if self.capture else (cfg.hc_mult, cfg.dim)
+            self._held = torch.zeros(cache.max_num_seqs, rows, *width, dtype=self.dtype, device=self.device)
             self._held_ids = torch.zeros(cache.max_num_seqs, rows, dtype=torch.long, device=self.device)
+            self._pending: list[tuple[torch.Tensor, list[int], list[int], list[int]]] = []  # (rows, slot, ring row, id)
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -215,30 +217,35 @@ class ModelRunner:
         target's streams there (kept by the last forward) and propose `want` drafts; the drafted ids per request."""
         if self._last is None:
             raise RuntimeError("draft() before any forward of this runner")
+        steps, hidden, captured = self._last
+        requests = list(requests)
+        if self.defers_catch_up and all(r.defer for r in requests):  # only held: no draft head runs
+            with self.backend.grad_context():
+                self._resume(steps, hidden if captured is None else captured, requests)
+            return [[] for _ in requests]
         with self.backend.grad_context(), self.dispatcher.active():
-            steps, hidden, captured = self._last
-            requests = list(requests)
             if not self.defers_catch_up:
                 return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
                                                    requests)
-            live, steps, hidden = self._resume(steps, hidden, requests)
+            live = self._resume(steps, hidden if captured is None else captured, requests)
             out: list[list[int]] = [[] for _ in requests]
-            drafted = drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, None,
+            drafted = drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
                                                   [r for _, r in live])
             for (i, _), toks in zip(live, drafted, strict=True):
                 out[i] = toks
             return out
 
     def _resume(self, steps: list[SeqStep], hidden: torch.Tensor, requests: list[DraftRequest],
-                ) -> tuple[list[tuple[int, DraftRequest]], list[SeqStep], torch.Tensor]:
-        """Keep the deferred requests' final streams (`_held`) and drop them (their slots fall behind); a request
-        whose slot is behind is extended back over the held positions it needs - the last window before
-        its end, which is all a later MTP query reads - so its catch-up rewrites them. Returns (index, request) of
-        the requests to run and their steps and streams, back to back."""
+                ) -> list[tuple[int, DraftRequest]]:
+        """Keep the deferred requests' rows of `hidden` (MTP: final streams; DSpark: captured context input) in
+        `_held` and drop them (their slots fall behind); for a request whose slot is behind, write the draft
+        ring's rows of the held positions it needs - the last window before its end, which is all a later draft
+        query reads - as its catch-up would have. Returns (index, request) of the requests to run."""
         rows, win, dev = self._held.shape[1], self.cfg.window_size, hidden.device
         live = []
         keep: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # slot, ring row, step row, id
         gap: tuple[list[int], list[int]] = ([], [])  # slot, position
+        spans: list[DraftInput] = []  # DSpark: the same positions per request
         for i, r in enumerate(requests):
             if r.defer:
                 first = max(0, r.n - rows)
@@ -254,15 +261,39 @@ class ModelRunner:
                 first = max(behind, min(r.start, r.start + r.n - win))
                 gap[0].extend([r.slot] * (r.start - first))
                 gap[1].extend(range(first, r.start))
-        if keep[0]:  # one write for every deferred request
-            at = (torch.tensor(keep[0], device=dev), torch.tensor(keep[1], device=dev))
-            self._held[at] = hidden[torch.tensor(keep[2], device=dev)]
-            self._held_ids[at] = torch.tensor(keep[3], device=dev)
-        if gap[0]:  # their MTP ring rows, for all resumed slots at once
+                if r.start > first:
+                    spans.append(DraftInput(r.slot, first, r.start - first, torch.empty(0, dtype=torch.long)))
+        if keep[0]:  # kept as they are, written into `_held` in one go when a slot resumes (or some steps have)
+            step_rows = keep[2]
+            held = hidden[: len(step_rows)].clone() if step_rows == list(range(len(step_rows))) \
+                else hidden[torch.tensor(step_rows, device=dev)]
+            self._pending.append((held, keep[0], keep[1], keep[3]))
+        if self._pending and (gap[0] or len(self._pending) >= min(16, max(1, rows // 2))):
+            self._flush()
+        if gap[0]:  # their draft ring rows, for all resumed slots at once
             slots, pos = torch.tensor(gap[0], device=dev), torch.tensor(gap[1], device=dev)
-            mtp_fill_ring(self.model, self.cache, slots, pos, self._held[slots, pos % rows],
-                          self._held_ids[slots, pos % rows])
-        return live, steps, hidden
+            if self.capture:
+                write_context(self.model, self.cache, spans, self._held[slots, pos % rows])
+            else:
+                mtp_fill_ring(self.model, self.cache, slots, pos, self._held[slots, pos % rows],
+                              self._held_ids[slots, pos % rows])
+        return live
+
+    def _flush(self) -> None:
+        """Write the pending held rows into `_held` / `_held_ids` (in order: a later write to a row wins)."""
+        dev = self._held.device
+        held = torch.cat([p[0] for p in self._pending])
+        at = (torch.tensor([x for p in self._pending for x in p[1]], device=dev),
+              torch.tensor([x for p in self._pending for x in p[2]], device=dev))
+        ids = torch.tensor([x for p in self._pending for x in p[3]], device=dev)
+        self._pending.clear()
+        if len(set(zip(at[0].tolist(), at[1].tolist(), strict=True))) < len(ids):  # a row written twice: last wins
+            for i in range(len(ids)):
+                self._held[at[0][i], at[1][i]] = held[i]
+                self._held_ids[at[0][i], at[1][i]] = ids[i]
+            return
+        self._held[at] = held
+        self._held_ids[at] = ids
 
 
 class DistributedRunner:

@@ -20,6 +20,8 @@ k + 1 logits rows: row i is the target's distribution p_i of the token at t + 1 
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 import time
 from collections import deque
@@ -140,52 +142,64 @@ class SpecStats:
                 "acceptance_rate_per_position": [num(x) for x in self.per_position()]}
 
 
-_PARTS = ("verify", "draft", "plain", "catch_up")
+class _Costs:
+    """One step part's measured cost against the batch size B: the last `window` samples per B (the first at each B
+    is dropped: a new row count builds its native packs). `at(B)` is the mean where B is measured, else a line
+    through the measured sizes' means (piecewise between them; beyond them the outermost two's slope, never
+    below 0; one measured size: its cost), so a batch size never seen costs nothing to estimate."""
 
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.samples: dict[int, deque[float]] = {}
 
-class SpecPolicy:
-    """Whether the next step speculates (`--speculative-policy auto`; `always`, the default, every step): a decode step
-    of B sequences costs `plain(B)` (target step + the draft head's catch-up) without drafts and `spec(B)` (verify
-    step + drafting) with them, and a sequence gets E = 1 + sum_j r_j tokens from a verify step (r_j: the running
-    rate at which the first j drafts are all accepted). Speculate while E * plain(B) >= (1 + margin) * spec(B): the
-    margin keeps a near tie off, since E is a running estimate and a batch whose sequences finish apart pays its
-    slowest one's steps. Costs are the median of the last `window` measured steps per batch size, so a spike on a
-    shared machine does not flip the choice. Costs come from the batch size itself once measured, else from a
-    measured one within a quarter of it; else three speculative steps (and at least 8 verified sequences, for E),
-    then three plain ones are measured (the first of each is not kept). Where E < 1 + margin after two verify steps
-    nothing is measured: no cost pays for that. While off, one step in `interval` speculates again to refresh the
-    rates (the interval doubles up to `max_interval` while it keeps losing; one in 4 while E * plain(B) is within 10
-    % of the bar), except where spec(B) > (k + 1) * plain(B) over full windows: then no acceptance could pay and
-    nothing is probed. "always" speculates every step. `clock` is the runner's (ModelRunner.cost_clock)."""
-
-    def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 8,
-                 interval: int = 32, max_interval: int = 1024, alpha: float = 0.1, margin: float = 0.05) -> None:
-        self.k, self.always, self.margin = k, policy == "always", margin
-        self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
-        self.window, self.base, self.max_interval, self.alpha = window, interval, max_interval, alpha
-        self.interval, self.off_steps = interval, 0
-        self.clock = clock
-        self.rates: list[float] = []
-        self.seen: list[int] = []
-        self._costs: dict[tuple[str, int], deque[float]] = {}
-
-    def record(self, what: str, batch: int, seconds: float) -> None:
-        """A measured decode-only step part: "verify" / "plain" (the target step) or "draft" / "catch_up" (the
-        draft head after it, drafting or not), of `batch` sequences. The first of each is dropped: a new row count
-        builds its native packs."""
-        key = (what, batch)
-        if key not in self._costs:
-            self._costs[key] = deque(maxlen=self.window)
+    def add(self, batch: int, seconds: float) -> None:
+        if batch not in self.samples:
+            self.samples[batch] = deque(maxlen=self.window)
             return
-        self._costs[key].append(seconds)
+        self.samples[batch].append(seconds)
 
-    def cost(self, what: str, batch: int, least: int = 1) -> float | None:
-        """The median of the kept samples, None while fewer than `least`."""
-        d = self._costs.get((what, batch))
-        return statistics.median(d) if d is not None and len(d) >= least else None
+    def sizes(self, least: int = 1) -> list[int]:
+        return sorted(b for b, d in self.samples.items() if len(d) >= least)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One sequence's verify: `accepted` of its `drafted` drafts (a running mean, then an EMA, per position)."""
+    def mean(self, batch: int, least: int = 1) -> float | None:
+        """The mean of the kept samples at `batch` less their largest (what a run of steps costs - a median
+        would miss the collector's share of every few steps - but for one spike), None while fewer than `least`."""
+        d = self.samples.get(batch)
+        if d is None or len(d) < least:
+            return None
+        return (sum(d) - max(d)) / (len(d) - 1) if len(d) > 2 else statistics.fmean(d)
+
+    def at(self, batch: int) -> float | None:
+        sizes = self.sizes()
+        if not sizes:
+            return None
+        if batch in sizes or len(sizes) == 1:
+            return self.mean(batch if batch in sizes else sizes[0])
+        i = min(max(bisect.bisect_left(sizes, batch), 1), len(sizes) - 1)  # the segment [sizes[i-1], sizes[i]]
+        (b0, b1), outside = (sizes[i - 1], sizes[i]), not sizes[0] < batch < sizes[-1]
+        c0, c1 = self.mean(b0), self.mean(b1)
+        slope = (c1 - c0) / (b1 - b0)
+        if outside:
+            slope = max(slope, 0.0)
+        return max(c0 + slope * (batch - b0), 0.0) if batch < b0 else c1 + slope * (batch - b1)
+
+    def near(self, batch: int, least: int) -> bool:
+        """Whether a size within a quarter of `batch` has `least` samples (its estimate is then as good as
+        measured: the tail of a batch whose sequences finish apart needs no measuring)."""
+        return any(abs(b - batch) <= max(1, batch // 4) for b in self.sizes(least))
+
+    def full(self, batch: int) -> bool:
+        return len(self.samples.get(batch, ())) == self.window
+
+
+class _Rates:
+    """Running acceptance: r_j, the rate at which the first j + 1 drafts are all accepted (a running mean over
+    the first 1 / alpha verifies, then an EMA with weight alpha), per draft position."""
+
+    def __init__(self, alpha: float, prior: list[float] | None = None, seen: int = 0) -> None:
+        self.alpha, self.rates, self.seen = alpha, list(prior or []), [seen] * len(prior or [])
+
+    def add(self, drafted: int, accepted: int) -> None:
         while len(self.rates) < drafted:
             self.rates.append(0.0)
             self.seen.append(0)
@@ -194,45 +208,183 @@ class SpecPolicy:
             a = max(self.alpha, 1 / self.seen[j])
             self.rates[j] += a * (float(j < accepted) - self.rates[j])
 
-    def expected_tokens(self) -> float:
-        """E: tokens a sequence gets from one verify step at the running rates."""
-        return 1 + sum(self.rates[: self.k])
+    def expected(self, k: int) -> float:
+        return 1 + sum(self.rates[:k])
 
-    def speculate(self, batch: int) -> bool:
-        """Whether the step after this one speculates, for `batch` decoding sequences."""
-        if self.always or not self.seen:
-            return True
-        if self.seen and self.seen[0] >= 2 and self.expected_tokens() < 1 + self.margin:
-            return self._off(probe=True)  # next to nothing accepted: no step cost makes that pay
-        # this batch size's costs, else a measured one within a quarter of it (a batch whose sequences finish apart
-        # does not measure every size again); else measure it: speculative steps first, then plain ones
-        measured = [b for (w, b) in self._costs if w == "verify" and abs(b - batch) <= batch // 4
-                    and self._measured(b)]
-        if not measured:
-            if self.cost("verify", batch, 2) is None or self.cost("draft", batch, 2) is None \
-                    or self.seen[0] < self.least_seen:
-                return True
-            return self._off(probe=False)
-        if self.seen[0] < self.least_seen:  # E from a few verifies is too rough to turn it off on
-            return True
-        at = min(measured, key=lambda b: (abs(b - batch), b))
-        spec = self.cost("verify", at) + self.cost("draft", at)
-        plain = self.cost("plain", at) + self.cost("catch_up", at)
-        gain = self.expected_tokens() * plain / ((1 + self.margin) * spec)
-        if gain >= 1:
-            self.interval, self.off_steps = self.base, 0
-            return True
-        if gain >= 0.9:  # a near miss: E may just be low by chance, and it only moves while verifying
-            self.interval = min(self.interval, 4)
-        settled = all(len(self._costs[(w, at)]) == self.window for w in _PARTS)
-        return self._off(probe=not settled or spec <= (self.k + 1) * plain)
 
-    def _measured(self, batch: int) -> bool:
-        return all(self.cost(w, batch, 2) is not None for w in _PARTS)
+class SpecPolicy:
+    """Whether the next step speculates (`--speculative-policy auto`; `always`, the default, every step): a decode step
+    of B sequences costs `plain(B)` (target step + the draft head's catch-up) without drafts and `spec(B)` (verify
+    step + drafting) with them, and a sequence gets E = 1 + sum_j r_j tokens from a verify step (r_j: the running
+    rate at which its first j drafts are all accepted). The gain G(B) = E * plain(B) / ((1 + margin) * spec(B));
+    it speculates where G >= 1 (the margin keeps a near tie off: E is a running estimate, and a batch whose
+    sequences finish apart pays its slowest one's steps).
 
-    def _off(self, probe: bool) -> bool:
+    Costs: each of the four parts has its own curve over B (`_Costs`: the last `window` steps per B, interpolated
+    between measured sizes), so a batch size needs no measuring of its own unless the estimate is unsure: where G
+    is within `band` of 1 and the side not taken has no measured size within a quarter of B, that side is measured
+    (3 steps: the first at a new size is dropped). E: the mean over the batch's sequences of each one's own rates
+    (acceptance depends on the text: a sequence's own last verifies say more than the engine's), which start from
+    the engine's rates (over every sequence); before `least_seen` verified sequences it speculates. E < 1 + margin
+    after two verify steps (a draft head that is never right) turns it off with no cost needed, probed one step in
+    `interval` (doubling up to `max_interval`). Where full acceptance could pay, it is probed one step in
+    `probe_every` (doubling while it keeps losing; one in 4 while G >= 0.9) and a batch of sequences none of which
+    has verified yet speculates once; where even full acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) *
+    spec(B), the spec side measured) it is off and nothing is probed: that decided-off state costs nothing.
+    `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
+
+    def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
+                 interval: int = 32, max_interval: int = 1024, probe_every: int = 8, alpha: float = 0.1,
+                 seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1) -> None:
+        self.k, self.always, self.margin, self.band = k, policy == "always", margin, band
+        self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
+        self.least = 2  # kept samples that make a batch size measured
+        self.base, self.max_interval, self.probe_every = interval, max_interval, probe_every
+        self.interval: int | None = None  # probe one off step in this many (None: on)
+        self.off_steps, self._every = 0, 0
+        self.clock = clock
+        self.accepted = _Rates(alpha)  # every sequence's verifies
+        self.seq_alpha = seq_alpha
+        self._seqs: dict[object, _Rates] = {}  # each decoding sequence's own
+        self.parts = {w: _Costs(window) for w in ("verify", "draft", "plain", "catch_up")}
+        self.why = ""
+        self.hysteresis = 1.1  # the gain that turns it on at a batch size where it was off (costs drift)
+        self._was_on: dict[int, bool] = {}
+        self._last: dict[bool, str] = {}  # the kind of the last target step / draft call recorded
+        self.probe_one = False  # the step speculates for one sequence only (`pick`): a probe of E
+
+    @property
+    def rates(self) -> list[float]:
+        return self.accepted.rates
+
+    def record(self, what: str, batch: int, seconds: float) -> None:
+        """A measured decode-only step part: "verify" / "plain" (the whole target step, sampling and acceptance
+        included) or "draft" / "catch_up" (the draft head after it, drafting or not), of `batch` sequences."""
+        target = what in ("verify", "plain")
+        switched = self._last.get(target) not in (None, what)
+        self._last[target] = what
+        if switched:  # the first step after a switch of kind is not kept either: it rebuilds that kind's packs
+            self.parts[what].samples.setdefault(batch, deque(maxlen=self.parts[what].window))
+        else:
+            self.parts[what].add(batch, seconds)
+
+    def cost(self, what: str, batch: int, least: int = 1) -> float | None:
+        """The mean of the kept samples at `batch` (less the largest), None while fewer than `least`."""
+        return self.parts[what].mean(batch, least)
+
+    def estimate(self, batch: int) -> tuple[float | None, float | None]:
+        """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
+        spec(B) from its own where a size within a quarter of B is measured, else from the sizes where both sides
+        are: a verify step costs a plain one plus B times its draft rows' cost per sequence, and drafting costs a
+        share of a plain step (both fitted over those sizes)."""
+        p = self.parts
+        plain = p["plain"].at(batch)
+        if plain is not None:
+            plain += p["catch_up"].at(batch) or 0.0
+        if p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least) or plain is None:
+            verify, draft = p["verify"].at(batch), p["draft"].at(batch)
+            return (None if verify is None or draft is None else verify + draft), plain
+        both = [b for b in p["verify"].sizes(self.least) if b in p["plain"].sizes(self.least)
+                and b in p["draft"].sizes(self.least)]
+        if not both:
+            verify, draft = p["verify"].at(batch), p["draft"].at(batch)
+            return (None if verify is None or draft is None else verify + draft), plain
+        # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
+        # each weighted by its samples (a size seen twice in a batch's tail says little)
+        n = {b: len(p["verify"].samples[b]) + len(p["plain"].samples[b]) for b in both}
+        rows = sum(n[b] * b * (p["verify"].mean(b) - p["plain"].mean(b)) for b in both) / sum(n[b] * b * b
+                                                                                              for b in both)
+        share = sum(n[b] * p["draft"].mean(b) for b in both) / sum(n[b] * p["plain"].mean(b) for b in both)
+        target = p["plain"].at(batch)
+        return target + max(rows, 0.0) * batch + share * target, plain
+
+    def observe(self, drafted: int, accepted: int, seq: object = None) -> None:
+        """One sequence's verify: `accepted` of its `drafted` drafts (`seq`: its id, for its own rates)."""
+        self.accepted.add(drafted, accepted)
+        if seq is not None:
+            if seq not in self._seqs:  # the engine's rates, as if from 2 verifies: the first moves it by a third
+                self._seqs[seq] = _Rates(self.seq_alpha, self.accepted.rates, seen=2)
+            self._seqs[seq].add(drafted, accepted)
+
+    def expected_tokens(self, seqs: Sequence[object] = ()) -> float:
+        """E: tokens a sequence gets from one verify step: the mean over `seqs` of their own rates' (a sequence
+        with no verify yet: the engine's), or the engine's."""
+        if not seqs:
+            return self.accepted.expected(self.k)
+        own = [self._seqs.get(s) for s in seqs]
+        return statistics.fmean(self.accepted.expected(self.k) if r is None else r.expected(self.k) for r in own)
+
+    def forget(self, keep: Sequence[object]) -> None:
+        """Drop the rates of sequences not in `keep` (finished ones)."""
+        keep = set(keep)
+        for s in [s for s in self._seqs if s not in keep]:
+            del self._seqs[s]
+
+    def speculate(self, batch: int, seqs: Sequence[object] = ()) -> bool:
+        """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids)."""
+        self.probe_one = False
+        if len(self._seqs) > 4 * max(batch, 8):
+            self.forget(seqs)
+        if self.always:
+            return self._on("always")
+        seen = self.accepted.seen[0] if self.accepted.seen else 0
+        if not seen:
+            return self._on("no verify yet")
+        e = self.expected_tokens(seqs)
+        if seen >= 2 and self.accepted.expected(self.k) < 1 + self.margin and e < 1 + self.margin:
+            return self._off(self.base, why="next to nothing accepted")  # no step cost makes that pay
+        spec, plain = self.estimate(batch)
+        if spec is None or seen < self.least_seen:  # E from a few verifies is too rough to turn it off on
+            return self._on("measuring a speculative step" if spec is None else "measuring E")
+        if plain is None:
+            return self._off(None, why="measuring a plain step")
+        margin = self.slack(batch)
+        gain = e * plain / ((1 + margin) * spec)
+        sure = not 1 / self.band < gain < self.band
+        p = self.parts
+        spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
+        # off at B > 1: on again only past the hysteresis (costs measured at different times drift on a shared box,
+        # and a batch that flips pays for the sequences it puts apart)
+        self._was_on[batch] = gain >= (1 if self._was_on.get(batch, True) or batch == 1 else self.hysteresis)
+        if self._was_on[batch]:
+            # a batch size with neither side measured: plain steps first (the cheap side to try, and the off state)
+            if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
+                return self._on(f"gain {gain:.2f}")
+            return self._off(None, why=f"gain {gain:.2f} from estimates: measuring plain steps")
+        if (self.k + 1) * plain < (1 + margin) * spec:
+            return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
+        if seqs and not any(s in self._seqs for s in seqs):
+            self.probe_one = batch > 1
+            return self._on(f"gain {gain:.2f}: new sequences' first verify")
+        # at B = 1 a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8
+        # at 0.6); a probe of a batch (one sequence's drafts, its resume) costs a share of a step whatever G is
+        every = min(max(2, round((1 - gain) / 0.05)), self.probe_every) if batch == 1 else self.probe_every
+        return self._off(every, why=f"gain {gain:.2f}")
+
+    def slack(self, batch: int) -> float:
+        """The margin at B: margin * (1 + log2 B). A batch runs as long as its slowest sequence, and B sequences'
+        accepted counts spread more the more there are, so a near tie per step loses over a batch."""
+        return self.margin * (1 + math.log2(max(batch, 1)))
+
+    def pick(self, seqs: Sequence[object]) -> object:
+        """The sequence a one-sequence probe drafts for: the one with the fewest verifies of its own."""
+        return min(seqs, key=lambda s: self._seqs[s].seen[0] if s in self._seqs and self._seqs[s].seen else 0)
+
+    def _on(self, why: str) -> bool:
+        self.interval, self.off_steps, self.why = None, 0, why
+        return True
+
+    def _off(self, every: int | None, why: str) -> bool:
+        """Off, but one step in `every` (None: never) probes E; the interval doubles with each probe that loses."""
         self.off_steps += 1
-        if probe and self.off_steps >= self.interval:
+        self.why = why
+        if every is None:
+            return False
+        if self.interval is None or every < self._every:  # G came nearer 1: probe sooner than the doubling says
+            self.interval = every
+        self._every = every
+        if self.off_steps >= self.interval:
             self.off_steps, self.interval = 0, min(2 * self.interval, self.max_interval)
+            self.why, self.probe_one = f"{why}: probing E", True
             return True
         return False

@@ -113,17 +113,20 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
 
 def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
                 threads: int, seed: int, policy: str = "auto") -> list[dict]:
+    """`policy`: one --speculative-policy, or several comma-separated (one speculative engine each, interleaved)."""
     from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
 
+    policies = policy.split(",")
     if ModelConfig.from_json(model_dir).has_dspark:  # the DSpark head drafts its block (its size from the config)
         ks = [ModelConfig.from_json(model_dir).dspark_block_size]
-        settings = [("none", 0), ("dspark", ks[0])]
+        settings = [("none", 0, "-")] + [("dspark", ks[0], pol) for pol in policies]
     else:
-        settings = [("none", 0)] + [("mtp", k) for k in ks]
+        settings = [("none", 0, "-")] + [("mtp", k, pol) for k in ks for pol in policies]
     longest = input_len + new + max(ks, default=0) + 1
     t0 = time.time()
-    engines = {s: build_engine(model_dir, max(batches), longest, *s, threads, policy) for s in settings}
+    engines = {s: build_engine(model_dir, max(batches), longest, s[0], s[1], threads,
+                               s[2] if s[0] != "none" else "always") for s in settings}
     print(f"{model_dir}: {len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
     for b in batches:  # warm-up: one short run of each setting and batch size
         for eng in engines.values():
@@ -134,7 +137,8 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
             prompts = make_prompts(b, seed + 1000 * r + b, (input_len, input_len))
             for s, eng in engines.items():
                 runs.setdefault((b, *s), []).append(timed_run(eng, prompts, new))
-    rows = [summarise(str(model_dir), b, m, k, runs[(b, m, k)], new) for b in batches for m, k in settings]
+    rows = [summarise(str(model_dir), b, m, k, runs[(b, m, k, pol)], new) | {"policy": pol}
+            for b in batches for m, k, pol in settings]
     for row in rows:
         plain = next(x for x in rows if x["batch"] == row["batch"] and x["method"] == "none")
         row["speedup_vs_plain"] = plain["ms_per_token"] / row["ms_per_token"]
@@ -168,11 +172,15 @@ def main() -> None:
     p.add_argument("--trn2-step-ms", type=float, default=447.8, help="fixed-cost step for the paper estimate")
     p.add_argument("--draft-cost", type=float, default=0.0,
                    help="cost of one drafted token as a fraction of a target step, for the paper estimate")
-    p.add_argument("--policy", default="auto", choices=("auto", "always"),
-                   help="--speculative-policy of the speculative engines (auto: off where it does not pay)")
+    p.add_argument("--policy", default="auto",
+                   help="--speculative-policy of the speculative engines (auto: off where it does not pay); "
+                   "comma-separated: one engine each, interleaved (auto,always)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
+
+    if not args.policy or any(pol not in ("auto", "always") for pol in args.policy.split(",")):
+        p.error(f"--policy {args.policy!r}: auto, always, or both comma-separated")
 
     rows = []
     for m in args.models.split(","):
@@ -184,7 +192,7 @@ def main() -> None:
           "| step ms | vs plain | CPU ms/token | CPU vs plain |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        spec = "none" if r["method"] == "none" else f"{r['method']} k={r['k']}"
+        spec = "none" if r["method"] == "none" else f"{r['method']} k={r['k']} {r['policy']}"
         acc = (f"{r['acceptance_rate']:.3f} ({', '.join(f'{x:.3f}' for x in r['per_position'] if x is not None)})"
                if "acceptance_rate" in r else "-")
         tpv = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "1"

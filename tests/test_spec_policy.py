@@ -1,50 +1,98 @@
 """`SpecPolicy` (engine/speculative.py): a step speculates where E * plain(B) >= (1 + margin) * spec(B), from
-measured step costs (fed here by hand: no timing) and the running acceptance."""
+step costs fed here by hand (no timing) and the running acceptance; the decisions are asserted."""
 
 from __future__ import annotations
 
-from engine.speculative import SpecPolicy
+import pytest
+
+from engine.speculative import SpecPolicy, _Costs
 
 
-def _feed(p: SpecPolicy, batch: int, verify: float, draft: float, plain: float, catch_up: float, n: int = 3) -> None:
-    for _ in range(n):
-        for what, s in (("verify", verify), ("draft", draft), ("plain", plain), ("catch_up", catch_up)):
+def _feed(p: SpecPolicy, batch: int, verify: float, draft: float, plain: float, catch_up: float, n: int = 4) -> None:
+    for what, s in (("verify", verify), ("draft", draft), ("plain", plain), ("catch_up", catch_up)):
+        for _ in range(n):  # one kind at a time: the first sample after a switch of kind is not kept
             p.record(what, batch, s)
+
+
+def _accept(p: SpecPolicy, n: int, accepted: int, k: int = 2, seqs: tuple = ()) -> None:
+    for i in range(n):
+        p.observe(k, accepted, seqs[i % len(seqs)] if seqs else None)
+
+
+def test_costs_interpolate_between_measured_batch_sizes() -> None:
+    c = _Costs(window=8)
+    for b, s in ((1, 1.0), (8, 8.0)):
+        for _ in range(3):  # the first at a size is dropped
+            c.add(b, s)
+    assert c.at(1) == 1.0 and c.at(8) == 8.0
+    assert c.at(4) == pytest.approx(4.0)  # between: on the line
+    assert c.at(16) == pytest.approx(16.0)  # beyond: the outermost slope
+    assert c.near(7, 2) and not c.near(5, 2)
 
 
 def test_it_measures_speculative_then_plain_steps_first() -> None:
     p = SpecPolicy(2)
     for _ in range(3):  # the first sample of each part is dropped: three to keep two
         assert p.speculate(4)
-        p.record("verify", 4, 4.0)
+        p.record("verify", 4, 3.5)
         p.record("draft", 4, 1.5)
         p.observe(2, 2)
     assert p.speculate(4)  # E from 3 verified sequences is too rough to turn it off on
-    for _ in range(5):
-        p.observe(2, 2)
-    assert not p.speculate(4)  # then plain steps
-    for _ in range(3):
+    _accept(p, 5, 2)
+    assert not p.speculate(4) and p.why == "measuring a plain step"
+    for _ in range(4):  # the first at a new size, and the first after a switch of kind, are not kept
         p.record("plain", 4, 2.0)
         p.record("catch_up", 4, 0.1)
     assert p.expected_tokens() == 3.0
-    assert p.speculate(4)  # 3 * 2.1 >= 1.05 * 5.5
-    assert p.speculate(5)  # an unmeasured batch size within a quarter: the measured one's costs
-    assert p.speculate(1) and p.cost("verify", 1) is None  # not close: measured anew
+    assert p.speculate(4)  # 3 * 2.1 >= (1 + 0.05 * (1 + log2 4)) * 5
 
 
-def test_off_where_it_does_not_pay_probed_until_the_costs_settle() -> None:
-    p = SpecPolicy(2, interval=4)
+def test_off_and_stays_off_where_not_even_full_acceptance_pays() -> None:
+    """Spec steps at 3.6x a plain one with k = 2: no acceptance pays, so nothing is probed (a decided-off state)."""
+    p = SpecPolicy(2)
     _feed(p, 8, verify=5.0, draft=2.5, plain=2.0, catch_up=0.1)
-    for _ in range(8):
-        p.observe(2, 2)
-    assert p.expected_tokens() == 3.0
-    # 3 * 2.1 < 1.05 * 7.5: off; one step in 4, then in 8, speculates again while the windows are not full
-    assert [p.speculate(8) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
-    _feed(p, 8, verify=5.0, draft=2.5, plain=2.0, catch_up=0.1, n=8)
-    # full windows and 7.5 > (k + 1) * 2.1: no acceptance could pay, nothing is probed
-    assert not any(p.speculate(8) for _ in range(40))
-    _feed(p, 8, verify=3.0, draft=1.0, plain=2.0, catch_up=0.1, n=8)  # cheaper verify steps
-    assert p.speculate(8)
+    _accept(p, 16, 2)  # every draft accepted: E = 3
+    assert not any(p.speculate(8) for _ in range(500))
+    assert "not even full acceptance pays" in p.why
+
+
+def test_on_where_it_wins_and_probed_where_it_loses() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    _accept(p, 16, 2)
+    assert all(p.speculate(1) for _ in range(50))  # 3 * 1.3 >= 1.05 * 2.5
+    _accept(p, 40, 0)  # acceptance falls: E ~ 1.03 (an EMA), then rises a little
+    _accept(p, 4, 1)
+    gain = p.expected_tokens() * 1.3 / (1.05 * 2.5)
+    assert 0.5 < gain < 0.7  # could pay with more acceptance, does not now
+    decisions = [p.speculate(1) for _ in range(64)]
+    # off; a probe loses 1 - G of a step, so one step in (1 - G) / 0.05 probes E, then the interval doubles
+    every = round((1 - gain) / 0.05)
+    assert 6 <= every <= 8
+    assert [i for i, d in enumerate(decisions) if d] == [every - 1, 3 * every - 1, 7 * every - 1]
+
+
+def test_a_near_miss_is_probed_sooner() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    _accept(p, 16, 1)  # E = 2: G = 2 * 1.3 / (1.05 * 2.5) = 0.99
+    assert [p.speculate(1) for _ in range(6)] == [False, True, False, False, False, True]  # 2, then 4
+
+
+def test_a_new_batch_size_between_measured_ones_is_not_measured() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    _feed(p, 8, verify=5.0, draft=2.0, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 2)
+    assert p.speculate(1) and not p.speculate(8)
+    # B = 3: interpolated, spec 2.5 + 2/7 * 4.5 = 3.79, plain 1.3 + 2/7 * 0.8 = 1.53: G = 3 * 1.53 / (1.05 * 3.79)
+    # = 1.15, inside the band, and 3 has no measured size within a quarter: its plain side is measured first
+    assert not p.speculate(3) and "measuring plain steps" in p.why
+    _feed(p, 3, verify=2.4, draft=1.3, plain=1.5, catch_up=0.1)
+    assert p.speculate(3) and p.why.startswith("gain")
+    # B = 7: within a quarter of 8, no measuring; spec loses (interpolated costs), and no acceptance pays
+    assert not p.speculate(7) and "measuring" not in p.why
+    assert p.cost("verify", 7) is None
 
 
 def test_nothing_accepted_turns_it_off_before_any_cost() -> None:
@@ -55,9 +103,72 @@ def test_nothing_accepted_turns_it_off_before_any_cost() -> None:
     assert [p.speculate(1) for _ in range(32)] == [False] * 31 + [True]  # probed once in 32
 
 
+def test_acceptance_is_each_sequences_own() -> None:
+    """A batch of sequences whose drafts are rejected is off though the engine's rate (others') is high."""
+    p = SpecPolicy(2)
+    _feed(p, 2, verify=2.0, draft=1.0, plain=1.2, catch_up=0.1)
+    _accept(p, 40, 2, seqs=("a", "b"))
+    _accept(p, 20, 0, seqs=("c", "d"))
+    assert p.expected_tokens(["a", "b"]) > 2.9 and p.expected_tokens(["c", "d"]) < 1.3
+    assert p.speculate(2, ["a", "b"])
+    assert not p.speculate(2, ["c", "d"])
+    assert p.expected_tokens(["e"]) == p.expected_tokens()  # a sequence with no verify: the engine's rates
+
+
+def test_a_probe_of_a_batch_drafts_for_one_sequence() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1, seqs=("a", "b", "c", "d"))  # E = 2: 2 * 2.1 < 1.15 * 4.5, full acceptance would pay
+    decisions = [p.speculate(4, ["a", "b", "c", "d"]) for _ in range(16)]
+    first = decisions.index(True)
+    assert 1 <= first < 8
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1, seqs=("a", "b", "c", "d"))
+    for _ in range(first):
+        assert not p.speculate(4, ["a", "b", "c", "d"])
+    assert p.speculate(4, ["a", "b", "c", "d"]) and p.probe_one and "probing" in p.why
+    p.observe(2, 1, "a")
+    assert p.pick(["a", "b"]) == "b"  # the fewest verifies of its own
+
+
+def test_a_batch_of_new_sequences_verifies_once() -> None:
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1)
+    assert p.speculate(4, ["x", "y", "z", "w"]) and p.probe_one  # for one of them
+
+
 def test_always_speculates() -> None:
     p = SpecPolicy(2, "always")
     _feed(p, 1, verify=9.0, draft=9.0, plain=1.0, catch_up=0.0)
-    for _ in range(3):
-        p.observe(2, 0)
+    _accept(p, 3, 0)
     assert all(p.speculate(1) for _ in range(10))
+
+
+def test_an_unmeasured_batch_sizes_spec_cost_comes_from_the_draft_rows() -> None:
+    """Measured at B = 1 (both sides) and plain at B = 8 only: spec(8) = plain(8) + 8 x the draft rows' cost per
+    sequence (verify(1) - plain(1)) + drafting's share of a plain step (draft(1) / plain(1)) - no spec step at 8."""
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    for what, s in (("plain", 2.0), ("catch_up", 0.1)):
+        for _ in range(4):
+            p.record(what, 8, s)
+    spec, plain = p.estimate(8)
+    assert plain == pytest.approx(2.1) and spec == pytest.approx(2.0 + 8 * 0.3 + 2.0 / 1.2)
+    _accept(p, 16, 2)  # E = 3, and still (k + 1) * 2.1 < (1 + 0.05 * (1 + log2 8)) * 6.07
+    assert not any(p.speculate(8) for _ in range(100)) and p.cost("verify", 8) is None
+    assert "not even full acceptance pays" in p.why
+
+
+def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
+    for batch, on in ((8, False), (1, True)):
+        p = SpecPolicy(2, margin=0.0)
+        _feed(p, batch, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+        _accept(p, 16, 0)  # E ~ 1.2: G = 0.6
+        assert not p.speculate(batch)
+        p.accepted.rates = [0.6, 0.45]  # E = 2.05: G = 2.05 * 2 / 4 = 1.025
+        decisions = [p.speculate(batch) for _ in range(5)]
+        assert all(decisions) if on else not any(decisions)  # B > 1 needs G >= 1.1 (no probe within 5 steps)
+        p.accepted.rates = [0.7, 0.6]  # E = 2.3: G = 1.15
+        assert p.speculate(batch)

@@ -65,10 +65,11 @@ def test_verify_rows_take_the_native_layer_and_give_the_chunk_paths_logits(monke
     assert all(torch.isfinite(x).all() for x in logits)
 
 
-def _engine(policy: str):
-    cfg = EngineConfig.from_model_dir(TINY_SPEC, kernels="host", max_num_seqs=2, speculative="mtp",
-                                      num_speculative_tokens=2, enable_prefix_caching=False,
-                                      speculative_policy=policy)
+def _engine(policy: str, method: str = "mtp"):
+    model = TINY_SPEC if method == "mtp" else TINY_SPEC.with_name("tiny-spec-dspark")
+    cfg = EngineConfig.from_model_dir(model, kernels="host", max_num_seqs=2, speculative=method,
+                                      num_speculative_tokens=2 if method == "mtp" else None,
+                                      enable_prefix_caching=False, speculative_policy=policy)
     return engine.build(cfg)
 
 
@@ -94,15 +95,17 @@ def test_a_put_off_catch_up_writes_the_catch_ups_ring_rows() -> None:
     assert torch.equal(lc.win_kv[seq.slot, last], caught) and caught.abs().sum() > 0
 
 
-def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The policy off for three steps, on for one, over and over: the catch-ups put off while it is off are resumed
-    (`ModelRunner._resume`), the tokens are the always-speculating engine's, and the drafts after a resume are
-    accepted as often as always-on drafts are (a resumed ring with stale rows would draft worse)."""
-    ref = _engine("always")
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """The policy off for three steps, on for one, over and over: the catch-ups (MTP) / context writes (DSpark) put
+    off while it is off are resumed (`ModelRunner._resume`), the tokens are the always-speculating engine's, and
+    the drafts after a resume are accepted as often as always-on drafts are (a resumed ring with stale rows would
+    draft worse)."""
+    ref = _engine("always", method)
     ref_out, _ = greedy_with_logits(ref, PROMPTS, NEW)
-    eng = _engine("auto")
+    eng = _engine("auto", method)
     pattern = iter([False, False, False, True] * 100)
-    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch: next(pattern))
+    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch, seqs=(): next(pattern))
     resumed = []
     real = eng.runner._resume
 
