@@ -323,6 +323,18 @@ class LLMEngine:
         on = self.spec_policy.speculate(len(ids), ids)
         # a probe of the acceptance drafts for one sequence: a verify step of B + k rows, not B * (k + 1)
         one = self.spec_policy.pick(ids) if on and self.spec_policy.probe_one and ids else None
+        if not on and self._defers and len(ids) == len(batch.entries) \
+                and all(seq.num_computed_tokens == starts[i] + 1 and seq.sampling_params.greedy
+                        for i, (seq, _) in enumerate(batch.entries)):
+            # off, every entry a greedy one-token decode: each only keeps its final streams for a later resume
+            t0 = self.spec_policy.clock()
+            self.runner.hold([(i, seq.slot, starts[i], seq.all_token_ids[starts[i] + 1])
+                              for i, (seq, _) in enumerate(batch.entries)])
+            if decode_only:
+                self.spec_policy.record("catch_up", len(batch.entries), self.spec_policy.clock() - t0)
+            for seq, _ in batch.entries:
+                seq.draft_token_ids = []
+            return
         requests = []
         for i, (seq, _) in enumerate(batch.entries):
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens <= starts[i]:

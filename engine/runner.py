@@ -263,11 +263,8 @@ class ModelRunner:
                 gap[1].extend(range(first, r.start))
                 if r.start > first:
                     spans.append(DraftInput(r.slot, first, r.start - first, torch.empty(0, dtype=torch.long)))
-        if keep[0]:  # kept as they are, written into `_held` in one go when a slot resumes (or some steps have)
-            step_rows = keep[2]
-            held = hidden[: len(step_rows)].clone() if step_rows == list(range(len(step_rows))) \
-                else hidden[torch.tensor(step_rows, device=dev)]
-            self._pending.append((held, keep[0], keep[1], keep[3]))
+        if keep[0]:
+            self._keep(hidden, *keep)
         if self._pending and (gap[0] or len(self._pending) >= min(16, max(1, rows // 2))):
             self._flush()
         if gap[0]:  # their draft ring rows, for all resumed slots at once
@@ -278,6 +275,29 @@ class ModelRunner:
                 mtp_fill_ring(self.model, self.cache, slots, pos, self._held[slots, pos % rows],
                               self._held_ids[slots, pos % rows])
         return live
+
+    def hold(self, decodes: list[tuple[int, int, int, int]]) -> None:
+        """Speculation off for the next step and every entry of this one a one-token decode that defers: keep the
+        final streams of each (entry, slot, position, next id) for a later resume, as `draft` does for requests
+        that all defer (`_resume`), without a request each."""
+        steps, hidden, captured = self._last
+        rows = self._held.shape[1]
+        for _, slot, pos, _ in decodes:
+            self._behind.setdefault(slot, pos)
+        with self.backend.grad_context():
+            self._keep(hidden if captured is None else captured, [d[1] for d in decodes],
+                       [d[2] % rows for d in decodes], [steps[d[0]].token_start for d in decodes],
+                       [d[3] for d in decodes])
+            if len(self._pending) >= min(16, max(1, rows // 2)):
+                self._flush()
+
+    def _keep(self, src: torch.Tensor, slots: list[int], ring_rows: list[int], step_rows: list[int],
+              ids: list[int]) -> None:
+        """Rows `step_rows` of `src` kept for slots / ring rows as they are: written into `_held` in one go when a
+        slot resumes (or some steps have: `_flush`)."""
+        held = src[: len(step_rows)].clone() if step_rows == list(range(len(step_rows))) \
+            else src[torch.tensor(step_rows, device=src.device)]
+        self._pending.append((held, slots, ring_rows, ids))
 
     def _flush(self) -> None:
         """Write the pending held rows into `_held` / `_held_ids` (in order: a later write to a row wins)."""

@@ -252,6 +252,8 @@ class SpecPolicy:
         self._was_on: dict[int, bool] = {}
         self._last: dict[bool, str] = {}  # the kind of the last target step / draft call recorded
         self.probe_one = False  # the step speculates for one sequence only (`pick`): a probe of E
+        self.recheck = 8  # decided off at a batch size: its next steps take that decision without working it out
+        self._settled: tuple[int, int] | None = None  # (batch size, steps left) of such a decision
 
     @property
     def rates(self) -> list[float]:
@@ -323,6 +325,12 @@ class SpecPolicy:
     def speculate(self, batch: int, seqs: Sequence[object] = ()) -> bool:
         """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids)."""
         self.probe_one = False
+        if self._settled is not None:
+            if self._settled[0] == batch and self._settled[1] > 0:
+                self._settled = (batch, self._settled[1] - 1)
+                self.off_steps += 1
+                return False
+            self._settled = None
         if len(self._seqs) > 4 * max(batch, 8):
             self.forget(seqs)
         if self.always:
@@ -351,7 +359,8 @@ class SpecPolicy:
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")
             return self._off(None, why=f"gain {gain:.2f} from estimates: measuring plain steps")
-        if (self.k + 1) * plain < (1 + margin) * spec:
+        if (self.k + 1) * plain < (1 + margin) * spec:  # decided off: the next few steps at B take it as it is
+            self._settled = (batch, self.recheck - 1)
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
         if seqs and not any(s in self._seqs for s in seqs):
             self.probe_one = batch > 1

@@ -172,3 +172,19 @@ def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
         assert all(decisions) if on else not any(decisions)  # B > 1 needs G >= 1.1 (no probe within 5 steps)
         p.accepted.rates = [0.7, 0.6]  # E = 2.3: G = 1.15
         assert p.speculate(batch)
+
+
+def test_a_decided_off_batch_size_is_rechecked_every_few_steps() -> None:
+    """Decided off at B (not even full acceptance pays): the next `recheck` - 1 steps at B take that decision as it
+    is (no estimate worked out), the one after works it out again; another batch size works it out at once."""
+    p = SpecPolicy(2)
+    _feed(p, 8, verify=5.0, draft=2.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 2)
+    assert not p.speculate(8)
+    _feed(p, 8, verify=2.0, draft=0.1, plain=2.0, catch_up=0.1, n=16)  # now speculation would pay
+    assert not any(p.speculate(8) for _ in range(p.recheck - 1))
+    assert p.speculate(8)  # worked out again
+    _feed(p, 8, verify=5.0, draft=2.5, plain=2.0, catch_up=0.1, n=16)
+    assert not p.speculate(8)
+    _feed(p, 7, verify=2.0, draft=0.1, plain=2.0, catch_up=0.1, n=16)
+    assert p.speculate(7)  # another size: not the settled decision
