@@ -365,7 +365,7 @@ class _DeviceModule:
         return False
 
     def manual_seed_all(self, seed: int) -> None:
-        pass
+        """The fake device draws no random numbers: nothing to seed."""
 
 
 class NeuronTensor(torch.Tensor):

@@ -76,6 +76,17 @@ class HostBlockDecoder:
         return decode_layer(self._layer_pack(block, lc), x, cos, sin, slots, ring_rows, ring_valid, _NO_TABLES, 0,
                             None, (), g.tid2eid[input_ids] if g.hash else None)
 
+    def _mtp_input_pack(self, model: Any, blk: Any) -> Any:
+        """MTP block `blk`'s `mtp_input` pack (the model's embedding, the block's norms and projections)."""
+        return self.packs.get(blk, "mtp_input", lambda: mtp_input_pack(
+            model.embed.weight, blk.enorm.weight, blk.hnorm.weight, blk.e_proj, blk.h_proj, model.cfg.norm_eps))
+
+    def _lm_head_pack(self, model: Any, hc: Any, norm: Any) -> Any:
+        """The `lm_head` pack of hc_head owner `hc` (the model or an MTP block) with final norm `norm`."""
+        cfg = model.cfg
+        return self.packs.get(hc, "lm_head", lambda: lm_head_pack(
+            hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, norm.weight, model.head, cfg.hc_eps, cfg.norm_eps), norm)
+
     def _layer_pack(self, block: Any, lc: Any) -> Any:
         """The block's `decode_layer` pack for layer cache `lc`."""
         def build() -> Any:  # the three sites' packs (each made again if stale), then the layer's from them
@@ -159,18 +170,13 @@ class HostBlockDecoder:
         """Transformer.mtp_input of MTP block `blk` in one `mtp_input` call, or None."""
         if not self.use_mtp or torch.compiler.is_compiling():
             return None
-        pack = self.packs.get(blk, "mtp_input", lambda: mtp_input_pack(
-            model.embed.weight, blk.enorm.weight, blk.hnorm.weight, blk.e_proj, blk.h_proj, model.cfg.norm_eps))
-        return mtp_input(pack, x, next_ids)
+        return mtp_input(self._mtp_input_pack(model, blk), x, next_ids)
 
     def logits(self, model: Any, x: torch.Tensor, hc: Any, norm: Any) -> torch.Tensor | None:
         """Transformer.logits (hc_head of `hc`, final norm `norm`, the head) in one `lm_head` call, or None."""
         if not self.use_head or torch.compiler.is_compiling():
             return None
-        cfg = model.cfg
-        pack = self.packs.get(hc, "lm_head", lambda: lm_head_pack(
-            hc.hc_head_fn, hc.hc_head_scale, hc.hc_head_base, norm.weight, model.head, cfg.hc_eps, cfg.norm_eps), norm)
-        return lm_head(pack, x)
+        return lm_head(self._lm_head_pack(model, hc, norm), x)
 
     def mtp_pass(self, model: Any, blk: Any, x: torch.Tensor, next_ids: torch.Tensor, plan: Any, lc: Any,
                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -182,12 +188,7 @@ class HostBlockDecoder:
         dyn = self._layer_inputs(attn, plan, lc)
         if dyn is None or attn.selects(plan) or dyn[-1] and self._closing_over_limit(dyn[-2]):
             return None
-        cfg = model.cfg
-        inp = self.packs.get(blk, "mtp_input", lambda: mtp_input_pack(
-            model.embed.weight, blk.enorm.weight, blk.hnorm.weight, blk.e_proj, blk.h_proj, cfg.norm_eps))
-        head = self.packs.get(blk, "lm_head", lambda: lm_head_pack(
-            blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm.weight, model.head, cfg.hc_eps,
-            cfg.norm_eps), blk.norm)
+        inp, head = self._mtp_input_pack(model, blk), self._lm_head_pack(model, blk, blk.norm)
         return mtp_pass(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, *dyn[:-1])
 
     # -- what the sites read from the modules --------------------------------------------------------------------

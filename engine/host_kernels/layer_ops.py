@@ -77,10 +77,7 @@ def decode_layer(pack: Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     rc = native._native().lib.dk_decode_layer(a.ref, x.data_ptr(), out.data_ptr(), b, *args,
                                               h.data_ptr() if h is not None else None, torch.get_num_threads())
     del keep
-    if rc == -3:
-        raise ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})")
-    if rc != 0:
-        raise MemoryError(f"host kernel decode_layer: error {rc} for x [{b}, {a.n}, {a.dim}]")
+    native.check_rc(rc, "decode_layer", x, ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})"))
     return out
 
 
@@ -127,8 +124,5 @@ def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Ten
         a.ref, ctypes.byref(ia.struct), ctypes.byref(ha.struct), x.data_ptr(), idc.data_ptr(), out.data_ptr(), b,
         *args, rc_.data_ptr(), r, logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
     del keep
-    if rc == -3:
-        raise IndexError(f"mtp_input: a token id outside [0, {ia.vocab})")
-    if rc != 0:
-        raise MemoryError(f"host kernel mtp_pass: error {rc} for x [{b}, {a.n}, {a.dim}]")
+    native.check_rc(rc, "mtp_pass", x, IndexError(f"mtp_input: a token id outside [0, {ia.vocab})"))
     return out, logits, tokens

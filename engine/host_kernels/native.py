@@ -78,6 +78,15 @@ def _why_not(op: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None =
     return "empty" if why is None and w.numel() == 0 else why
 
 
+def check_rc(rc: int, kernel: str, x: torch.Tensor, bad_id: Exception | None = None) -> None:
+    """Raise for a composed native call's return code: -3 (an id out of range) as `bad_id`, any other non-zero
+    (-1: out of memory) as a MemoryError naming the kernel and x's shape."""
+    if rc == -3 and bad_id is not None:
+        raise bad_id
+    if rc != 0:
+        raise MemoryError(f"host kernel {kernel}: error {rc} for x {list(x.shape)}")
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.float32 and t.is_contiguous() else t.float().contiguous()
 

@@ -243,10 +243,7 @@ def mtp_input(pack: Pack, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | 
     idc = ids.contiguous()
     rc = native._native().lib.dk_mtp_input(x.data_ptr(), idc.data_ptr(), *a.norms, *a.gemms, out.data_ptr(), t, n,
                                            a.dim, torch.get_num_threads())
-    if rc == -3:
-        raise IndexError(f"mtp_input: a token id outside [0, {a.vocab})")
-    if rc != 0:
-        raise MemoryError(f"host kernel mtp_input: out of memory for x [{t}, {n}, {a.dim}]")
+    native.check_rc(rc, "mtp_input", x, IndexError(f"mtp_input: a token id outside [0, {a.vocab})"))
     return out
 
 
@@ -282,8 +279,7 @@ def lm_head(pack: Pack, x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t, a.vocab, dtype=native.F32)
     rc = native._native().lib.dk_lm_head(x.data_ptr(), t, a.n, a.dim, *a.front, *a.gemm, a.vocab, out.data_ptr(),
                                          torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError(f"host kernel lm_head: out of memory for x [{t}, {a.n}, {a.dim}]")
+    native.check_rc(rc, "lm_head", x)
     return out
 
 
