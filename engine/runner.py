@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -103,7 +103,7 @@ class ModelRunner:
         self.decode_rows = self.cache.spare + 1 if graph.mode is GraphMode.EAGER and self.par.cp == 1 else 1
         self.proposer = drafting.proposer_for(config.spec.method)
         self.capture = self.proposer is not None and self.proposer.captures  # its context, taken by the target step
-        self._last: tuple[list[SeqStep], torch.Tensor, torch.Tensor | None] | None = None
+        self._last: tuple[list[SeqStep], torch.Tensor, Any] | None = None  # (steps, final streams, capture)
         # Speculation off for a step (SpecPolicy): the draft head's catch-up is put off and what it would read of
         # those positions kept per slot, position p at row p % rows - MTP: the target's final streams and the next
         # ids; DSpark: the captured context input - `_behind[slot]` = the first position not caught up. The next
@@ -114,7 +114,8 @@ class ModelRunner:
             width = (len(cfg.dspark_target_layer_ids) * cfg.dim,) if self.capture else (cfg.hc_mult, cfg.dim)
             self._held = torch.zeros(cache.max_num_seqs, rows, *width, dtype=self.dtype, device=self.device)
             self._held_ids = torch.zeros(cache.max_num_seqs, rows, dtype=torch.long, device=self.device)
-            self._pending: list[tuple[torch.Tensor, list[int], list[int], list[int]]] = []  # (rows, slot, ring row, id)
+            self._pending: list[tuple[Any, list[int], list[int]]] = []  # (a step's rows, flat ring row, id)
+            self._flush_every = min(16, max(1, rows // 2))  # steps: what the pending rows hold stays small
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -186,7 +187,7 @@ class ModelRunner:
             last = [s.token_start + s.n - 1 for s in steps]
         if self.keep_hidden:  # the draft head reads the target's final streams of this step (`draft`)
             t = int(input_ids.shape[0])
-            self._last = (steps, x[:t], None if captured is None else captured[:t])
+            self._last = (steps, x[:t], None if captured is None else captured.rows(slice(0, t)))
         if return_hidden:
             return x
         with self.timer.region("head"):
@@ -217,17 +218,18 @@ class ModelRunner:
         target's streams there (kept by the last forward) and propose `want` drafts; the drafted ids per request."""
         if self._last is None:
             raise RuntimeError("draft() before any forward of this runner")
-        steps, hidden, captured = self._last
+        steps, hidden, capture = self._last
         requests = list(requests)
         if self.defers_catch_up and all(r.defer for r in requests):  # only held: no draft head runs
             with self.backend.grad_context():
-                self._resume(steps, hidden if captured is None else captured, requests)
+                self._resume(steps, hidden if capture is None else capture, requests)
             return [[] for _ in requests]
         with self.backend.grad_context(), self.dispatcher.active():
+            captured = None if capture is None else capture.tensor()  # the context made, where a draft head runs
             if not self.defers_catch_up:
                 return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
                                                    requests)
-            live = self._resume(steps, hidden if captured is None else captured, requests)
+            live = self._resume(steps, hidden if capture is None else capture, requests)
             out: list[list[int]] = [[] for _ in requests]
             drafted = drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
                                                   [r for _, r in live])
@@ -235,13 +237,13 @@ class ModelRunner:
                 out[i] = toks
             return out
 
-    def _resume(self, steps: list[SeqStep], hidden: torch.Tensor, requests: list[DraftRequest],
+    def _resume(self, steps: list[SeqStep], hidden: Any, requests: list[DraftRequest],
                 ) -> list[tuple[int, DraftRequest]]:
-        """Keep the deferred requests' rows of `hidden` (MTP: final streams; DSpark: captured context input) in
+        """Keep the deferred requests' rows of `hidden` (MTP: final streams; DSpark: its `Capture`) in
         `_held` and drop them (their slots fall behind); for a request whose slot is behind, write the draft
         ring's rows of the held positions it needs - the last window before its end, which is all a later draft
         query reads - as its catch-up would have. Returns (index, request) of the requests to run."""
-        rows, win, dev = self._held.shape[1], self.cfg.window_size, hidden.device
+        rows, win, dev = self._held.shape[1], self.cfg.window_size, self._held.device
         live = []
         keep: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # slot, ring row, step row, id
         gap: tuple[list[int], list[int]] = ([], [])  # slot, position
@@ -265,7 +267,7 @@ class ModelRunner:
                     spans.append(DraftInput(r.slot, first, r.start - first, torch.empty(0, dtype=torch.long)))
         if keep[0]:
             self._keep(hidden, *keep)
-        if self._pending and (gap[0] or len(self._pending) >= min(16, max(1, rows // 2))):
+        if self._pending and (gap[0] or len(self._pending) >= self._flush_every):
             self._flush()
         if gap[0]:  # their draft ring rows, for all resumed slots at once
             slots, pos = torch.tensor(gap[0], device=dev), torch.tensor(gap[1], device=dev)
@@ -284,36 +286,40 @@ class ModelRunner:
         rows = self._held.shape[1]
         for _, slot, pos, _ in decodes:
             self._behind.setdefault(slot, pos)
-        with self.backend.grad_context():
-            self._keep(hidden if captured is None else captured, [d[1] for d in decodes],
-                       [d[2] % rows for d in decodes], [steps[d[0]].token_start for d in decodes],
-                       [d[3] for d in decodes])
-            if len(self._pending) >= min(16, max(1, rows // 2)):
+        self._keep(hidden if captured is None else captured, [d[1] for d in decodes], [d[2] % rows for d in decodes],
+                   [steps[d[0]].token_start for d in decodes], [d[3] for d in decodes])
+        if len(self._pending) >= self._flush_every:
+            with self.backend.grad_context():
                 self._flush()
 
-    def _keep(self, src: torch.Tensor, slots: list[int], ring_rows: list[int], step_rows: list[int],
-              ids: list[int]) -> None:
-        """Rows `step_rows` of `src` kept for slots / ring rows as they are: written into `_held` in one go when a
-        slot resumes (or some steps have: `_flush`)."""
-        held = src[: len(step_rows)].clone() if step_rows == list(range(len(step_rows))) \
-            else src[torch.tensor(step_rows, device=src.device)]
-        self._pending.append((held, slots, ring_rows, ids))
+    def _keep(self, src: Any, slots: list[int], ring_rows: list[int], step_rows: list[int], ids: list[int]) -> None:
+        """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for (slot, ring row)
+        as they are - no copy of the first rows: a step's streams are new tensors nothing writes later - and
+        written into `_held` in one go when a slot resumes, or every few steps (`_flush`)."""
+        n, rows = len(step_rows), self._held.shape[1]
+        if step_rows != list(range(n)):
+            index: slice | torch.Tensor | None = torch.tensor(step_rows, device=self._held.device)
+        else:
+            index = None if n == len(src) else slice(0, n)  # all the step's rows (a decode step): src as it is
+        held = src if index is None else src[index] if isinstance(src, torch.Tensor) else src.rows(index)
+        self._pending.append((held, [s * rows + r for s, r in zip(slots, ring_rows, strict=True)], ids))
 
     def _flush(self) -> None:
-        """Write the pending held rows into `_held` / `_held_ids` (in order: a later write to a row wins)."""
+        """Write the pending held rows into `_held` / `_held_ids`; where a row was kept twice (a slot's later
+        sequence) the later wins."""
         dev = self._held.device
-        held = torch.cat([p[0] for p in self._pending])
-        at = (torch.tensor([x for p in self._pending for x in p[1]], device=dev),
-              torch.tensor([x for p in self._pending for x in p[2]], device=dev))
-        ids = torch.tensor([x for p in self._pending for x in p[3]], device=dev)
+        parts = [p[0] for p in self._pending]
+        held = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts).tensor()
+        at = [x for p in self._pending for x in p[1]]
+        ids = [x for p in self._pending for x in p[2]]
         self._pending.clear()
-        if len(set(zip(at[0].tolist(), at[1].tolist(), strict=True))) < len(ids):  # a row written twice: last wins
-            for i in range(len(ids)):
-                self._held[at[0][i], at[1][i]] = held[i]
-                self._held_ids[at[0][i], at[1][i]] = ids[i]
-            return
-        self._held[at] = held
-        self._held_ids[at] = ids
+        last = {a: i for i, a in enumerate(at)}
+        if len(last) < len(at):
+            pick = sorted(last.values())
+            held, at, ids = held[torch.tensor(pick, device=dev)], [at[i] for i in pick], [ids[i] for i in pick]
+        where = torch.tensor(at, device=dev)
+        self._held.view(-1, *self._held.shape[2:]).index_copy_(0, where, held.to(self._held.dtype))
+        self._held_ids.view(-1).index_copy_(0, where, torch.tensor(ids, device=dev))
 
 
 class DistributedRunner:

@@ -58,25 +58,62 @@ def _stages(model: Transformer) -> list[DSparkBlock]:
     return list(model.mtp)
 
 
-def hidden_and_capture(model: Transformer, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
-                       layer_ids: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Transformer.hidden` that also returns DSpark's context input: the streams entering each target layer
-    (`layer_ids`, default the config's dspark_target_layer_ids), averaged over the hc streams and concatenated ->
-    (last-layer streams [T, n, dim], captured [T, ncap*dim])."""
+class Capture:
+    """A target step's DSpark context input, made only where it is read: the streams entering each target layer
+    ([T, n, dim] each; a layer returns new streams and never writes its input, so holding them is safe) ->
+    `tensor()`: averaged over the hc streams and concatenated, [T, ncap*dim]. A step whose context waits (speculation
+    off: `ModelRunner.hold`) pays no op for it until some steps' are written at once."""
+
+    def __init__(self, streams: list[torch.Tensor]) -> None:
+        self.streams = streams
+
+    def __len__(self) -> int:
+        return self.streams[0].shape[0]
+
+    def rows(self, index: slice | torch.Tensor) -> Capture:
+        """The rows `index` (a slice, or a tensor of row numbers) of every layer's streams."""
+        if isinstance(index, slice):
+            return Capture([s[index] for s in self.streams])
+        return Capture([s.index_select(0, index) for s in self.streams])
+
+    @staticmethod
+    def cat(parts: list[Capture]) -> Capture:
+        """Captures of several steps, rows back to back."""
+        return Capture([torch.cat([p.streams[i] for p in parts]) for i in range(len(parts[0].streams))])
+
+    def tensor(self) -> torch.Tensor:
+        t, n, dim = self.streams[0].shape
+        dtype, dev = self.streams[0].dtype, self.streams[0].device
+        if dtype is not torch.float32:
+            return torch.cat([s.float().mean(1).to(dtype) for s in self.streams], 1)
+        out = torch.empty(t, len(self.streams) * dim, dtype=dtype, device=dev)
+        for i, s in enumerate(self.streams):
+            torch.sum(s, 1, out=out[:, i * dim: (i + 1) * dim])
+        return out.div_(n)  # the sums, then one division: bit for bit torch.mean
+
+
+def capture_streams(model: Transformer, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+                    layer_ids: tuple[int, ...] | None = None) -> tuple[torch.Tensor, Capture]:
+    """`Transformer.hidden` that also keeps DSpark's context input (`Capture`) of the layers `layer_ids` (default the
+    config's dspark_target_layer_ids) -> (last-layer streams [T, n, dim], its capture)."""
     ids = model.cfg.dspark_target_layer_ids if layer_ids is None else layer_ids
     x = model.streams(input_ids)
-    t, dim = x.shape[0], x.shape[-1]
-    captured = torch.empty(t, len(ids) * dim, dtype=x.dtype, device=x.device)
+    kept: dict[int, torch.Tensor] = {}
     for layer in model.layers:
         if layer.layer_id in ids:
-            i = ids.index(layer.layer_id)
-            out = captured[:, i * dim: (i + 1) * dim]
-            if x.dtype is torch.float32:
-                torch.mean(x, 1, out=out)
-            else:
-                out.copy_(x.float().mean(1))
+            kept[layer.layer_id] = x
         x = layer(x, plan, cache, input_ids)
-    return x, captured
+    if len(kept) != len(ids):
+        raise ValueError(f"dspark_target_layer_ids {list(ids)}: the model's layers are 0..{len(model.layers) - 1}")
+    return x, Capture([kept[i] for i in ids])
+
+
+def hidden_and_capture(model: Transformer, input_ids: torch.Tensor, plan: StepPlan, cache: KVCache,
+                       layer_ids: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`capture_streams` with the context made: (last-layer streams [T, n, dim], captured [T, ncap*dim]) - the
+    streams entering each target layer, averaged over the hc streams and concatenated."""
+    x, cap = capture_streams(model, input_ids, plan, cache, layer_ids)
+    return x, cap.tensor()
 
 
 def main_context(model: Transformer, captured: torch.Tensor) -> torch.Tensor:
@@ -201,8 +238,8 @@ class DSparkProposer:
     captures = True
 
     def hidden_and_capture(self, model: Transformer, input_ids: torch.Tensor, plan: StepPlan,
-                           cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        return hidden_and_capture(model, input_ids, plan, cache)
+                           cache: KVCache) -> tuple[torch.Tensor, Capture]:
+        return capture_streams(model, input_ids, plan, cache)
 
     def propose(self, model: Transformer, cache: KVCache, steps: list, hidden: torch.Tensor,
                 captured: torch.Tensor | None, requests: list, block_size: int) -> list[list[int]]:

@@ -40,9 +40,10 @@ class Proposer(Protocol):
     captures: bool  # whether the target step must capture a context for it (`hidden_and_capture`)
 
     def hidden_and_capture(self, model: Any, input_ids: torch.Tensor, plan: StepPlan,
-                           cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's last-layer streams [T, n, dim] and the context the proposer reads, [T, ...] (only called
-        where `captures`)."""
+                           cache: KVCache) -> tuple[torch.Tensor, Any]:
+        """The target's last-layer streams [T, n, dim] and the context the proposer reads, made where it is read:
+        an object with `rows(slice or row tensor)`, `cat(parts)` and `tensor()` -> [T, ...] (engine/model/
+        dspark_proposer.py `Capture`; only called where `captures`)."""
         ...
 
     def propose(self, model: Any, cache: KVCache, steps: list[SeqStep], hidden: torch.Tensor,

@@ -104,7 +104,7 @@ def test_a_block_on_the_ring_writes_past_the_context_only() -> None:
     prompt = torch.tensor(PROMPTS[1] * 2)  # 26 tokens: past the window
     steps = [DraftInput(0, 0, len(prompt), torch.arange(4))]
     run.forward([SeqStep(0, 0, len(prompt), 0, torch.arange(4))], prompt, return_hidden=True)
-    dspark.write_context(model, cache, steps, run._last[2])
+    dspark.write_context(model, cache, steps, run._last[2].tensor())  # the step's Capture, made
     last, bs = len(prompt) - 1, model.cfg.dspark_block_size
     stages = [cache.layers[st.layer_id] for st in model.mtp]
     wl = stages[0].win_kv.shape[1]
