@@ -252,7 +252,9 @@ class SpecPolicy:
         self._was_on: dict[int, bool] = {}
         self._last: dict[bool, str] = {}  # the kind of the last target step / draft call recorded
         self.probe_one = False  # the step speculates for one sequence only (`pick`): a probe of E
-        self.recheck = 8  # decided off at a batch size: its next steps take that decision without working it out
+        # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
+        # up to this many and not past a probe or a verify, take that decision without working it out
+        self.recheck = 8
         self._settled: tuple[int, int] | None = None  # (batch size, steps left) of such a decision
 
     @property
@@ -301,7 +303,9 @@ class SpecPolicy:
         return target + max(rows, 0.0) * batch + share * target, plain
 
     def observe(self, drafted: int, accepted: int, seq: object = None) -> None:
-        """One sequence's verify: `accepted` of its `drafted` drafts (`seq`: its id, for its own rates)."""
+        """One sequence's verify: `accepted` of its `drafted` drafts (`seq`: its id, for its own rates). The next
+        decision is worked out anew (not a settled one)."""
+        self._settled = None
         self.accepted.add(drafted, accepted)
         if seq is not None:
             if seq not in self._seqs:  # the engine's rates, as if from 2 verifies: the first moves it by a third
@@ -362,13 +366,19 @@ class SpecPolicy:
         if (self.k + 1) * plain < (1 + margin) * spec:  # decided off: the next few steps at B take it as it is
             self._settled = (batch, self.recheck - 1)
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
-        if seqs and not any(s in self._seqs for s in seqs):
-            self.probe_one = batch > 1
-            return self._on(f"gain {gain:.2f}: new sequences' first verify")
+        if seqs and not any(s in self._seqs for s in seqs) and (batch == 1 or gain > 1 / self.band):
+            # at B > 1 only a near tie: one sequence's first verify moves the batch's E by at most (k + 1 - E) / 3B
+            if batch == 1:
+                return self._on(f"gain {gain:.2f}: a new sequence's first verify")
+            return self._probe(f"gain {gain:.2f}: new sequences' first verify")
         # at B = 1 a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8
         # at 0.6); a probe of a batch (one sequence's drafts, its resume) costs a share of a step whatever G is
         every = min(max(2, round((1 - gain) / 0.05)), self.probe_every) if batch == 1 else self.probe_every
-        return self._off(every, why=f"gain {gain:.2f}")
+        if self._off(every, why=f"gain {gain:.2f}"):
+            return True
+        if batch > 1 and gain <= 1 / self.band:  # far off: the steps before the next probe take it as it is
+            self._settled = (batch, min(self.recheck, self.interval - self.off_steps) - 1)
+        return False
 
     def slack(self, batch: int) -> float:
         """The margin at B: margin * (1 + log2 B). A batch runs as long as its slowest sequence, and B sequences'
@@ -393,7 +403,11 @@ class SpecPolicy:
             self.interval = every
         self._every = every
         if self.off_steps >= self.interval:
-            self.off_steps, self.interval = 0, min(2 * self.interval, self.max_interval)
-            self.why, self.probe_one = f"{why}: probing E", True
-            return True
+            self.interval = min(2 * self.interval, self.max_interval)
+            return self._probe(f"{why}: probing E")
         return False
+
+    def _probe(self, why: str) -> bool:
+        """On for one step, drafting for one sequence (`pick`); the probe interval is kept (it doubles on)."""
+        self.off_steps, self.why, self.probe_one = 0, why, True
+        return True

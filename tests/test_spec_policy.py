@@ -19,6 +19,13 @@ def _accept(p: SpecPolicy, n: int, accepted: int, k: int = 2, seqs: tuple = ()) 
         p.observe(k, accepted, seqs[i % len(seqs)] if seqs else None)
 
 
+def _set_rates(p: SpecPolicy, rates: list[float]) -> None:
+    """The engine's acceptance set outright; observed as a verify is (observe(): the next step works its
+    decision out anew, not a settled one)."""
+    p.accepted.rates = rates
+    p.observe(0, 0)
+
+
 def test_costs_interpolate_between_measured_batch_sizes() -> None:
     c = _Costs(window=8)
     for b, s in ((1, 1.0), (8, 8.0)):
@@ -132,11 +139,36 @@ def test_a_probe_of_a_batch_drafts_for_one_sequence() -> None:
     assert p.pick(["a", "b"]) == "b"  # the fewest verifies of its own
 
 
-def test_a_batch_of_new_sequences_verifies_once() -> None:
+def test_a_batch_of_new_sequences_verifies_once_where_that_could_turn_it_on() -> None:
+    """A near tie (G within the band): one of the new sequences verifies at once; far off (G = 0.81), one sequence's
+    verify cannot move the batch's E enough, so they wait for the probe interval."""
+    new = ["x", "y", "z", "w"]
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1)  # E = 2: G = 2 * 2.1 / (1.15 * 4) = 0.91
+    assert p.speculate(4, new) and p.probe_one and "first verify" in p.why  # for one of them
     p = SpecPolicy(2)
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
-    _accept(p, 16, 1)
-    assert p.speculate(4, ["x", "y", "z", "w"]) and p.probe_one  # for one of them
+    _accept(p, 16, 1)  # G = 0.81
+    decisions = [p.speculate(4, new) for _ in range(8)]
+    assert decisions.index(True) >= 4 and "probing E" in p.why
+
+
+def test_a_probe_keeps_the_probe_interval() -> None:
+    """Probes at B > 1 (one sequence each), new sequences' first verifies included, do not restart the doubling
+    of the interval: a stream of new batches far off costs one probe in 8, then 16, ... steps."""
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1)  # near tie: new sequences verify once
+    probes = []
+    for step in range(64):
+        seqs = [f"{step // 16}-{i}" for i in range(4)]  # a new batch every 16 steps
+        if p.speculate(4, seqs):
+            probes.append(step)
+            p.observe(2, 1, p.pick(seqs))
+    assert probes[0] == 0 and len(probes) <= 6
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 16
 
 
 def test_always_speculates() -> None:
@@ -167,11 +199,27 @@ def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
         _feed(p, batch, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
         _accept(p, 16, 0)  # E ~ 1.2: G = 0.6
         assert not p.speculate(batch)
-        p.accepted.rates = [0.6, 0.45]  # E = 2.05: G = 2.05 * 2 / 4 = 1.025
+        _set_rates(p, [0.6, 0.45])  # E = 2.05: G = 2.05 * 2 / 4 = 1.025
         decisions = [p.speculate(batch) for _ in range(5)]
         assert all(decisions) if on else not any(decisions)  # B > 1 needs G >= 1.1 (no probe within 5 steps)
-        p.accepted.rates = [0.7, 0.6]  # E = 2.3: G = 1.15
+        _set_rates(p, [0.7, 0.6])  # E = 2.3: G = 1.15
         assert p.speculate(batch)
+
+
+def test_far_off_at_a_batch_size_is_settled_until_the_next_probe() -> None:
+    """B > 1 and G far below 1: the steps before the next probe take the decision as it is (no estimate worked
+    out; costs that change meanwhile are not seen, up to `recheck` steps), and a verify ends the settling."""
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1)  # E = 2: G = 0.81, full acceptance would pay (not decided off)
+    assert not p.speculate(4) and p._settled is not None
+    _feed(p, 4, verify=2.0, draft=0.1, plain=2.0, catch_up=0.1, n=16)  # now speculation would pay
+    decisions = [p.speculate(4) for _ in range(7)]
+    assert decisions == [False] * 6 + [True] and not p.probe_one  # settled; the 8th step works it out: on
+    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1, n=16)
+    assert not p.speculate(4) and p._settled is not None
+    p.observe(2, 1, "a")
+    assert p._settled is None
 
 
 def test_a_decided_off_batch_size_is_rechecked_every_few_steps() -> None:
