@@ -112,8 +112,9 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
 
 
 def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
-                threads: int, seed: int, policy: str = "auto") -> list[dict]:
-    """`policy`: one --speculative-policy, or several comma-separated (one speculative engine each, interleaved)."""
+                threads: int, seed: int, policy: str = "auto", warmup: int = 4) -> list[dict]:
+    """`policy`: one --speculative-policy, or several comma-separated (one speculative engine each, interleaved);
+    `warmup`: tokens per request of the untimed run of each setting and batch size first."""
     from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
 
@@ -128,9 +129,9 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
     engines = {s: build_engine(model_dir, max(batches), longest, s[0], s[1], threads,
                                s[2] if s[0] != "none" else "always") for s in settings}
     print(f"{model_dir}: {len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
-    for b in batches:  # warm-up: one short run of each setting and batch size
+    for b in batches:  # warm-up: one run of each setting and batch size
         for eng in engines.values():
-            timed_run(eng, make_prompts(b, seed - 1, (input_len, input_len)), 4)
+            timed_run(eng, make_prompts(b, seed - 1, (input_len, input_len)), warmup)
     runs: dict[tuple, list[dict]] = {}
     for r in range(repeats):
         for b in batches:
@@ -175,6 +176,10 @@ def main() -> None:
     p.add_argument("--policy", default="auto",
                    help="--speculative-policy of the speculative engines (auto: off where it does not pay); "
                    "comma-separated: one engine each, interleaved (auto,always)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="tokens per request of the untimed first run of each setting and batch size; the auto "
+                   "policy measures both sides of its first steps at a batch size, so a warm-up of --new tokens "
+                   "leaves that out of the timed runs (the steady state) and the default times it in")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
@@ -186,7 +191,7 @@ def main() -> None:
     for m in args.models.split(","):
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
                             [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
-                            args.threads, args.seed, args.policy)
+                            args.threads, args.seed, args.policy, args.warmup)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
           "| step ms | vs plain | CPU ms/token | CPU vs plain |")
