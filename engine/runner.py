@@ -187,7 +187,9 @@ class ModelRunner:
             last = [s.token_start + s.n - 1 for s in steps]
         if self.keep_hidden:  # the draft head reads the target's final streams of this step (`draft`)
             t = int(input_ids.shape[0])
-            self._last = (steps, x[:t], None if captured is None else captured.rows(slice(0, t)))
+            if captured is not None and len(captured) != t:
+                captured = captured.rows(slice(0, t))
+            self._last = (steps, x[:t], captured)
         if return_hidden:
             return x
         with self.timer.region("head"):
@@ -294,14 +296,15 @@ class ModelRunner:
 
     def _keep(self, src: Any, slots: list[int], ring_rows: list[int], step_rows: list[int], ids: list[int]) -> None:
         """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for (slot, ring row)
-        as they are - no copy of the first rows: a step's streams are new tensors nothing writes later - and
-        written into `_held` in one go when a slot resumes, or every few steps (`_flush`)."""
+        - all of a step's rows (a decode step) by reference: a step's streams are new tensors nothing writes later;
+        some of them copied, not to keep a long step alive - and written into `_held` in one go when a slot resumes,
+        or every few steps (`_flush`)."""
         n, rows = len(step_rows), self._held.shape[1]
-        if step_rows != list(range(n)):
-            index: slice | torch.Tensor | None = torch.tensor(step_rows, device=self._held.device)
+        if n == len(src) and step_rows == list(range(n)):
+            held = src
         else:
-            index = None if n == len(src) else slice(0, n)  # all the step's rows (a decode step): src as it is
-        held = src if index is None else src[index] if isinstance(src, torch.Tensor) else src.rows(index)
+            index = torch.tensor(step_rows, device=self._held.device)
+            held = src.index_select(0, index) if isinstance(src, torch.Tensor) else src.rows(index)
         self._pending.append((held, [s * rows + r for s, r in zip(slots, ring_rows, strict=True)], ids))
 
     def _flush(self) -> None:

@@ -135,3 +135,19 @@ def test_a_block_on_the_ring_writes_past_the_context_only() -> None:
     narrow = type("Ring", (), {"win_kv": torch.zeros(1, model.cfg.window_size + bs - 1, 1)})()
     assert attn.ring_inputs(narrow, torch.tensor([0]), pos, torch.ones(1, wl, dtype=torch.bool)) is None
     assert attn.ring_inputs(stages[0], torch.tensor([0]), pos, torch.ones(1, wl, dtype=torch.bool)) is not None
+
+
+def test_the_capture_is_the_hc_mean_of_the_streams_entering_each_target_layer() -> None:
+    """`Capture.tensor()` (the sums, then one division) is torch.mean over the hc streams bit for bit, in the
+    config's layer order, and `rows` / `cat` select and join rows as the made tensor's would."""
+    from engine.model.dspark_proposer import Capture
+
+    g = torch.Generator().manual_seed(5)
+    streams = [torch.randn(6, 4, 32, generator=g) for _ in range(3)]
+    cap = Capture(streams)
+    want = torch.cat([s.mean(1) for s in streams], 1)
+    assert torch.equal(cap.tensor(), want)
+    assert torch.equal(cap.rows(torch.tensor([4, 1])).tensor(), want[[4, 1]])
+    assert torch.equal(Capture.cat([cap.rows(slice(0, 2)), cap.rows(slice(3, 6))]).tensor(), want[[0, 1, 3, 4, 5]])
+    odd = Capture([torch.randn(5, 3, 8, generator=g)])  # a stream count that is no power of two
+    assert torch.equal(odd.tensor(), odd.streams[0].mean(1))

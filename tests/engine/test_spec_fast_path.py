@@ -119,3 +119,40 @@ def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.Mo
     assert sum(resumed) > 0 and eng.spec_stats.num_drafts > 0
     assert eng.spec_stats.acceptance_rate >= ref.spec_stats.acceptance_rate - 0.1, (eng.spec_stats.to_dict(),
                                                                                       ref.spec_stats.to_dict())
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_held_rows_keep_a_whole_step_by_reference_copy_a_part_and_the_later_row_wins(method: str) -> None:
+    """`ModelRunner._keep` / `_flush` (speculation off): a decode step's rows are kept as they are (no copy), some
+    rows of a longer step are copied (the step is not kept alive), and a (slot, ring row) kept twice before a flush
+    holds the later one's rows and id; DSpark's rows are its `Capture`'s context (the hc mean of each layer's)."""
+    from engine.model.dspark_proposer import Capture
+
+    run = _engine("auto", method).runner
+    rows, cfg = run._held.shape[1], run.cfg
+
+    def step(t: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        if method == "mtp":
+            return torch.randn(t, cfg.hc_mult, cfg.dim, generator=g)
+        return Capture([torch.randn(t, cfg.hc_mult, cfg.dim, generator=g) for _ in cfg.dspark_target_layer_ids])
+
+    def made(src):
+        return src if isinstance(src, torch.Tensor) else src.tensor()
+
+    run._pending.clear()
+    first, long, later = step(2, 1), step(40, 2), step(2, 3)
+    run._keep(first, [0, 1], [5, 5], [0, 1], [11, 12])
+    assert run._pending[-1][0] is first
+    run._keep(long, [0], [6], [7], [13])
+    part = run._pending[-1][0]
+    kept = part if isinstance(part, torch.Tensor) else part.streams[0]
+    whole = long if isinstance(long, torch.Tensor) else long.streams[0]
+    assert kept.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()  # a copy of row 7
+    run._keep(later, [0], [5], [1], [14])  # slot 0, ring row 5 again: the later wins
+    run._flush()
+    assert not run._pending
+    assert torch.equal(run._held[0, 5].flatten(), made(later)[1].flatten()) and int(run._held_ids[0, 5]) == 14
+    assert torch.equal(run._held[1, 5].flatten(), made(first)[1].flatten()) and int(run._held_ids[1, 5]) == 12
+    assert torch.equal(run._held[0, 6].flatten(), made(long)[7].flatten()) and int(run._held_ids[0, 6]) == 13
+    assert rows > 6
