@@ -235,7 +235,7 @@ class SpecPolicy:
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
                  interval: int = 32, max_interval: int = 1024, probe_every: int = 8, alpha: float = 0.1,
-                 seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1) -> None:
+                 seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1, probe_share: float = 0.02) -> None:
         self.k, self.always, self.margin, self.band = k, policy == "always", margin, band
         self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
         self.least = 2  # kept samples that make a batch size measured
@@ -252,6 +252,9 @@ class SpecPolicy:
         self._was_on: dict[int, bool] = {}
         self._last: dict[bool, str] = {}  # the kind of the last target step / draft call recorded
         self.probe_one = False  # the step speculates for one sequence only (`pick`): a probe of E
+        self.probe_share = probe_share  # at B > 1, what probes may cost of the steps (`_probe_steps`)
+        self._kind = False  # whether the probe state (interval, off steps) is that of B > 1; the other's kept
+        self._probes: dict[bool, tuple[int | None, int, int]] = {}
         # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
         # up to this many and not past a probe or a verify, take that decision without working it out
         self.recheck = 8
@@ -280,7 +283,7 @@ class SpecPolicy:
         """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
         spec(B) from its own where a size within a quarter of B is measured, else from the sizes where both sides
         are: a verify step costs a plain one plus B times its draft rows' cost per sequence, and drafting costs a
-        share of a plain step (both fitted over those sizes)."""
+        share of a plain step (both fitted over those sizes); None where no size has both."""
         p = self.parts
         plain = p["plain"].at(batch)
         if plain is not None:
@@ -290,9 +293,8 @@ class SpecPolicy:
             return (None if verify is None or draft is None else verify + draft), plain
         both = [b for b in p["verify"].sizes(self.least) if b in p["plain"].sizes(self.least)
                 and b in p["draft"].sizes(self.least)]
-        if not both:
-            verify, draft = p["verify"].at(batch), p["draft"].at(batch)
-            return (None if verify is None or draft is None else verify + draft), plain
+        if not both:  # no size with both sides: another size's spec cost says nothing of B's (measured first)
+            return None, plain
         # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
         # each weighted by its samples (a size seen twice in a batch's tail says little)
         n = {b: len(p["verify"].samples[b]) + len(p["plain"].samples[b]) for b in both}
@@ -329,6 +331,10 @@ class SpecPolicy:
     def speculate(self, batch: int, seqs: Sequence[object] = ()) -> bool:
         """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids)."""
         self.probe_one = False
+        if (batch > 1) != self._kind:  # batch 1 and batches keep their own probe intervals
+            self._probes[self._kind] = (self.interval, self.off_steps, self._every)
+            self._kind = batch > 1
+            self.interval, self.off_steps, self._every = self._probes.get(self._kind, (None, 0, 0))
         if self._settled is not None:
             if self._settled[0] == batch and self._settled[1] > 0:
                 self._settled = (batch, self._settled[1] - 1)
@@ -357,7 +363,13 @@ class SpecPolicy:
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
         # off at B > 1: on again only past the hysteresis (costs measured at different times drift on a shared box,
         # and a batch that flips pays for the sequences it puts apart)
-        self._was_on[batch] = gain >= (1 if self._was_on.get(batch, True) or batch == 1 else self.hysteresis)
+        was = self._was_on.get(batch, True)
+        self._was_on[batch] = gain >= (1 if was or batch == 1 else self.hysteresis)
+        if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
+            # on again at B > 1 on the batch's own acceptance, not the engine's (other texts'): until half its
+            # sequences have verified, one of them verifies a step
+            self._was_on[batch] = False
+            return self._probe(f"gain {gain:.2f}: the batch's own acceptance first")
         if self._was_on[batch]:
             # a batch size with neither side measured: plain steps first (the cheap side to try, and the off state)
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
@@ -373,8 +385,9 @@ class SpecPolicy:
             return self._probe(f"gain {gain:.2f}: new sequences' first verify")
         # at B = 1 a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8
         # at 0.6); a probe of a batch (one sequence's drafts, its resume) costs a share of a step whatever G is
-        every = min(max(2, round((1 - gain) / 0.05)), self.probe_every) if batch == 1 else self.probe_every
-        if self._off(every, why=f"gain {gain:.2f}"):
+        every = min(max(2, round((1 - gain) / 0.05)), self.probe_every) if batch == 1 else \
+            max(self.probe_every, self._probe_steps(batch))
+        if self._off(every, why=f"gain {gain:.2f}", sooner=batch == 1):
             return True
         if batch > 1 and gain <= 1 / self.band:  # far off: the steps before the next probe take it as it is
             self._settled = (batch, min(self.recheck, self.interval - self.off_steps) - 1)
@@ -393,13 +406,23 @@ class SpecPolicy:
         self.interval, self.off_steps, self.why = None, 0, why
         return True
 
-    def _off(self, every: int | None, why: str) -> bool:
-        """Off, but one step in `every` (None: never) probes E; the interval doubles with each probe that loses."""
+    def _probe_steps(self, batch: int) -> int:
+        """At B > 1, the steps per probe at which probing costs `probe_share` of them: a probe pays one sequence's
+        draft rows and drafting beyond a plain step at B, about spec(1) - plain(1) (0 while that is unknown)."""
+        spec1, plain1 = self.estimate(1)
+        plain = self.parts["plain"].at(batch)
+        if spec1 is None or plain1 is None or not plain:
+            return 0
+        return math.ceil(max(spec1 - plain1, 0.0) / (plain * self.probe_share))
+
+    def _off(self, every: int | None, why: str, sooner: bool = True) -> bool:
+        """Off, but one step in `every` (None: never) probes E; the interval doubles with each probe that loses.
+        `sooner`: a smaller `every` than the last (G nearer 1) restarts the interval from it."""
         self.off_steps += 1
         self.why = why
         if every is None:
             return False
-        if self.interval is None or every < self._every:  # G came nearer 1: probe sooner than the doubling says
+        if self.interval is None or sooner and every < self._every:  # probe sooner than the doubling says
             self.interval = every
         self._every = every
         if self.off_steps >= self.interval:

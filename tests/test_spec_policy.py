@@ -123,13 +123,13 @@ def test_acceptance_is_each_sequences_own() -> None:
 
 
 def test_a_probe_of_a_batch_drafts_for_one_sequence() -> None:
-    p = SpecPolicy(2)
+    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1, seqs=("a", "b", "c", "d"))  # E = 2: 2 * 2.1 < 1.15 * 4.5, full acceptance would pay
     decisions = [p.speculate(4, ["a", "b", "c", "d"]) for _ in range(16)]
     first = decisions.index(True)
     assert 1 <= first < 8
-    p = SpecPolicy(2)
+    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1, seqs=("a", "b", "c", "d"))
     for _ in range(first):
@@ -143,11 +143,11 @@ def test_a_batch_of_new_sequences_verifies_once_where_that_could_turn_it_on() ->
     """A near tie (G within the band): one of the new sequences verifies at once; far off (G = 0.81), one sequence's
     verify cannot move the batch's E enough, so they wait for the probe interval."""
     new = ["x", "y", "z", "w"]
-    p = SpecPolicy(2)
+    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1)  # E = 2: G = 2 * 2.1 / (1.15 * 4) = 0.91
     assert p.speculate(4, new) and p.probe_one and "first verify" in p.why  # for one of them
-    p = SpecPolicy(2)
+    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1)  # G = 0.81
     decisions = [p.speculate(4, new) for _ in range(8)]
@@ -157,7 +157,7 @@ def test_a_batch_of_new_sequences_verifies_once_where_that_could_turn_it_on() ->
 def test_a_probe_keeps_the_probe_interval() -> None:
     """Probes at B > 1 (one sequence each), new sequences' first verifies included, do not restart the doubling
     of the interval: a stream of new batches far off costs one probe in 8, then 16, ... steps."""
-    p = SpecPolicy(2)
+    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1)  # near tie: new sequences verify once
     probes = []
@@ -193,6 +193,53 @@ def test_an_unmeasured_batch_sizes_spec_cost_comes_from_the_draft_rows() -> None
     assert "not even full acceptance pays" in p.why
 
 
+def test_probes_of_a_batch_cost_a_share_of_its_steps() -> None:
+    """At B > 1 probes come one in ceil((spec(1) - plain(1)) / (plain(B) x probe_share)) steps (a probe pays one
+    sequence's draft rows and drafting), not one in 8, doubling on; batch 1's probe interval is its own."""
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.0)
+    _feed(p, 8, verify=5.0, draft=2.0, plain=4.0, catch_up=0.0)  # a tie at full acceptance: never decided off
+    _accept(p, 16, 1)  # E = 2: G at 8 = 2 * 4 / (1.2 * 7) = 0.95 (a near tie: within the band)
+    assert p._probe_steps(8) == 17  # (2.5 - 1.2) / (4 * 0.02) = 16.25
+    decisions = [p.speculate(8) for _ in range(60)]
+    assert [i for i, d in enumerate(decisions) if d] == [16, 50]  # after 17 off steps, then 34
+    assert not p.speculate(1) and p.interval != 68  # batch 1: its own interval
+    assert not p.speculate(8) and p.interval == 68
+
+
+def test_on_again_at_a_batch_rests_on_its_own_sequences_acceptance() -> None:
+    """Off at B = 4, then the engine's acceptance (other sequences') says it would pay: the batch's sequences, none
+    verified yet, verify one a step first; on once half of them have, and their own acceptance says so."""
+    batch = ["a", "b", "c", "d"]
+    p = SpecPolicy(2, margin=0.0)
+    _feed(p, 4, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+    _accept(p, 16, 0, seqs=("x",))  # another sequence: E ~ 1.2, G = 0.6
+    assert not p.speculate(4)
+    _set_rates(p, [0.9, 0.8])  # the engine's: E = 2.7, G = 1.35
+    decisions = []
+    for _ in range(4):
+        decisions.append((p.speculate(4, batch), p.probe_one))
+        if p.probe_one:
+            p.observe(2, 2, p.pick(batch))
+    assert decisions[:2] == [(True, True)] * 2 and decisions[2] == (True, False)
+
+
+def test_a_spec_cost_measured_at_another_size_only_is_not_taken_for_this_ones() -> None:
+    """Speculative steps measured at B = 1 only (an `always` start), plain ones at B = 8 only: no size has both
+    sides, so spec(8) is not read off batch 1's (a verify of 8 x 3 rows costs far more than one of 3): batch 8
+    measures its own speculative steps first."""
+    p = SpecPolicy(2)
+    for what, s in (("verify", 1.5), ("draft", 1.0)):
+        for _ in range(4):
+            p.record(what, 1, s)
+    for what, s in (("plain", 2.0), ("catch_up", 0.1)):
+        for _ in range(4):
+            p.record(what, 8, s)
+    _accept(p, 16, 2)
+    assert p.estimate(8) == (None, pytest.approx(2.1))
+    assert p.speculate(8) and p.why == "measuring a speculative step" and not p.probe_one
+
+
 def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
     for batch, on in ((8, False), (1, True)):
         p = SpecPolicy(2, margin=0.0)
@@ -209,7 +256,7 @@ def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
 def test_far_off_at_a_batch_size_is_settled_until_the_next_probe() -> None:
     """B > 1 and G far below 1: the steps before the next probe take the decision as it is (no estimate worked
     out; costs that change meanwhile are not seen, up to `recheck` steps), and a verify ends the settling."""
-    p = SpecPolicy(2)
+    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1)  # E = 2: G = 0.81, full acceptance would pay (not decided off)
     assert not p.speculate(4) and p._settled is not None
