@@ -176,10 +176,10 @@ def main() -> None:
     p.add_argument("--policy", default="auto",
                    help="--speculative-policy of the speculative engines (auto: off where it does not pay); "
                    "comma-separated: one engine each, interleaved (auto,always)")
-    p.add_argument("--warmup", type=int, default=4,
-                   help="tokens per request of the untimed first run of each setting and batch size; the auto "
-                   "policy measures both sides of its first steps at a batch size, so a warm-up of --new tokens "
-                   "leaves that out of the timed runs (the steady state) and the default times it in")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="tokens per request of the untimed first run of each setting and batch size (default: "
+                   "--new); the auto policy measures both sides of its first steps at a batch size, so the default "
+                   "leaves that out of the timed runs (the steady state) and e.g. 4 times it in")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
@@ -191,7 +191,7 @@ def main() -> None:
     for m in args.models.split(","):
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
                             [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
-                            args.threads, args.seed, args.policy, args.warmup)
+                            args.threads, args.seed, args.policy, args.new if args.warmup is None else args.warmup)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
           "| step ms | vs plain | CPU ms/token | CPU vs plain |")
