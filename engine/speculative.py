@@ -363,7 +363,9 @@ class SpecPolicy:
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
         # off at B > 1: on again only past the hysteresis (costs measured at different times drift on a shared box,
         # and a batch that flips pays for the sequences it puts apart)
-        was = self._was_on.get(batch, True)
+        # a batch size seen first (a batch whose sequences finish apart) starts as the nearest size seen was
+        was = self._was_on.get(batch, self._was_on[min(self._was_on, key=lambda b: abs(b - batch))]
+                               if self._was_on else True)
         self._was_on[batch] = gain >= (1 if was or batch == 1 else self.hysteresis)
         if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
             # on again at B > 1 on the batch's own acceptance, not the engine's (other texts'): until half its

@@ -224,6 +224,22 @@ def test_on_again_at_a_batch_rests_on_its_own_sequences_acceptance() -> None:
     assert decisions[:2] == [(True, True)] * 2 and decisions[2] == (True, False)
 
 
+def test_a_batch_size_seen_first_starts_as_the_nearest_one_was() -> None:
+    """Off at B = 8; a batch of 7 (one sequence finished) at G = 1.05 stays off (the hysteresis of an off size),
+    where a size with no size seen before goes on at G >= 1."""
+    p = SpecPolicy(2, margin=0.0)
+    _feed(p, 8, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+    _feed(p, 7, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+    _accept(p, 16, 0)
+    assert not p.speculate(8)
+    _set_rates(p, [0.6, 0.5])  # E = 2.1: G = 1.05
+    assert not p.speculate(7)
+    q = SpecPolicy(2, margin=0.0)
+    _feed(q, 7, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+    _accept(q, 16, 1)  # E = 2: G = 1.0
+    assert q.speculate(7)
+
+
 def test_a_spec_cost_measured_at_another_size_only_is_not_taken_for_this_ones() -> None:
     """Speculative steps measured at B = 1 only (an `always` start), plain ones at B = 8 only: no size has both
     sides, so spec(8) is not read off batch 1's (a verify of 8 x 3 rows costs far more than one of 3): batch 8
