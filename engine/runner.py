@@ -115,7 +115,7 @@ class ModelRunner:
             self._held = torch.zeros(cache.max_num_seqs, rows, *width, dtype=self.dtype, device=self.device)
             self._held_ids = torch.zeros(cache.max_num_seqs, rows, dtype=torch.long, device=self.device)
             self._pending: list[tuple[Any, list[int], list[int]]] = []  # (a step's rows, flat ring row, id)
-            self._flush_every = min(16, max(1, rows // 2))  # steps: what the pending rows hold stays small
+            self._flush_every = 16  # steps: what the pending rows hold stays small (a slot kept twice: the later)
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,

@@ -283,7 +283,8 @@ class SpecPolicy:
         """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
         spec(B) from its own where a size within a quarter of B is measured, else from the sizes where both sides
         are: a verify step costs a plain one plus B times its draft rows' cost per sequence, and drafting costs a
-        share of a plain step (both fitted over those sizes); None where no size has both."""
+        share of a plain step (both fitted over those sizes). Where no size has both, from a larger size's (an
+        overestimate: it is measured on), else None (measured first)."""
         p = self.parts
         plain = p["plain"].at(batch)
         if plain is not None:
@@ -293,7 +294,10 @@ class SpecPolicy:
             return (None if verify is None or draft is None else verify + draft), plain
         both = [b for b in p["verify"].sizes(self.least) if b in p["plain"].sizes(self.least)
                 and b in p["draft"].sizes(self.least)]
-        if not both:  # no size with both sides: another size's spec cost says nothing of B's (measured first)
+        if not both:  # no size with both sides: a larger size's spec cost bounds B's, a smaller one's says nothing
+            verify, draft = p["verify"], p["draft"]
+            if min(max(verify.sizes(), default=0), max(draft.sizes(), default=0)) >= batch:
+                return verify.at(batch) + draft.at(batch), plain
             return None, plain
         # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
         # each weighted by its samples (a size seen twice in a batch's tail says little)

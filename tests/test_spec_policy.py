@@ -243,7 +243,7 @@ def test_a_batch_size_seen_first_starts_as_the_nearest_one_was() -> None:
 def test_a_spec_cost_measured_at_another_size_only_is_not_taken_for_this_ones() -> None:
     """Speculative steps measured at B = 1 only (an `always` start), plain ones at B = 8 only: no size has both
     sides, so spec(8) is not read off batch 1's (a verify of 8 x 3 rows costs far more than one of 3): batch 8
-    measures its own speculative steps first."""
+    measures its own speculative steps first. A larger size's spec cost is taken as a smaller one's bound."""
     p = SpecPolicy(2)
     for what, s in (("verify", 1.5), ("draft", 1.0)):
         for _ in range(4):
@@ -254,6 +254,11 @@ def test_a_spec_cost_measured_at_another_size_only_is_not_taken_for_this_ones() 
     _accept(p, 16, 2)
     assert p.estimate(8) == (None, pytest.approx(2.1))
     assert p.speculate(8) and p.why == "measuring a speculative step" and not p.probe_one
+    q = SpecPolicy(2)  # speculative steps at 8, plain ones at 1: a smaller size's spec cost is bounded by 8's
+    for what, s, b in (("verify", 5.0, 8), ("draft", 2.0, 8), ("plain", 1.2, 1), ("catch_up", 0.0, 1)):
+        for _ in range(4):
+            q.record(what, b, s)
+    assert q.estimate(6)[0] == pytest.approx(7.0) and q.estimate(16)[0] is None
 
 
 def test_a_batch_size_that_was_off_turns_on_only_past_the_hysteresis() -> None:
