@@ -254,6 +254,9 @@ class SpecPolicy:
         self.probe_one = False  # the step speculates for one sequence only (`pick`): a probe of E
         self.probe_share = probe_share  # at B > 1, what probes may cost of the steps (`_probe_steps`)
         self._kind = False  # whether the probe state (interval, off steps) is that of B > 1; the other's kept
+        self._t = 0  # decisions so far
+        self.refresh = 64  # on at B > 1: plain steps at B are measured again after this many decisions without one
+        self._plain_at: dict[int, int] = {}  # the decision count at each size's last plain step
         self._probes: dict[bool, tuple[int | None, int, int]] = {}
         # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
         # up to this many and not past a probe or a verify, take that decision without working it out
@@ -268,6 +271,8 @@ class SpecPolicy:
         """A measured decode-only step part: "verify" / "plain" (the whole target step, sampling and acceptance
         included) or "draft" / "catch_up" (the draft head after it, drafting or not), of `batch` sequences."""
         target = what in ("verify", "plain")
+        if what == "plain":
+            self._plain_at[batch] = self._t
         switched = self._last.get(target) not in (None, what)
         self._last[target] = what
         if switched:  # the first step after a switch of kind is not kept either: it rebuilds that kind's packs
@@ -335,6 +340,7 @@ class SpecPolicy:
     def speculate(self, batch: int, seqs: Sequence[object] = ()) -> bool:
         """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids)."""
         self.probe_one = False
+        self._t += 1
         if (batch > 1) != self._kind:  # batch 1 and batches keep their own probe intervals
             self._probes[self._kind] = (self.interval, self.off_steps, self._every)
             self._kind = batch > 1
@@ -377,6 +383,13 @@ class SpecPolicy:
             self._was_on[batch] = False
             return self._probe(f"gain {gain:.2f}: the batch's own acceptance first")
         if self._was_on[batch]:
+            if batch > 1 and self._t - self._plain_at.get(batch, self._t) > self.refresh:
+                # on for long at B > 1: plain(B) is measured again (its samples are of another time, and a batch
+                # that speculated has its sequences' positions apart), 3 plain steps, the first not kept
+                self._plain_at[batch] = self._t
+                p["plain"].samples.pop(batch, None)
+                self._settled = (batch, 2)
+                return self._off(None, why=f"gain {gain:.2f}: plain steps measured again")
             # a batch size with neither side measured: plain steps first (the cheap side to try, and the off state)
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")

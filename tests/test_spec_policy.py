@@ -240,6 +240,21 @@ def test_a_batch_size_seen_first_starts_as_the_nearest_one_was() -> None:
     assert q.speculate(7)
 
 
+def test_on_at_a_batch_for_long_its_plain_steps_are_measured_again() -> None:
+    """On at B = 4 on a plain cost measured long ago: after `refresh` decisions with no plain step at 4, three plain
+    steps (the first not kept) measure it again, its old samples dropped; here it is dearer no more, so it turns off."""
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+    _accept(p, 16, 2)  # E = 3: G = 3 * 2 / (1.15 * 4) = 1.30
+    decisions = [p.speculate(4) for _ in range(p.refresh + 1)]
+    assert all(decisions[:-1]) and not decisions[-1] and "measured again" in p.why
+    assert p.cost("plain", 4) is None
+    assert [p.speculate(4) for _ in range(2)] == [False, False]  # the other two plain steps
+    for _ in range(3):
+        p.record("plain", 4, 1.2)
+    assert not p.speculate(4) and p.why.startswith("gain 0.78")
+
+
 def test_a_spec_cost_measured_at_another_size_only_is_not_taken_for_this_ones() -> None:
     """Speculative steps measured at B = 1 only (an `always` start), plain ones at B = 8 only: no size has both
     sides, so spec(8) is not read off batch 1's (a verify of 8 x 3 rows costs far more than one of 3): batch 8
