@@ -67,7 +67,7 @@ def test_the_layer_in_one_call_gives_the_three_sites_logits_bit_for_bit(monkeypa
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("limits", [None, {"index": 1, "pool": 0}])
+@pytest.mark.parametrize("limits", [None, {"index": 1, "pool": 0, "close": 0}])
 def test_the_decode_sites_give_the_op_by_op_logits_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
                                                                limits: dict[str, int] | None) -> None:
     """Three sequences past the window (16) and through compressed blocks closing at ratios 4 and 16; the CSA

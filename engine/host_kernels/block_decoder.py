@@ -286,10 +286,10 @@ class HostBlockDecoder:
 
     @staticmethod
     def _closing_over_limit(crow: tuple) -> bool:
-        """Whether a compressor closes more blocks this step than the native pooling takes (max_m("pool")): then
-        those blocks pool op by op (Attention.decode_writes)."""
-        pool_max = max_m("pool")
-        return any(c[2].numel() > pool_max for c in crow)
+        """Whether a compressor closes more blocks this step than a fused decode call pools (max_m("close")):
+        then the layer runs op by op (Attention.decode_writes pools them)."""
+        close_max = max_m("close")
+        return any(c[2].numel() > close_max for c in crow)
 
 
 def _weights_of(moe: Any, ex: Any | None) -> tuple[str | None, tuple[torch.Tensor | None, ...]]:

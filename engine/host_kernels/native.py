@@ -16,10 +16,15 @@ from nki_kernels import dispatch
 # Largest x row count each native kernel takes, per build ("mhc": the small per-token ops but sparse_attn, which has
 # its own; "pool": compress_pool's pooled entries; "index": index_score's decode rows); above it the reference is as
 # fast or faster (scripts/bench_host_kernels.py measures the crossover; docs/host_kernels_history.md says why each).
-_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8}
+# "close": the blocks one compressor closes in a fused decode call (attn_decode, decode_layer, mtp_pass), pooled in
+# it with compress_pool's routine - past it the whole layer runs op by op, so it is not compress_pool's crossover.
+_AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8,
+                 "close": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 1},
-         "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0, "pool": 2, "index": 0}}
+         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 1,
+                  "close": 64},
+         "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0, "pool": 2, "index": 0,
+                      "close": 64}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
 F32 = torch.float32  # every output buffer the native code writes is allocated with this dtype, never the default
 # one (torch.set_default_dtype(torch.bfloat16), as DeepSeek's own inference code sets it, would hand the kernels
