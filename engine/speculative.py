@@ -374,8 +374,10 @@ class SpecPolicy:
         # off at B > 1: on again only past the hysteresis (costs measured at different times drift on a shared box,
         # and a batch that flips pays for the sequences it puts apart)
         # a batch size seen first (a batch whose sequences finish apart) starts as the nearest size seen was
-        was = self._was_on.get(batch, self._was_on[min(self._was_on, key=lambda b: abs(b - batch))]
-                               if self._was_on else True)
+        if batch in self._was_on:
+            was = self._was_on[batch]
+        else:
+            was = self._was_on[min(self._was_on, key=lambda b: abs(b - batch))] if self._was_on else True
         self._was_on[batch] = gain >= (1 if was or batch == 1 else self.hysteresis)
         if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
             # on again at B > 1 on the batch's own acceptance, not the engine's (other texts'): until half its
@@ -404,8 +406,9 @@ class SpecPolicy:
             return self._probe(f"gain {gain:.2f}: new sequences' first verify")
         # at B = 1 a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8
         # at 0.6); a probe of a batch (one sequence's drafts, its resume) costs a share of a step whatever G is
+        # (at B > 1 the interval, once set, only doubles: its first length is worked out once)
         every = min(max(2, round((1 - gain) / 0.05)), self.probe_every) if batch == 1 else \
-            max(self.probe_every, self._probe_steps(batch))
+            self.interval or max(self.probe_every, self._probe_steps(batch))
         if self._off(every, why=f"gain {gain:.2f}", sooner=batch == 1):
             return True
         if batch > 1 and gain <= 1 / self.band:  # far off: the steps before the next probe take it as it is
