@@ -196,7 +196,9 @@ def test_drain_lets_open_requests_finish() -> None:
                 try:
                     async with httpx.AsyncClient(timeout=1) as fresh:
                         await fresh.get(f"{srv.base}/health")
-                except httpx.ConnectError:
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                    # refused, or (a loaded box) accepted into the listener's backlog just before it closed and
+                    # then dropped without a response: either way not served
                     refused_after = time.monotonic() - t0
                 await asyncio.sleep(0.05)
             seen = list(await asyncio.gather(*streams))
