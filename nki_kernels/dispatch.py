@@ -120,11 +120,11 @@ class Dispatcher:
         """Count a call that ran outside `dispatch` (the native host kernels)."""
         self.counts[(name, executor)] += 1
 
-    def count_each(self, keys: tuple[tuple[str, str], ...]) -> None:
-        """`count` every (name, executor) of `keys` once (a native call that runs several kernels)."""
+    def count_each(self, keys: tuple[tuple[str, str], ...], times: int = 1) -> None:
+        """`count` every (name, executor) of `keys` `times` times (a native call that runs several kernels)."""
         counts = self.counts
         for key in keys:
-            counts[key] += 1
+            counts[key] += times
 
     def counts_of(self, name: str | None = None) -> dict[tuple[str, str], int]:
         return {k: v for k, v in self.counts.items() if name is None or k[0] == name}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.host_kernels.attn_ops import attn_decode, attn_decode_takes, attn_front, decode_pack, front_pack
-from engine.host_kernels.layer_ops import decode_layer, layer_pack, mtp_pass
+from engine.host_kernels.layer_ops import decode_layer, layer_pack, mtp_draft, mtp_pass
 from engine.host_kernels.moe_ops import moe_ffn as moe_ffn_call
 from engine.host_kernels.native import max_m
 from engine.host_kernels.packs import PackStore
@@ -190,6 +190,33 @@ class HostBlockDecoder:
             return None
         inp, head = self._mtp_input_pack(model, blk), self._lm_head_pack(model, blk, blk.norm)
         return mtp_pass(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, *dyn[:-1])
+
+    def mtp_draft(self, model: Any, blk: Any, x: torch.Tensor, next_ids: torch.Tensor, seqs: list, lc: Any,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """propose_mtp's k greedy drafts of MTP block `blk` in one `mtp_draft` call, without a step plan: the
+        catch-up over the final positions of `seqs` (DraftInputs; rows back to back, each a decode row: at most
+        `spare` + 1 a sequence, as StepPlan.build's decode rows) and the k - 1 recursion passes after each one's last
+        -> (logits [k, R, V], tokens [k, R]), or None (then propose_mtp plans the passes and runs each)."""
+        attn = blk.attn
+        if not (self.use_mtp and self.use_head and self.use_layer and self.use_decode) or attn.ratio \
+                or attn.par is not None or lc.win_store.fmt != "auto" or torch.compiler.is_compiling():
+            return None
+        spare = lc.win_kv.shape[1] - attn.win
+        pos, slots, rows = [], [], []
+        for s in seqs:
+            if not 0 < s.n <= spare + 1:
+                return None
+            pos.extend(range(s.start, s.start + s.n))
+            slots.extend([s.slot] * s.n)
+            rows.append(len(pos) - 1)
+        at = torch.tensor(pos)
+        cos, sin = attn.rope.cos_sin(at)
+        rcs = [attn.rope.cos_sin(torch.tensor([pos[i] + j for i in rows])) for j in range(1, k)]  # each pass's own
+        rcos = torch.stack([c for c, _ in rcs]) if rcs else torch.empty(0, len(rows), attn.rd // 2)
+        rsin = torch.stack([s for _, s in rcs]) if rcs else rcos
+        inp, head = self._mtp_input_pack(model, blk), self._lm_head_pack(model, blk, blk.norm)
+        return mtp_draft(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, cos, sin, torch.tensor(slots), at, k,
+                         rcos, rsin, attn.win)
 
     # -- what the sites read from the modules --------------------------------------------------------------------
     def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:

@@ -337,6 +337,7 @@ class HostLibrary:
         lib.dk_mtp_input.argtypes = [p, p, p, i32, i64, p, p, f32, i32, p, p, i32, p, p, p, i64, i64, i64, i32]
         lib.dk_lm_head.argtypes = [p, i64, i64, i64, p, p, p, f32, f32, p, i32, p, p, i64, p, i32]
         lib.dk_mtp_pass.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, p, i64, p, p, i32]
+        lib.dk_mtp_draft.argtypes = [p, p, p, p, p, i64, p, p, p, p, p, i64, i64, p, p, i64, p, p, i32]
         lib.dk_layer_layout.argtypes = [p, i64]
         lib.dk_layer_layout.restype = ctypes.c_int64
         lib.dk_ffn_site.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, p, i64, p, p, i64, f32, i64, f32, i64,
@@ -352,7 +353,7 @@ class HostLibrary:
                   lib.dk_sparse_attn, lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route,
                   lib.dk_hc_head, lib.dk_attn_qkv, lib.dk_ffn_site, lib.dk_attn_decode, lib.dk_attn_front,
                   lib.dk_decode_layer, lib.dk_compress_pool, lib.dk_index_score, lib.dk_mtp_input,
-                  lib.dk_lm_head, lib.dk_mtp_pass):
+                  lib.dk_lm_head, lib.dk_mtp_pass, lib.dk_mtp_draft):
             f.restype = i32
         if (why := layout_mismatch(lib)) is not None:
             raise HostKernelError(f"--kernels host: {path.name}: the decode layer's argument struct differs from "

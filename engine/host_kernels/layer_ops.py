@@ -98,6 +98,19 @@ def _step_args(cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ring_r
     return args, [sl, rr, rv, tb, vis, rows, cos, sin]
 
 
+def _mtp_rows(a, ia, ha, x: torch.Tensor, ids: torch.Tensor, rows: list[int], cos: torch.Tensor, sin: torch.Tensor,
+              crow: tuple) -> int | None:
+    """The row count B of an MTP pass (`mtp_pass`) over x [B, n, dim], ids [B] and the head over `rows`, where the
+    three packs' arguments `a` (layer), `ia` (input), `ha` (head) take it, else None."""
+    b = None if a is None or ia is None or ha is None else packs.step_rows(a, x, cos, sin)
+    if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, None, b) \
+            or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or b * a.n > min(native.max_m(k) for k in ia.limit_keys) \
+            or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) \
+            or not 0 < len(rows) <= min(native.max_m(k) for k in ha.limit_keys) or not 0 <= min(rows) <= max(rows) < b:
+        return None
+    return b
+
+
 def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, rows: list[int],
              cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ring_rows: torch.Tensor,
              ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int, visible: torch.Tensor | None,
@@ -107,11 +120,8 @@ def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Ten
     (R of them) - with each one's checks; -> (streams [B, n, dim], logits [R, V], their argmax [R]), or None where
     one of the three would not take its part (nothing counted, no state written)."""
     a, ia, ha = layer.args, inp.args, head.args
-    b = None if a is None or ia is None or ha is None else packs.step_rows(a, x, cos, sin)
-    if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, None, b) \
-            or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or b * a.n > min(native.max_m(k) for k in ia.limit_keys) \
-            or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) \
-            or not 0 < len(rows) <= min(native.max_m(k) for k in ha.limit_keys) or not 0 <= min(rows) <= max(rows) < b:
+    b = _mtp_rows(a, ia, ha, x, ids, rows, cos, sin, crow)
+    if b is None:
         return None
     for keys in (ia.keys, a.keys, ha.keys):
         native._count_each(keys)
@@ -126,3 +136,33 @@ def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Ten
     del keep
     native.check_rc(rc, "mtp_pass", x, IndexError(f"mtp_input: a token id outside [0, {ia.vocab})"))
     return out, logits, tokens
+
+
+def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, rows: list[int],
+              cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, k: int,
+              rcos: torch.Tensor, rsin: torch.Tensor, win: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """attn.c `dk_mtp_draft`: k greedy drafts of a sliding-only MTP block (no entries, no compressor; one rank) in
+    one call - the catch-up's `mtp_pass` over x [B, n, dim], ids [B] at positions pos [B] of slots [B] (int64; RoPE
+    cos / sin [B, rd/2]; `rows`: each sequence's last row), then k - 1 passes over its R rows at positions
+    pos[rows] + 1 .. + k - 1 (RoPE rcos / rsin [k-1, R, rd/2]), each fed the previous pass's streams and tokens;
+    ring rows and masks made from the positions (`win`: the attention's window). -> (logits [k, R, V], tokens
+    [k, R]), or None where `mtp_pass` would not take the catch-up or an argument does not fit (nothing counted, no
+    state written)."""
+    a, ia, ha = layer.args, inp.args, head.args
+    b = _mtp_rows(a, ia, ha, x, ids, rows, cos, sin, ())
+    r = len(rows)
+    if b is None or a.layer.pool or k < 1 or tuple(rcos.shape) != (k - 1, r, a.rd // 2) \
+            or rcos.shape != rsin.shape or rcos.dtype is not native.F32 or rsin.dtype is not native.F32 \
+            or any(t.dtype is not torch.int64 or tuple(t.shape) != (b,) for t in (slots, pos)):
+        return None
+    for keys in (ia.keys, a.keys, ha.keys):  # counted as k mtp_pass calls
+        native._count_each(keys, k)
+    logits, tokens = torch.empty(k, r, ha.vocab, dtype=native.F32), torch.empty(k, r, dtype=torch.int64)
+    keep = [t.contiguous() for t in (ids, cos, sin, slots, pos, torch.tensor(rows, dtype=torch.int64), rcos, rsin)]
+    rc = native._native().lib.dk_mtp_draft(
+        a.ref, ctypes.byref(ia.struct), ctypes.byref(ha.struct), x.data_ptr(), keep[0].data_ptr(), b,
+        *(t.data_ptr() for t in keep[1:6]), r, k, keep[6].data_ptr(), keep[7].data_ptr(), win, logits.data_ptr(),
+        tokens.data_ptr(), torch.get_num_threads())
+    del keep
+    native.check_rc(rc, "mtp_draft", x, IndexError(f"mtp_input: a token id outside [0, {ia.vocab})"))
+    return logits, tokens

@@ -100,9 +100,9 @@ def _count(key: str) -> None:
     dispatch.current().count(key, EXECUTOR)
 
 
-def _count_each(keys: tuple[tuple[str, str], ...]) -> None:
-    """Count every (key, executor) of `keys` (a pack's: made once) in the active dispatcher."""
-    dispatch.current().count_each(keys)
+def _count_each(keys: tuple[tuple[str, str], ...], times: int = 1) -> None:
+    """Count every (key, executor) of `keys` (a pack's: made once) `times` times in the active dispatcher."""
+    dispatch.current().count_each(keys, times)
 
 
 

@@ -150,6 +150,15 @@ class Transformer(OpsUser, nn.Module):
         out = self.mtp_streams(x, next_ids, plan, cache, k)
         return out, self.logits(out[torch.tensor(rows, device=out.device)], blk, blk.norm), None
 
+    def mtp_draft(self, x: torch.Tensor, next_ids: torch.Tensor, seqs: list, cache: KVCache,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """k greedy drafts of MTP block 0 in one call of the op table (`BlockDecoder.mtp_draft`): the catch-up over
+        the final positions of `seqs` (DraftInputs; x, next_ids: one row each), then k - 1 recursion passes ->
+        (logits [k, R, vocab], tokens [k, R]); None where the table has no such call (propose_mtp then plans each
+        pass and runs it as `mtp_pass`)."""
+        blk: MTPBlock = self.mtp[0]
+        return self.ops.block_decoder.mtp_draft(self, blk, x, next_ids, seqs, cache.layers[blk.layer_id], k)
+
     def mtp_input(self, x: torch.Tensor, next_ids: torch.Tensor, k: int = 0) -> torch.Tensor:
         """MTP block k's input streams [T, n, dim]: e_proj(enorm(embedding of tokens t+1)) + h_proj(hnorm(x))."""
         blk: MTPBlock = self.mtp[k]

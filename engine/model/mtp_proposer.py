@@ -99,6 +99,11 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
         raise ValueError(f"{num_tokens} MTP drafts write {num_tokens - 1} positions past the last final one; the KV "
                          f"cache holds {cache.spare} (build it with spare >= num_speculative_tokens)")
     # the catch-up (persistent), its last rows' logits give draft 1; then the recursion (module docstring)
+    k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=hidden.device)
+    if sample is greedy and hidden.shape[0] == next_ids.shape[0] == sum(s.n for s in seqs):
+        fused = model.mtp_draft(hidden, next_ids.to(hidden.device), seqs, cache, num_tokens)  # all in one call
+        if fused is not None:
+            return Proposal(tokens=fused[1].t().contiguous(), logits=fused[0].transpose(0, 1), num_proposed=k)
     plan, last = _catch_up_plan(model, cache, seqs, hidden, next_ids, block_size)
     out, lg, tok = model.mtp_pass(hidden, next_ids.to(hidden.device), plan, cache, last)
     x = out if last == list(range(out.shape[0])) else out[torch.tensor(last, device=out.device)]
@@ -110,7 +115,6 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
         x, lg, tok = model.mtp_pass(x, tokens[-1], StepPlan.build(steps, block_size, device=x.device), cache, every)
         logits.append(lg)
         tokens.append(tok if tok is not None and sample is greedy else sample(lg, j))
-    k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=x.device)
     return Proposal(tokens=torch.stack(tokens, 1), logits=torch.stack(logits, 1), num_proposed=k)
 
 

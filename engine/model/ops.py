@@ -43,6 +43,9 @@ class BlockDecoder(Protocol):
     def mtp_pass(self, model: Any, blk: Any, x: T, next_ids: T, plan: Any, lc: Any,
                  rows: list[int]) -> tuple[T, T, T] | None: ...
 
+    def mtp_draft(self, model: Any, blk: Any, x: T, next_ids: T, seqs: list, lc: Any,
+                  k: int) -> tuple[T, T] | None: ...
+
     def attn_front(self, block: Any, x: T, cos: T, sin: T) -> tuple[T, ...] | None:
         """The attention half's front alone (hc_pre, q, kv, the compressors' projections): (post, comb, q, kv before
         the KV numerics, qr, *projections), or None (the DSpark block attends its own keys after it)."""
@@ -74,6 +77,9 @@ class OpByOp:
         return None
 
     def mtp_pass(self, *_: Any) -> None:
+        return None
+
+    def mtp_draft(self, *_: Any) -> None:
         return None
 
     def attn_front(self, *_: Any) -> None:
