@@ -348,40 +348,38 @@ def test_the_draft_heads_input_and_the_lm_head_in_one_call_each_are_their_ops_bi
 
 def test_mtp_drafting_in_one_call_is_its_passes_one_by_one_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """`mtp_draft` (layer_ops.py; attn.c `dk_mtp_draft`: the catch-up and the k - 1 recursion passes in one call)
-    against each pass as its own `mtp_pass` call: MTP k = 3 speculation on the tiny-spec model, three sequences -
-    the same drafts and draft logits bit for bit at every drafting step, and the one call ran."""
-    from engine.host_kernels import block_decoder as BD
+    against each pass as its own `mtp_pass` call (the table without `mtp_draft`): MTP k = 3 speculation on the
+    tiny-spec model, three sequences - the same drafts and draft logits bit for bit at every drafting step, and the
+    one call ran (where the build's row limits take three rows)."""
     from engine.model import mtp_proposer as MP
 
-    def run(fused: bool) -> tuple[list, list, list]:
-        proposals, taken = [], []
-        propose, draft = MP.propose_mtp, BD.mtp_draft
+    def run(without: tuple[str, ...]) -> tuple[list, list, dict]:
+        proposals = []
+        propose = MP.propose_mtp
 
         def record(*a, **kw):
             proposals.append(propose(*a, **kw))
             return proposals[-1]
 
-        def one_call(*a, **kw):
-            out = draft(*a, **kw) if fused else None
-            taken.append(out is not None)
-            return out
-
         with monkeypatch.context() as m:
+            for name in without:
+                m.delitem(H.NATIVE_OPS, name)
             m.setattr(MP, "propose_mtp", record)
-            m.setattr(BD, "mtp_draft", one_call)
             eng = engine.build(EngineConfig.from_model_dir(GOLDEN_DIR / "tiny-spec", kernels="host",
                                                            max_num_seqs=4, speculative="mtp",
                                                            num_speculative_tokens=3, speculative_policy="always"))
             out, _ = greedy_with_logits(eng, PROMPTS, 10)
-        return out, proposals, taken
+        return out, proposals, dict(eng.runner.dispatcher.counts)
 
-    out, proposals, taken = run(True)
-    ref_out, ref_proposals, ref_taken = run(False)
+    out, proposals, counts = run(())
+    ref_out, ref_proposals, ref_counts = run(("mtp_draft",))
     assert out == ref_out and len(proposals) == len(ref_proposals) > 2
     for p, q in zip(proposals, ref_proposals, strict=True):
         assert torch.equal(p.tokens, q.tokens) and torch.equal(p.logits, q.logits)
     assert max(p.tokens.shape[1] for p in proposals) == 3  # the recursion ran (fewer drafts near max_tokens)
-    assert any(taken) == _sites_take_three_rows() and not any(ref_taken)
+    one_call = counts.pop(("host.mtp_draft", "host"), 0)
+    assert (one_call > 0) == _sites_take_three_rows() and ("host.mtp_draft", "host") not in ref_counts
+    assert counts == ref_counts  # besides its own count, one call counts as its k passes
 
 
 def test_the_draft_heads_input_declines_past_its_ops_row_limits(monkeypatch: pytest.MonkeyPatch) -> None:

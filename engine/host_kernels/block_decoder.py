@@ -37,9 +37,9 @@ class HostBlockDecoder:
     `--numerics official`: the native sites quantise no activations)."""
 
     def __init__(self, layer: bool = True, front: bool = True, decode: bool = True, ffn: bool = True,
-                 moe: bool = True, mtp: bool = True, head: bool = True) -> None:
+                 moe: bool = True, mtp: bool = True, head: bool = True, draft: bool = True) -> None:
         self.use_layer, self.use_front, self.use_decode, self.use_ffn, self.use_moe = layer, front, decode, ffn, moe
-        self.use_mtp, self.use_head = mtp, head
+        self.use_mtp, self.use_head, self.use_draft = mtp, head, draft
         self.packs = PackStore()
         self._moe_args: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
@@ -198,8 +198,9 @@ class HostBlockDecoder:
         `spare` + 1 a sequence, as StepPlan.build's decode rows) and the k - 1 recursion passes after each one's last
         -> (logits [k, R, V], tokens [k, R]), or None (then propose_mtp plans the passes and runs each)."""
         attn = blk.attn
-        if not (self.use_mtp and self.use_head and self.use_layer and self.use_decode) or attn.ratio \
-                or attn.par is not None or lc.win_store.fmt != "auto" or torch.compiler.is_compiling():
+        sites = self.use_draft and self.use_mtp and self.use_head and self.use_layer and self.use_decode
+        if not sites or attn.ratio or attn.par is not None or lc.win_store.fmt != "auto" \
+                or torch.compiler.is_compiling():
             return None
         spare = lc.win_kv.shape[1] - attn.win
         pos, slots, rows = [], [], []

@@ -155,7 +155,8 @@ def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Te
             or rcos.shape != rsin.shape or rcos.dtype is not native.F32 or rsin.dtype is not native.F32 \
             or any(t.dtype is not torch.int64 or tuple(t.shape) != (b,) for t in (slots, pos)):
         return None
-    for keys in (ia.keys, a.keys, ha.keys):  # counted as k mtp_pass calls
+    native._count("host.mtp_draft")
+    for keys in (ia.keys, a.keys, ha.keys):  # and as k mtp_pass calls
         native._count_each(keys, k)
     logits, tokens = torch.empty(k, r, ha.vocab, dtype=native.F32), torch.empty(k, r, dtype=torch.int64)
     keep = [t.contiguous() for t in (ids, cos, sin, slots, pos, torch.tensor(rows, dtype=torch.int64), rcos, rsin)]

@@ -227,7 +227,7 @@ REFERENCE = _table("reference")
 
 # the host's fused decode sites, each present while engine/host_kernels NATIVE_OPS lists it
 _HOST_SITES = {"layer": "decode_layer", "front": "attn_front", "decode": "attn_decode_takes", "ffn": "ffn_site_pack",
-               "moe": "moe_ffn", "mtp": "mtp_input", "head": "lm_head"}
+               "moe": "moe_ffn", "mtp": "mtp_input", "head": "lm_head", "draft": "mtp_draft"}
 
 
 def _host_table(numerics: str = "hf", kv_cache_dtype: str = "auto") -> OpTable:
