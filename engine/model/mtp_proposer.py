@@ -49,13 +49,19 @@ def _decode_rows(model: Transformer, cache: KVCache) -> int:
     return cache.spare + 1 if model.mtp[0].attn.par is None and model.embed.weight.device.type == "cpu" else 1
 
 
+def _check_rows(seqs: list[DraftInput], hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
+    """hidden and next_ids hold one row per final position of `seqs`, back to back."""
+    n = sum(s.n for s in seqs)
+    if hidden.shape[0] != n or next_ids.shape[0] != n:
+        raise ValueError(f"hidden {tuple(hidden.shape)} / next_ids {tuple(next_ids.shape)}: expected one row per "
+                         f"final position ({n})")
+
+
 def _catch_up_plan(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
                    next_ids: torch.Tensor, block_size: int) -> tuple[StepPlan, list[int]]:
     """The catch-up's step plan over the final positions of `seqs` and each sequence's last row in it."""
+    _check_rows(seqs, hidden, next_ids)
     steps = _steps(seqs)
-    if hidden.shape[0] != steps[-1].token_start + steps[-1].n or next_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} / next_ids {tuple(next_ids.shape)}: expected one row per "
-                         f"final position ({sum(s.n for s in seqs)})")
     plan = StepPlan.build(steps, block_size, device=hidden.device, decode_rows=_decode_rows(model, cache))
     return plan, [s.token_start + s.n - 1 for s in steps]
 
@@ -99,8 +105,9 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
         raise ValueError(f"{num_tokens} MTP drafts write {num_tokens - 1} positions past the last final one; the KV "
                          f"cache holds {cache.spare} (build it with spare >= num_speculative_tokens)")
     # the catch-up (persistent), its last rows' logits give draft 1; then the recursion (module docstring)
+    _check_rows(seqs, hidden, next_ids)
     k = torch.full((len(seqs),), num_tokens, dtype=torch.long, device=hidden.device)
-    if sample is greedy and hidden.shape[0] == next_ids.shape[0] == sum(s.n for s in seqs):
+    if sample is greedy:
         fused = model.mtp_draft(hidden, next_ids.to(hidden.device), seqs, cache, num_tokens)  # all in one call
         if fused is not None:
             return Proposal(tokens=fused[1].t().contiguous(), logits=fused[0].transpose(0, 1), num_proposed=k)
