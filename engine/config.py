@@ -192,7 +192,10 @@ def resolve_kernels(requested: Kernels | str, backend: Backend) -> tuple[Kernels
         variant = host_kernels.probe()
     except host_kernels.HostKernelError as e:
         return Kernels.REFERENCE, f"auto: the native host kernels are unavailable here ({e})"
-    return Kernels.HOST, f"auto: native host kernels, {variant} build: {host_kernels.build_info()['why']}"
+    # decided from the CPU's flags; the library's own cpuid check, at load, may step down past a build the flags
+    # promise (an emulator or a VM that hides AVX-512): what ran is the results' stack.host_kernels.loaded
+    return Kernels.HOST, (f"auto: native host kernels, {variant} build: {host_kernels.build_info()['why']} by its "
+                          "flags (a build its own cpuid check refuses at load steps down: stack.host_kernels.loaded)")
 
 
 def resolve_backend(requested: Backend | str) -> Backend:

@@ -45,5 +45,8 @@ fi
 
 echo "== 3/3 deepinfer golden on $cpu (default: --kernels auto)"
 emu -m deepinfer_bench.cli golden --out "$out/golden"
-emu -c "import json, glob, sys; m = json.load(open(glob.glob(sys.argv[1] + '/golden-*/meta.json')[0])); \
-print('kernels:', m['engine_config']['kernels'], '-', m['engine_config']['kernels_why'])" "$out/golden"
+# the build the golden ran (its results' stack.host_kernels.loaded) must be step 1's
+"$py" -c "import json, glob, sys; m = json.load(open(glob.glob(sys.argv[1] + '/golden-*/meta.json')[0])); \
+ran = m['stack']['host_kernels']['loaded']['variant']; print('kernels:', m['engine_config']['kernels'], '- ran the', \
+ran, 'build'); sys.exit(0 if ran == sys.argv[2] else f'the golden ran the {ran} build, step 1 chose {sys.argv[2]}')" \
+    "$out/golden" "$build"
