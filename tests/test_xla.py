@@ -196,6 +196,9 @@ def test_compile_writes_hlo_per_graph(tmp_path: Path) -> None:
     assert manifest["stack"]["versions"]["torch-xla"]
 
 
+@pytest.mark.slow  # opt-in (`-m "xla and slow"`): ~34 CPU-s, the largest of CI lane 2's; the legacy line's compile and
+# transfer counts per step are proven every landing by test_decode_graphs_do_not_grow_with_layers, `regions --timing`
+# itself on the host's layer graphs (tests/test_regions_cli.py)
 def test_regions_timing_on_xla(tmp_path: Path) -> None:
     import pandas as pd
 
