@@ -371,18 +371,35 @@ def test_compile_neuron_names_every_graph_and_reads_their_artifacts(sdk_no_devic
     sdk = sdk_no_device
     out = tmp_path / "graphs"
     sdk.fail_on["layer_4_hash_b1_nb1"] = "NCC_IXTP002"
+    # --graphs: two decode layer graphs, a chunk one and the chunk head of the 12 (each ~5 CPU-s of Dynamo tracing)
     code, _, err = run_main(["compile", "--backend", "neuron", "--max-num-seqs", "1", "--max-model-len", "16",
-                             "--max-num-batched-tokens", "8", "--out", str(out)], capsys)
+                             "--max-num-batched-tokens", "8", "--graphs", "layer_4_*,chunk_layer_4_hash_*,chunk_head_*",
+                             "--out", str(out)], capsys)
     assert code == 1, err
     manifest = json.loads((out / "manifest.json").read_text())
     rows = manifest["graphs"]
-    assert [c["name"] for c in sdk.compiled] == [r["graph"] for r in rows] and len(rows) == manifest["budget"]["total"]
+    assert [c["name"] for c in sdk.compiled] == [r["graph"] for r in rows]
+    assert [r["graph"] for r in rows] == ["layer_4_hash_b1_nb1", "layer_4_nohash_b1_nb1",
+                                          "chunk_layer_4_hash_b1_c8_nb1", "chunk_head_b1_c8"]
+    assert manifest["budget"]["total"] == 12 and manifest["selected"] == ["layer_4_*", "chunk_layer_4_hash_*",
+                                                                          "chunk_head_*"]
     assert all(c["devices"] == ["meta"] and c["compile_only"] for c in sdk.compiled)
     assert sdk.artifact_dir == out / "artifacts" and manifest["compile_env"]["TORCH_NEURONX_DEBUG_DIR"] == str(
         out / "artifacts")
     failed = [(r["graph"], r["ncc_error"]) for r in rows if r["status"] == "fail"]
     assert failed == [("layer_4_hash_b1_nb1", "NCC_IXTP002")]
-    assert f"{len(rows)} graphs:" in err.split("compiling the graphs")[0]
+    assert "12 graphs:" in err.split("compiling the graphs")[0]  # the count printed first: every graph
+
+
+def test_compile_graphs_that_match_nothing_is_one_clear_error(sdk_no_device, envs, capsys: pytest.CaptureFixture,
+                                                              tmp_path: Path) -> None:
+    """A --graphs pattern naming no graph stops before anything compiles, naming the pattern and the graphs."""
+    code, _, err = run_main(["compile", "--backend", "neuron", "--max-num-seqs", "1", "--max-model-len", "16",
+                             "--max-num-batched-tokens", "8", "--graphs", "layer_4_*,lm_head_*",
+                             "--out", str(tmp_path / "graphs")], capsys)
+    assert code == 2 and "lm_head_*" in err and "matches none" in err and "layer_4_hash_b1_nb1" in err, err
+    assert "layer_4_*" not in err.split("matches none")[0].split("--graphs")[-1]  # only the pattern that matched none
+    assert sdk_no_device.compiled == []
 
 
 def test_nki_kernels_at_lnc_2_are_refused_in_one_line(sdk, envs, monkeypatch: pytest.MonkeyPatch) -> None:

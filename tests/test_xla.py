@@ -194,6 +194,14 @@ def test_compile_writes_hlo_per_graph(tmp_path: Path) -> None:
         assert "ENTRY" in (tmp_path / f"{g['graph']}.hlo.txt").read_text()
         assert not g["has_fp8"] and g["inputs"]
     assert manifest["stack"]["versions"]["torch-xla"]
+    # --graphs: only the heads, the same names, into a fresh folder
+    sel = tmp_path / "heads"
+    res = CliRunner().invoke(app, ["compile", "--backend", "xla", "--graph-mode", "regions", "--max-num-seqs", "2",
+                                   "--max-model-len", "32", "--graphs", "head_*", "--out", str(sel)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((sel / "manifest.json").read_text())["graphs"]
+    assert [g["graph"] for g in rows] == [g["graph"] for g in graphs if g["graph"].startswith("head_")] and rows
+    assert sorted(p.name for p in sel.glob("*.hlo.pb")) == sorted(f"{g['graph']}.hlo.pb" for g in rows)
 
 
 @pytest.mark.slow  # opt-in (`-m "xla and slow"`): ~34 CPU-s, the largest of CI lane 2's; the legacy line's compile and

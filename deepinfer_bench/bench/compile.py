@@ -16,6 +16,7 @@ printed before anything compiles:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ def golden_workload() -> Any:
     return workload(prompts)
 
 
-def compile_graphs(config: Any, out: Path) -> tuple[pd.DataFrame, Path]:
-    """Build the engine of `config` and compile / write its graphs under `out`; (one row per graph, the manifest
+def compile_graphs(config: Any, out: Path, graphs: Sequence[str] = ()) -> tuple[pd.DataFrame, Path]:
+    """Build the engine of `config` and compile / write its graphs under `out` (or those the glob patterns `graphs`
+    select: the manifest's `selected`; its budget still counts every graph); (one row per graph, the manifest
     path). Rows of a backend that writes files without compiling (xla) have status "written"."""
     import engine
     from deepinfer_bench.bench.graph_budget import budget
@@ -54,11 +56,12 @@ def compile_graphs(config: Any, out: Path) -> tuple[pd.DataFrame, Path]:
         apply_env(env)  # before the engine (and the backend's runtime) starts: before anything compiles
     eng = engine.build(config)
     backend = eng.runner.backend
-    rows = backend.export_graphs(eng.runner, Path(out))
+    rows = backend.export_graphs(eng.runner, Path(out), tuple(graphs))
     for r in rows:
         r.setdefault("status", "written")
     manifest = {**base_meta(kind="compile"), "engine_config": config.to_dict(), "stack": probe(),
                 "measured_on": measured_on(config.backend), "compile_env": env, "budget": budget(config).to_dict(),
+                "selected": list(graphs) or None,
                 "backend": backend.counters().to_dict(), "graphs": rows}
     path = Path(out) / "manifest.json"
     path.write_text(json.dumps(manifest, indent=1, default=str) + "\n")

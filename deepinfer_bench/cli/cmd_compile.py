@@ -25,6 +25,10 @@ def compile_cmd(
                                           "--max-num-seqs / --max-model-len / ... override.")] = "golden",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the graph count and the padding its bucket "
                                           "ladders cost, compile nothing.")] = False,
+    graphs: Annotated[str | None, typer.Option("--graphs", help="Only the graphs whose names match one of these "
+                                               "comma-separated glob patterns (names as in manifest.json: "
+                                               "layer_4_hash_b1_nb1, chunk_*, head_*); a pattern that matches "
+                                               "none is an error, before anything compiles.")] = None,
 ) -> None:
     """Compile every graph an engine step can run, for the backend's offline compiler.
 
@@ -32,12 +36,16 @@ def compile_cmd(
     bucket the config allows, embed and head, and any other graph the region runner lists) for the backend's offline
     compiler, and manifest.json. --backend neuron: neuronx-cc in TorchNeuron's compile-only mode (nothing executes),
     per graph pass / fail, seconds and NCC error code; --backend neuron-standin: StableHLO text per graph, checked;
-    --backend xla: HLO modules for scripts/trn2_compile.sh. Exit 1 when a graph fails or carries an f8 type."""
+    --backend xla: HLO modules for scripts/trn2_compile.sh. Exit 1 when a graph fails or carries an f8 type.
+    --graphs recompiles only some (the one that failed, after a fix) into the same --out."""
     from deepinfer_bench.bench.compile import compile_graphs, golden_workload
     from deepinfer_bench.bench.graph_budget import budget
 
     if workload not in ("golden", "full"):
         raise typer.BadParameter(f"--workload {workload!r}: expected golden or full")
+    patterns = tuple(p.strip() for p in (graphs or "").split(",") if p.strip())
+    if graphs is not None and not patterns:
+        raise typer.BadParameter(f"--graphs {graphs!r}: expected comma-separated glob patterns of graph names")
     sized = golden_workload() if workload == "golden" else None
     config = engine.config(workload=sized, graph_mode=engine.graph_mode or "layer", compile_only=True,
                            check=not dry_run)
@@ -48,9 +56,15 @@ def compile_cmd(
                       f"{config.graph.min_context_bucket} tokens): {plan.line()}", highlight=False)
     if dry_run:
         return
-    err_console.print(f"compiling the graphs of {engine.model_dir} ({config.backend}, {config.graph.mode}, "
+    which = f"the graphs matching {','.join(patterns)}" if patterns else "the graphs"
+    err_console.print(f"compiling {which} of {engine.model_dir} ({config.backend}, {config.graph.mode}, "
                       f"{config.model.dtype}) -> {out}")
-    df, manifest = compile_graphs(config, out)
+    try:
+        df, manifest = compile_graphs(config, out, patterns)
+    except ValueError as e:
+        if not str(e).startswith("--graphs"):
+            raise
+        raise typer.BadParameter(str(e)) from None
     render_df(df.dropna(axis=1, how="all"), f"{len(df)} graphs ({config.backend}) in {out}")
     failed = int((df["status"] == "fail").sum())
     if df["has_fp8"].fillna(False).astype(bool).any():

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -129,8 +129,9 @@ class Backend(Protocol):
         the returned Parallel also has the gloo control group rank 0's step messages travel on."""
         ...
 
-    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
-        """Write every graph a step of `runner` can run, for the backend's offline compiler; manifest rows."""
+    def export_graphs(self, runner: Any, out_dir: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Write every graph a step of `runner` can run, for the backend's offline compiler, or those `graphs`
+        selects (glob patterns of graph names; one that names no graph is a ValueError); manifest rows."""
         ...
 
     @classmethod

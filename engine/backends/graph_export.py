@@ -27,14 +27,21 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.backends.xla_export import edge_graph_inputs, edge_meta, head_params, region_graph_inputs
+from engine.backends.xla_export import (
+    check_selection,
+    edge_graph_inputs,
+    edge_meta,
+    head_params,
+    region_graph_inputs,
+    selected,
+)
 
 NCC_CODE = re.compile(r"NCC_[A-Z]+\d+")
 
@@ -116,14 +123,16 @@ def chunk_specs(runner: Any) -> list[GraphSpec]:
     return specs
 
 
-def graph_specs(runner: Any) -> list[GraphSpec]:
+def graph_specs(runner: Any, graphs: Sequence[str] = ()) -> list[GraphSpec]:
     """Every graph a step of the runner can run: the decode graphs, the prefill chunk graphs where the engine runs
-    chunks as graphs (GraphConfig.chunk_graphs), then whatever the RegionRunner lists itself (`export_specs`)."""
+    chunks as graphs (GraphConfig.chunk_graphs), then whatever the RegionRunner lists itself (`export_specs`); or
+    those of them `graphs` selects (glob patterns of names; one that names none is an error, before any compile)."""
     specs = decode_specs(runner) + (chunk_specs(runner) if runner.config.graph.chunk_graphs else [])
     extra = getattr(runner.regions, "export_specs", None)
     if extra is not None:
         specs.extend(extra(runner))
-    return specs
+    check_selection([s.name for s in specs], graphs)
+    return [s for s in specs if selected(s.name, graphs)]
 
 
 def compile_each(be: Any, specs: list[GraphSpec], dynamo_backend: Callable[[str], Any],
@@ -158,7 +167,7 @@ def compile_each(be: Any, specs: list[GraphSpec], dynamo_backend: Callable[[str]
     return rows
 
 
-def export_standin(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
+def export_standin(be: Any, runner: Any, out: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The stand-in: every graph lowered to StableHLO under `out` (`<graph>.mlir`), checked, not XLA-compiled."""
     from engine.backends.standin_pipeline import StandinPipeline, _Named, module_problems
 
@@ -179,10 +188,10 @@ def export_standin(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
                    custom_ops=rec.custom_ops if rec is not None else None,
                    has_fp8=any("float8" in p for p in problems), problems=problems or None)
 
-    return compile_each(be, graph_specs(runner), lambda name: _Named(pipe, name), after)
+    return compile_each(be, graph_specs(runner, graphs), lambda name: _Named(pipe, name), after)
 
 
-def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
+def export_neuron(be: Any, runner: Any, out: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
     """TorchNeuron in compile-only mode: every graph through neuronx-cc for trn2, nothing executed, each named
     (`options={"model_name": <graph>}`); the NCC code of a failure from its error text, else from the artifact logs
     of that graph (by name, else written while it compiled) under TORCH_NEURONX_DEBUG_DIR, which must have been set
@@ -204,7 +213,7 @@ def export_neuron(be: Any, runner: Any, out: Path) -> list[dict[str, Any]]:
         if row["status"] == "fail" and row["ncc_error"] is None:
             row["ncc_error"] = ncc_code_in(artifacts, since=row["_t0"], name=spec.name)
 
-    return compile_each(be, graph_specs(runner), be._dynamo_backend, after)
+    return compile_each(be, graph_specs(runner, graphs), be._dynamo_backend, after)
 
 
 def ncc_code_in(folder: Path, since: float, name: str | None = None) -> str | None:

@@ -9,7 +9,7 @@ as plain Python with the same static shapes; the fast tests use it to check the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +141,6 @@ class HostBackend:
             return join_group("gloo", "env://", world, timeout_s, backend=self)
         return join_group("gloo", f"tcp://127.0.0.1:{master_port}", world, timeout_s, rank=rank, backend=self)
 
-    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
+    def export_graphs(self, runner: Any, out_dir: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
         raise ValueError("deepinfer compile writes device graphs for an offline compiler: use --backend xla "
                          "(HLO for neuronx-cc) or neuron; the host backend compiles its graphs itself")

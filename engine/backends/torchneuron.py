@@ -42,7 +42,7 @@ exercise (tests/test_torchneuron.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -427,12 +427,12 @@ class TorchNeuronBackend:
             env[DEBUG_DIR] = str(Path(out) / "artifacts")
         return env
 
-    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
+    def export_graphs(self, runner: Any, out_dir: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
         """Every graph a step of `runner` can run, each compiled on its own in compile-only mode: per graph pass /
         fail, seconds and the NCC error code (engine/backends/graph_export.py)."""
         from engine.backends.graph_export import export_neuron
 
-        return export_neuron(self, runner, Path(out_dir))
+        return export_neuron(self, runner, Path(out_dir), graphs)
 
 
 class NeuronStandinBackend(TorchNeuronBackend):
@@ -529,9 +529,9 @@ class NeuronStandinBackend(TorchNeuronBackend):
     def compile_only_env(cls, out: Path | None = None) -> dict[str, str]:
         return {}
 
-    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
+    def export_graphs(self, runner: Any, out_dir: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
         """Every graph a step of `runner` can run, lowered by the stand-in to StableHLO text (`<graph>.mlir`) and
         checked (no f8 type, no torch op left): engine/backends/graph_export.py."""
         from engine.backends.graph_export import export_standin
 
-        return export_standin(self, runner, Path(out_dir))
+        return export_standin(self, runner, Path(out_dir), graphs)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,11 +219,12 @@ class XlaBackend:
                         fallback_ops=fallbacks)
 
     # -- graphs for neuronx-cc (deepinfer compile) ------------------------------------------------------------------
-    def export_graphs(self, runner: Any, out_dir: Path) -> list[dict[str, Any]]:
-        """Every decode graph of `runner` as HLO (text + proto) for neuronx-cc (engine/backends/xla_export.py)."""
+    def export_graphs(self, runner: Any, out_dir: Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Every decode graph of `runner` (or those `graphs` selects) as HLO (text + proto) for neuronx-cc
+        (engine/backends/xla_export.py)."""
         from engine.backends.xla_export import export_decode_graphs
 
-        return export_decode_graphs(self, runner, out_dir)
+        return export_decode_graphs(self, runner, out_dir, graphs)
 
     # -- processes -------------------------------------------------------------------------------------------------
     @classmethod

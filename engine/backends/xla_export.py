@@ -12,9 +12,10 @@ element type appears (neuronx-cc rejects fp8 graph inputs: weights must arrive a
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +49,35 @@ def _inputs(named: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in named.items()]
 
 
-def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict[str, Any]]:
+def selected(name: str, graphs: Sequence[str]) -> bool:
+    """Whether graph `name` is one `deepinfer compile --graphs` asks for (glob patterns; none: every graph)."""
+    return not graphs or any(fnmatch.fnmatchcase(name, p) for p in graphs)
+
+
+def check_selection(names: Sequence[str], graphs: Sequence[str]) -> None:
+    """A --graphs pattern that names none of the graphs is an error, with the names there are."""
+    unmatched = [p for p in graphs if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ValueError(f"--graphs {','.join(unmatched)}: matches none of this engine's {len(names)} graphs "
+                         f"({', '.join(names)})")
+
+
+def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Write every decode graph of `runner` (a ModelRunner of XLA backend `be`, in graph mode regions|layer) to
-    `out_dir`; returns the manifest rows."""
+    `out_dir`, or those `graphs` selects (glob patterns of names: `selected`); returns the manifest rows."""
     rr = runner.regions
     if rr is None:
         raise ValueError("deepinfer compile traces region graphs: use --graph-mode regions or layer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    names = []
     model = runner.model
 
     def emit(name: str, fn: Any, meta: dict[str, Any], inputs: dict[str, torch.Tensor]) -> None:
+        names.append(name)
+        if not selected(name, graphs):
+            return
         with be.grad_context():
             text, proto = be.trace_hlo(fn)
         (out / f"{name}.hlo.txt").write_text(text)
@@ -75,6 +93,7 @@ def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path) -> list[dict
         emit(f"embed_b{bp}", lambda packed=packed: [model.streams(packed[:, 2])], edge_meta("embed", bp),
              {"packed": packed, "embed.weight": model.embed.weight})
         emit(f"head_b{bp}", lambda x=x: [model.logits(x)], edge_meta("head", bp), {"x": x, **head_params(model)})
+    check_selection(names, graphs)
     return rows
 
 
