@@ -28,7 +28,8 @@ def compile_cmd(
     graphs: Annotated[str | None, typer.Option("--graphs", help="Only the graphs whose names match one of these "
                                                "comma-separated glob patterns (names as in manifest.json: "
                                                "layer_4_hash_b1_nb1, chunk_*, head_*); a pattern that matches "
-                                               "none is an error, before anything compiles.")] = None,
+                                               "none is an error, before anything compiles (xla: once the "
+                                               "others are written).")] = None,
 ) -> None:
     """Compile every graph an engine step can run, for the backend's offline compiler.
 

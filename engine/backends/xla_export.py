@@ -64,7 +64,8 @@ def check_selection(names: Sequence[str], graphs: Sequence[str]) -> None:
 
 def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Write every decode graph of `runner` (a ModelRunner of XLA backend `be`, in graph mode regions|layer) to
-    `out_dir`, or those `graphs` selects (glob patterns of names: `selected`); returns the manifest rows."""
+    `out_dir`, or those `graphs` selects (glob patterns of names: `selected`; a pattern that names none is an error
+    once the others are written: the names come as the graphs are made); returns the manifest rows."""
     rr = runner.regions
     if rr is None:
         raise ValueError("deepinfer compile traces region graphs: use --graph-mode regions or layer")
