@@ -41,6 +41,7 @@ def compile_cmd(
     --graphs recompiles only some (the one that failed, after a fix) into the same --out."""
     from deepinfer_bench.bench.compile import compile_graphs, golden_workload
     from deepinfer_bench.bench.graph_budget import budget
+    from engine.backends.xla_export import GraphSelectionError
 
     if workload not in ("golden", "full"):
         raise typer.BadParameter(f"--workload {workload!r}: expected golden or full")
@@ -62,9 +63,7 @@ def compile_cmd(
                       f"{config.model.dtype}) -> {out}")
     try:
         df, manifest = compile_graphs(config, out, patterns)
-    except ValueError as e:
-        if not str(e).startswith("--graphs"):
-            raise
+    except GraphSelectionError as e:
         raise typer.BadParameter(str(e)) from None
     render_df(df.dropna(axis=1, how="all"), f"{len(df)} graphs ({config.backend}) in {out}")
     failed = int((df["status"] == "fail").sum())

@@ -54,11 +54,15 @@ def selected(name: str, graphs: Sequence[str]) -> bool:
     return not graphs or any(fnmatch.fnmatchcase(name, p) for p in graphs)
 
 
+class GraphSelectionError(ValueError):
+    """A `deepinfer compile --graphs` pattern that names none of the engine's graphs."""
+
+
 def check_selection(names: Sequence[str], graphs: Sequence[str]) -> None:
-    """A --graphs pattern that names none of the graphs is an error, with the names there are."""
+    """A --graphs pattern that names none of the graphs is a GraphSelectionError, with the names there are."""
     unmatched = [p for p in graphs if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
-        raise ValueError(f"--graphs {','.join(unmatched)}: matches none of this engine's {len(names)} graphs "
+        raise GraphSelectionError(f"--graphs {','.join(unmatched)}: matches none of this engine's {len(names)} graphs "
                          f"({', '.join(names)})")
 
 
