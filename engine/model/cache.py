@@ -487,7 +487,8 @@ class DraftInput:
     slot: int
     start: int
     n: int
-    block_table: torch.Tensor  # the sequence's block table (the MTP layer is sliding-only: read for the plan only)
+    # the sequence's block table, a tensor or the engine's list (the MTP layer is sliding-only: read for a plan only)
+    block_table: torch.Tensor | list[int]
 
     @property
     def last(self) -> int:

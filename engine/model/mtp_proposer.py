@@ -36,10 +36,16 @@ from engine.model.proposer import Proposal, Sampler, greedy
 __all__ = ["DraftInput", "MTPProposer", "Proposal", "mtp_catch_up", "mtp_fill_ring", "propose_mtp"]
 
 
+def _table(s: DraftInput) -> torch.Tensor:
+    """A DraftInput's block table as a tensor (the engine's proposer hands its list on: the one-call drafting
+    reads no table, only a planned pass does)."""
+    return torch.as_tensor(s.block_table, dtype=torch.long)
+
+
 def _steps(seqs: list[DraftInput]) -> list[SeqStep]:
     out, t = [], 0
     for s in seqs:
-        out.append(SeqStep(slot=s.slot, start=s.start, n=s.n, token_start=t, block_table=s.block_table))
+        out.append(SeqStep(slot=s.slot, start=s.start, n=s.n, token_start=t, block_table=_table(s)))
         t += s.n
     return out
 
@@ -117,7 +123,7 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
     logits, tokens = [lg], [tok if tok is not None and sample is greedy else sample(lg, 0)]
     every = list(range(len(seqs)))
     for j in range(1, num_tokens):
-        steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=s.block_table)
+        steps = [SeqStep(slot=s.slot, start=s.last + j, n=1, token_start=i, block_table=_table(s))
                  for i, s in enumerate(seqs)]
         x, lg, tok = model.mtp_pass(x, tokens[-1], StepPlan.build(steps, block_size, device=x.device), cache, every)
         logits.append(lg)
@@ -141,7 +147,7 @@ class MTPProposer:
             rows = [steps[requests[i].entry].token_start + j for i in idx for j in range(requests[i].n)]
             x = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=dev)]
             ids = torch.tensor([t for i in idx for t in requests[i].next_ids], dtype=torch.long, device=dev)
-            seqs = [draft_input(requests[i], dev) for i in idx]
+            seqs = [draft_input(requests[i]) for i in idx]
             if not drafting:
                 mtp_catch_up(model, cache, seqs, x, ids, block_size)
                 continue
@@ -151,7 +157,7 @@ class MTPProposer:
         return out
 
 
-def draft_input(request: Any, device: torch.device) -> DraftInput:
-    """A DraftRequest's final positions as the draft heads take them."""
-    return DraftInput(slot=request.slot, start=request.start, n=request.n,
-                      block_table=torch.tensor(request.block_table, dtype=torch.long, device=device))
+def draft_input(request: Any) -> DraftInput:
+    """A DraftRequest's final positions as the draft heads take them (its block table the list it is: a tensor
+    only where a planned pass reads it, `_table`)."""
+    return DraftInput(slot=request.slot, start=request.start, n=request.n, block_table=request.block_table)
