@@ -210,14 +210,16 @@ class HostBlockDecoder:
             pos.extend(range(s.start, s.start + s.n))
             slots.extend([s.slot] * s.n)
             rows.append(len(pos) - 1)
-        at = torch.tensor(pos)
-        cos, sin = attn.rope.cos_sin(at)
-        rcs = [attn.rope.cos_sin(torch.tensor([pos[i] + j for i in rows])) for j in range(1, k)]  # each pass's own
-        rcos = torch.stack([c for c, _ in rcs]) if rcs else torch.empty(0, len(rows), attn.rd // 2)
-        rsin = torch.stack([s for _, s in rcs]) if rcs else rcos
+        b, r = len(pos), len(rows)
+        # one tensor: the catch-up's positions, each recursion pass's, the slots (views of it); the RoPE tables of
+        # all those positions in one call, split (an element's cos / sin do not depend on the call's shape: a test)
+        ix = torch.tensor([*pos, *(pos[i] + j for j in range(1, k) for i in rows), *slots])
+        cos_all, sin_all = attn.rope.cos_sin(ix[: b + (k - 1) * r])
+        cos, sin = cos_all[:b], sin_all[:b]
+        rcos, rsin = cos_all[b:].view(k - 1, r, attn.rd // 2), sin_all[b:].view(k - 1, r, attn.rd // 2)
         inp, head = self._mtp_input_pack(model, blk), self._lm_head_pack(model, blk, blk.norm)
-        return mtp_draft(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, cos, sin, torch.tensor(slots), at, k,
-                         rcos, rsin, attn.win)
+        return mtp_draft(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, cos, sin, ix[b + (k - 1) * r:],
+                         ix[:b], k, rcos, rsin, attn.win)
 
     # -- what the sites read from the modules --------------------------------------------------------------------
     def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:

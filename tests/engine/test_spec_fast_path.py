@@ -156,3 +156,23 @@ def test_held_rows_keep_a_whole_step_by_reference_copy_a_part_and_the_later_row_
     assert torch.equal(run._held[1, 5].flatten(), made(first)[1].flatten()) and int(run._held_ids[1, 5]) == 12
     assert torch.equal(run._held[0, 6].flatten(), made(long)[7].flatten()) and int(run._held_ids[0, 6]) == 13
     assert rows > 6
+
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_rope_tables_of_positions_at_once_are_each_parts_own(compressed: bool) -> None:
+    """`Rope.cos_sin` over positions back to back, split, is bit for bit `cos_sin` over each part alone: what the
+    one-call MTP drafting relies on (its catch-up's and every recursion pass's tables in one call, against each
+    pass's own plan's call). torch's float cos / sin run every element through one vector routine, the last
+    partial vector included, so an element's value does not depend on the call's shape or its place in it."""
+    from engine.config import ModelConfig
+    from engine.model.layers import Rope
+
+    rope = Rope(ModelConfig.from_json(TINY_SPEC), compressed)
+    g = torch.Generator().manual_seed(0)
+    for sizes in ([1], [3, 1], [1, 1, 1], [5, 2, 2], [17, 16], [2, 8, 8, 8], [40, 3, 3, 3]):
+        pos = torch.randint(0, 1 << 20, (sum(sizes),), generator=g)
+        cos, sin = rope.cos_sin(pos)
+        for c, s, part in zip(cos.split(sizes), sin.split(sizes), pos.split(sizes), strict=True):
+            ref_cos, ref_sin = rope.cos_sin(part.clone())
+            assert torch.equal(c, ref_cos) and torch.equal(s, ref_sin) and c.is_contiguous(), sizes
