@@ -301,7 +301,7 @@ class SpecPolicy:
                 and b in p["draft"].sizes(self.least)]
         if not both:  # no size with both sides: a larger size's spec cost bounds B's, a smaller one's says nothing
             verify, draft = p["verify"], p["draft"]
-            if min(max(verify.sizes(), default=0), max(draft.sizes(), default=0)) >= batch:
+            if 0 < batch <= min(max(verify.sizes(), default=0), max(draft.sizes(), default=0)):
                 return verify.at(batch) + draft.at(batch), plain
             return None, plain
         # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
@@ -338,8 +338,11 @@ class SpecPolicy:
             del self._seqs[s]
 
     def speculate(self, batch: int, seqs: Sequence[object] = ()) -> bool:
-        """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids)."""
+        """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids). None
+        decoding (prefill chunks only): no decision, nothing of the state moves (a probe interval runs on)."""
         self.probe_one = False
+        if batch == 0:
+            return False
         self._t += 1
         if (batch > 1) != self._kind:  # batch 1 and batches keep their own probe intervals
             self._probes[self._kind] = (self.interval, self.off_steps, self._every)

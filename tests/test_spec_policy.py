@@ -319,3 +319,19 @@ def test_a_decided_off_batch_size_is_rechecked_every_few_steps() -> None:
     assert not p.speculate(8)
     _feed(p, 7, verify=2.0, draft=0.1, plain=2.0, catch_up=0.1, n=16)
     assert p.speculate(7)  # another size: not the settled decision
+
+
+def test_a_step_with_no_decoding_sequence_decides_nothing() -> None:
+    """A step of prefill chunks only (batch 0) asks too: no decision and no state moved - even where speculative
+    steps were measured only as probes (verify costs, no draft cost yet), which once made the estimate add a
+    missing cost (a TypeError out of the engine loop)."""
+    p = SpecPolicy(2)
+    for what in ("verify", "plain", "catch_up"):  # at batch 1 a probe's drafting is not recorded: no "draft" cost
+        for _ in range(4):
+            p.record(what, 1, 1.0 if what == "verify" else 0.5)
+    _accept(p, 10, 1, seqs=("a",))
+    assert p.estimate(0) == (None, p.estimate(0)[1])
+    before = (p._t, p.interval, p.off_steps, p.why)
+    assert p.speculate(0, []) is False
+    assert (p._t, p.interval, p.off_steps, p.why) == before
+    assert p.speculate(1, ["a"])  # batch 1 still works its decision out (no drafting cost yet: measured first)
