@@ -238,6 +238,9 @@ class SpecPolicy:
                  seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1, probe_share: float = 0.02) -> None:
         self.k, self.always, self.margin, self.band = k, policy == "always", margin, band
         self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
+        # verifies with next to nothing accepted before that alone turns it off, no cost needed (a draft head that is
+        # never right); two in a row befall a head whose drafts pass or fail as a block (DSpark's) at a cold start
+        self.least_none = 4
         self.least = 2  # kept samples that make a batch size measured
         self.base, self.max_interval, self.probe_every = interval, max_interval, probe_every
         self.interval: int | None = None  # probe one off step in this many (None: on)
@@ -362,7 +365,8 @@ class SpecPolicy:
         if not seen:
             return self._on("no verify yet")
         e = self.expected_tokens(seqs)
-        if seen >= 2 and self.accepted.expected(self.k) < 1 + self.margin and e < 1 + self.margin:
+        if seen >= self.least_none and self.accepted.expected(self.k) < 1 + self.margin and e < 1 + self.margin:
+            self._was_on[batch] = False
             return self._off(self.base, why="next to nothing accepted")  # no step cost makes that pay
         spec, plain = self.estimate(batch)
         if spec is None or seen < self.least_seen:  # E from a few verifies is too rough to turn it off on
@@ -381,7 +385,10 @@ class SpecPolicy:
             was = self._was_on[batch]
         else:
             was = self._was_on[min(self._was_on, key=lambda b: abs(b - batch))] if self._was_on else True
-        self._was_on[batch] = gain >= (1 if was or batch == 1 else self.hysteresis)
+        # on at B = 1: it stays on down to G = 1 / band (E, a running estimate, swings with the text - DSpark's drafts
+        # pass or fail as a block - and an off step sees no acceptance but a probe's)
+        self._was_on[batch] = gain >= ((1 / self.band if batch == 1 else 1) if was else
+                                       (1 if batch == 1 else self.hysteresis))
         if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
             # on again at B > 1 on the batch's own acceptance, not the engine's (other texts'): until half its
             # sequences have verified, one of them verifies a step

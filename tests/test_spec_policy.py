@@ -82,8 +82,28 @@ def test_on_where_it_wins_and_probed_where_it_loses() -> None:
 def test_a_near_miss_is_probed_sooner() -> None:
     p = SpecPolicy(2)
     _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
-    _accept(p, 16, 1)  # E = 2: G = 2 * 1.3 / (1.05 * 2.5) = 0.99
-    assert [p.speculate(1) for _ in range(6)] == [False, True, False, False, False, True]  # 2, then 4
+    _accept(p, 16, 0)  # off: next to nothing accepted (probed one step in 32)
+    assert not any(p.speculate(1) for _ in range(3))
+    _accept(p, 40, 1)  # E ~ 2: G = 2 * 1.3 / (1.05 * 2.5) ~ 0.98, and off it turns on at G >= 1
+    assert [p.speculate(1) for _ in range(8)] == [True, False, False, False, True, False, False, False]  # 2, then 4
+
+
+def test_on_at_batch_1_it_stays_on_through_a_near_miss() -> None:
+    """On at batch 1 it stays on down to G = 1 / 1.1 (a running E swings with the text: DSpark's drafts pass or
+    fail as a block), off below; off, it turns on again at G >= 1."""
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=1.0, plain=1.2, catch_up=0.1)
+    _accept(p, 16, 2)
+    _set_rates(p, [0.7, 0.5])  # E = 2.2: G = 2.2 * 1.3 / (1.05 * 2.5) = 1.09
+    assert p.speculate(1)
+    _set_rates(p, [0.55, 0.4])  # G = 0.97: stays on
+    assert p.speculate(1) and p.why == "gain 0.97"
+    _set_rates(p, [0.45, 0.3])  # G = 0.87: off
+    assert not p.speculate(1) and p.why == "gain 0.87"
+    _set_rates(p, [0.55, 0.4])  # G = 0.97 again: off still, but for a probe
+    assert all(not p.speculate(1) or "probing" in p.why for _ in range(8))
+    _set_rates(p, [0.65, 0.45])  # G = 1.04: on
+    assert p.speculate(1) and p.why == "gain 1.04"
 
 
 def test_a_new_batch_size_between_measured_ones_is_not_measured() -> None:
@@ -104,8 +124,9 @@ def test_a_new_batch_size_between_measured_ones_is_not_measured() -> None:
 
 def test_nothing_accepted_turns_it_off_before_any_cost() -> None:
     p = SpecPolicy(2)
-    p.observe(2, 0)
-    assert p.speculate(1)  # one verify step is not enough to tell
+    for _ in range(3):  # up to three verify steps are not enough to tell (a head drafting blocks misses some)
+        p.observe(2, 0)
+        assert p.speculate(1)
     p.observe(2, 0)
     assert [p.speculate(1) for _ in range(32)] == [False] * 31 + [True]  # probed once in 32
 
