@@ -227,10 +227,11 @@ class SpecPolicy:
     (acceptance depends on the text: a sequence's own last verifies say more than the engine's), which start from
     the engine's rates (over every sequence); before `least_seen` verified sequences it speculates. E < 1 + margin
     after `least_none` verify steps (a draft head that is never right) turns it off with no cost needed, probed one
-    step in `interval` (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full acceptance could pay, it is probed one step in
-    `probe_every` (doubling while it keeps losing; one in 4 while G >= 0.9) and a batch of sequences none of which
-    has verified yet speculates once; where even full acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) *
-    spec(B), the spec side measured) it is off and nothing is probed: that decided-off state costs nothing.
+    step in `interval` (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
+    acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
+    G >= 0.9) and a batch of sequences none of which has verified yet speculates once; where even full acceptance
+    cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and nothing is
+    probed: that decided-off state costs nothing.
     `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
