@@ -60,10 +60,10 @@ class GraphSelectionError(ValueError):
 
 def check_selection(names: Sequence[str], graphs: Sequence[str]) -> None:
     """A --graphs pattern that names none of the graphs is a GraphSelectionError, with the names there are."""
-    unmatched = [p for p in graphs if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    unmatched = [p for p in graphs if not any(selected(n, (p,)) for n in names)]
     if unmatched:
-        raise GraphSelectionError(f"--graphs {','.join(unmatched)}: matches none of this engine's {len(names)} graphs "
-                         f"({', '.join(names)})")
+        raise GraphSelectionError(f"--graphs {','.join(unmatched)}: matches none of this engine's {len(names)} "
+                                  f"graphs ({', '.join(names)})")
 
 
 def export_decode_graphs(be: Any, runner: Any, out_dir: str | Path, graphs: Sequence[str] = ()) -> list[dict[str, Any]]:
