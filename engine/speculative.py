@@ -223,9 +223,11 @@ class SpecPolicy:
     Costs: each of the four parts has its own curve over B (`_Costs`: the last `window` steps per B, interpolated
     between measured sizes), so a batch size needs no measuring of its own unless the estimate is unsure: where G
     is within `band` of 1 and the side not taken has no measured size within a quarter of B, that side is measured
-    (3 steps: the first at a new size is dropped). E: the mean over the batch's sequences of each one's own rates
-    (acceptance depends on the text: a sequence's own last verifies say more than the engine's), which start from
-    the engine's rates (over every sequence); before `least_seen` verified sequences it speculates. E < 1 + margin
+    (3 steps: the first at a new size is dropped); at B > 1 plain steps near B are measured before anything turns on
+    or probes there (a line from smaller sizes overshoots a larger one's plain cost: a step's fixed share).
+    E: the mean over the batch's sequences of each one's own rates (acceptance depends on the text: a sequence's own
+    last verifies say more than the engine's), which start from the engine's rates (over every sequence); before
+    `least_seen` verified sequences it speculates. E < 1 + margin
     after `least_none` verify steps (a draft head that is never right) turns it off with no cost needed, probed one
     step in `interval` (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
     acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
@@ -374,10 +376,15 @@ class SpecPolicy:
             return self._on("measuring a speculative step" if spec is None else "measuring E")
         if plain is None:
             return self._off(None, why="measuring a plain step")
+        p = self.parts
+        if batch > 1 and not p["plain"].near(batch, self.least):
+            # plain(B) from other sizes is a line through them, and a step's fixed share makes a line from smaller
+            # sizes overshoot a larger one's (the gain with it): at B > 1 plain steps (cheap, the off state) are
+            # measured near B before anything turns on or probes there
+            return self._off(None, why="measuring plain steps at this batch size")
         margin = self.slack(batch)
         gain = e * plain / ((1 + margin) * spec)
         sure = not 1 / self.band < gain < self.band
-        p = self.parts
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
         # off at B > 1: on again only past the hysteresis (costs measured at different times drift on a shared box,
         # and a batch that flips pays for the sequences it puts apart)

@@ -356,3 +356,22 @@ def test_a_step_with_no_decoding_sequence_decides_nothing() -> None:
     assert p.speculate(0, []) is False
     assert (p._t, p.interval, p.off_steps, p.why) == before
     assert p.speculate(1, ["a"])  # batch 1 still works its decision out (no drafting cost yet: measured first)
+
+
+def test_a_larger_batch_size_measures_its_plain_steps_before_anything_turns_on() -> None:
+    """Plain steps measured at B = 1 and 2 only: plain(8) on their line overshoots (a step's fixed share), so the
+    gain at 8 looks like a win. At B > 1 nothing turns on or probes before plain steps near B are measured (the off
+    state: the cheap side), and the gain from them decides."""
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=1.5, draft=0.4, plain=1.2, catch_up=0.0)
+    _feed(p, 2, verify=2.0, draft=0.5, plain=1.6, catch_up=0.0)
+    for what, s in (("verify", 5.0), ("draft", 1.5)):
+        for _ in range(4):
+            p.record(what, 8, s)
+    _accept(p, 16, 2)  # E = 3; plain(8) on the line: 1.2 + 7 * 0.4 = 4.0, G = 3 * 4 / (1.2 * 6.5) = 1.54
+    assert p.estimate(8) == (pytest.approx(6.5), pytest.approx(4.0))
+    assert not p.speculate(8) and p.why == "measuring plain steps at this batch size"
+    for _ in range(3):  # the first at a new size is not kept
+        p.record("plain", 8, 2.0)
+    assert not p.speculate(8) and p.why.startswith("gain 0.77")  # 3 * 2 / (1.2 * 6.5)
+    assert p.speculate(1)  # B = 1 is measured: 3 * 1.2 / (1.05 * 1.9) = 1.80
