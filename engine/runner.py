@@ -295,17 +295,24 @@ class ModelRunner:
                 self._flush()
 
     def _keep(self, src: Any, slots: list[int], ring_rows: list[int], step_rows: list[int], ids: list[int]) -> None:
-        """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for (slot, ring row)
-        - all of a step's rows (a decode step) by reference: a step's streams are new tensors nothing writes later;
-        some of them copied, not to keep a long step alive - and written into `_held` in one go when a slot resumes,
-        or every few steps (`_flush`)."""
+        """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for (slot, ring row):
+        written into `_held` at once by the op table's `keep_rows` (one native call) where it has one, else kept -
+        all of a step's rows (a decode step) by reference: a step's streams are new tensors nothing writes later;
+        some of them copied, not to keep a long step alive - and written in one go when a slot resumes, or every
+        few steps (`_flush`; while rows wait there, later ones wait too: the later of a row kept twice wins)."""
         n, rows = len(step_rows), self._held.shape[1]
+        at = [s * rows + r for s, r in zip(slots, ring_rows, strict=True)]
+        write = self.model.ops.keep_rows
+        if write is not None and not self._pending:
+            streams, mean = (src.streams, True) if hasattr(src, "streams") else ([src], False)  # a Capture: averaged
+            if write(streams, step_rows, at, ids, mean, self._held, self._held_ids):
+                return
         if n == len(src) and step_rows == list(range(n)):
             held = src
         else:
             index = torch.tensor(step_rows, device=self._held.device)
             held = src.index_select(0, index) if isinstance(src, torch.Tensor) else src.rows(index)
-        self._pending.append((held, [s * rows + r for s, r in zip(slots, ring_rows, strict=True)], ids))
+        self._pending.append((held, at, ids))
 
     def _flush(self) -> None:
         """Write the pending held rows into `_held` / `_held_ids`; where a row was kept twice (a slot's later

@@ -1099,3 +1099,39 @@ def test_native_clock_counts_and_times_every_call_while_installed(lib: H.HostLib
     rows = clock.rows()
     assert {r["kernel"] for r in rows} == {"dk_fp8_linear", "dk_rms_norm"} and all(r["total_ms"] > 0 for r in rows)
     assert rows == sorted(rows, key=lambda r: -r["total_ms"])
+
+
+def test_keep_rows_writes_the_torch_mean_or_declines() -> None:
+    """small_ops.keep_rows (the runner's held rows written at once) averages each source's streams as torch does:
+    its sum over the streams adds them in order from 0 for n <= 4 streams or D a multiple of 64 (pinned here on this
+    CPU's torch kernels: the native code's order), where it writes bit for bit `Capture.tensor()`'s rows, the later of
+    a row kept twice winning; elsewhere (and for a bf16, non-contiguous or non-CPU tensor) it writes nothing and
+    says so, and the runner keeps its torch path."""
+    from engine.host_kernels.small_ops import keep_rows
+    from engine.model.dspark_proposer import Capture
+
+    g = torch.Generator().manual_seed(0)
+    for n, d in ((1, 37), (4, 37), (8, 64), (16, 128), (4, 7168)):
+        x = torch.randn(3, n, d, generator=g)
+        in_order = x[:, 0] + 0.0
+        for j in range(1, n):
+            in_order = in_order + x[:, j]
+        assert torch.equal(torch.sum(x, 1).view(torch.int32), in_order.view(torch.int32)), (n, d)
+        src = [torch.randn(6, n, d, generator=g) for _ in range(2)]
+        held, ids = torch.full((5, 2 * d), 7.0), torch.zeros(5, dtype=torch.long)
+        assert keep_rows(src, [0, 4, 5, 2], [3, 1, 3, 0], [9, 8, 7, 6], True, held, ids)
+        made = Capture(src).tensor()
+        assert torch.equal(held[3].view(torch.int32), made[5].view(torch.int32)) and int(ids[3]) == 7  # the later
+        assert torch.equal(held[[1, 0]].view(torch.int32), made[[4, 2]].view(torch.int32))
+        assert torch.equal(held[[2, 4]], torch.full((2, 2 * d), 7.0)) and ids.tolist() == [6, 8, 0, 7, 0]
+    held, ids = torch.zeros(4, 64), torch.zeros(4, dtype=torch.long)
+    x = torch.randn(2, 8, 32, generator=g)
+    assert not keep_rows([x, x], [0], [1], [5], True, held, ids)  # 8 streams of 32: torch's order differs
+    assert not keep_rows([x.bfloat16()] * 2, [0], [1], [5], True, held, ids)
+    assert not keep_rows([x.transpose(0, 1)] * 2, [0], [1], [5], True, held, ids)
+    assert held.count_nonzero() == 0 and ids.count_nonzero() == 0
+    copy = torch.zeros(3, 2 * 8 * 32)
+    assert keep_rows([x, x], [1], [2], [4], False, copy, torch.zeros(3, dtype=torch.long))  # copied, any shape
+    assert torch.equal(copy[2], torch.cat([x[1].flatten(), x[1].flatten()]))
+    with pytest.raises(IndexError, match="outside"):
+        keep_rows([x, x], [2], [0], [4], False, copy, torch.zeros(3, dtype=torch.long))

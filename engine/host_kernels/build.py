@@ -316,6 +316,7 @@ class HostLibrary:
         lib.dk_hc_mixes.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
         lib.dk_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
         lib.dk_hc_collapse.argtypes = [p, p, p, i64, i64, i64, i32]
+        lib.dk_keep_rows.argtypes = [p, i64, i64, i64, p, p, p, i64, i32, p, p]
         lib.dk_hc_pre.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, f32, f32, i32]
         lib.dk_hc_expand.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
         lib.dk_sparse_attn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, i32]
@@ -353,7 +354,7 @@ class HostLibrary:
                   lib.dk_sparse_attn, lib.dk_moe_ffn, lib.dk_bf16_grouped_linear, lib.dk_rope_tail, lib.dk_route,
                   lib.dk_hc_head, lib.dk_attn_qkv, lib.dk_ffn_site, lib.dk_attn_decode, lib.dk_attn_front,
                   lib.dk_decode_layer, lib.dk_compress_pool, lib.dk_index_score, lib.dk_mtp_input,
-                  lib.dk_lm_head, lib.dk_mtp_pass, lib.dk_mtp_draft):
+                  lib.dk_lm_head, lib.dk_mtp_pass, lib.dk_mtp_draft, lib.dk_keep_rows):
             f.restype = i32
         if (why := layout_mismatch(lib)) is not None:
             raise HostKernelError(f"--kernels host: {path.name}: the decode layer's argument struct differs from "

@@ -23,6 +23,8 @@ int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float
                 float *comb, int64_t T, int64_t n, int64_t D, int64_t iters, float hc_eps, float norm_eps,
                 int nthreads);
 int dk_hc_collapse(const float *x, const float *pre, float *y, int64_t T, int64_t n, int64_t D, int nthreads);
+int dk_keep_rows(const float *const *src, int64_t L, int64_t n, int64_t D, const int64_t *src_row,
+                 const int64_t *dst_row, const int64_t *ids, int64_t R, int mean, float *dst, int64_t *dst_ids);
 int dk_hc_pre(const float *x, const float *fn, const float *scale, const float *base, const float *norm_w,
               float *pre, float *post, float *comb, float *h, float *y, int64_t T, int64_t n, int64_t D, int64_t iters,
               float hc_eps, float norm_eps, int nthreads);

@@ -15,6 +15,8 @@
  *   dk_rope_tail   reference.rope_tail    x [T, H, D], cos / sin [T, rd/2] -> y [T, H, D] (bitwise: no FMA)
  *   dk_hc_head     reference.hc_head      x [T, n, D], fn [n, n*D] -> y [T, D]
  *   dk_route       reference.route        router logits [T, E] (after the GEMV) -> weights [T, K], indices [T, K]
+ *   dk_keep_rows   engine/runner.py's held rows (ModelRunner._keep / _flush): rows of a step's streams, each
+ *                                         source's n streams averaged (DSpark's Capture.tensor) or copied (MTP's)
  *
  * Dot products and sums of squares use 16 independent partial sums (gcc vectorises the lanes; the lane order is
  * fixed, so results do not depend on the thread count). Rows t are split over `nthreads` OpenMP threads when the
@@ -534,4 +536,31 @@ int dk_hc_head(const float *x, const float *fn, const float *scale, const float 
     const int rc = dk_hc_collapse(x, pre, y, T, n, D, nthreads);
     free(pre);
     return rc;
+}
+
+/* ModelRunner._keep's rows written at once (engine/runner.py; its _flush is the torch path, bit for bit): for each
+ * r < R, row src_row[r] of each of the L sources (src[l]: [T, n, D] fp32, contiguous) into row dst_row[r] of dst
+ * and ids[r] into dst_ids[dst_row[r]]. mean: dst rows [L*D], source l's n streams summed in order from 0 and then
+ * divided by n (torch.sum over the streams, then div_: dspark_proposer.Capture.tensor); else dst rows [L*n*D],
+ * copied. A row kept twice: the later wins. */
+int dk_keep_rows(const float *const *src, int64_t L, int64_t n, int64_t D, const int64_t *src_row,
+                 const int64_t *dst_row, const int64_t *ids, int64_t R, int mean, float *dst, int64_t *dst_ids) {
+    const int64_t width = mean ? L * D : L * n * D;
+    for (int64_t r = 0; r < R; r++) {
+        float *out = dst + dst_row[r] * width;
+        for (int64_t l = 0; l < L; l++) {
+            const float *x = src[l] + src_row[r] * n * D;
+            if (!mean) {
+                for (int64_t i = 0; i < n * D; i++) out[l * n * D + i] = x[i];
+                continue;
+            }
+            float *o = out + l * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f + x[d]; /* from 0, as torch's sum: -0 + 0 is +0 */
+            for (int64_t j = 1; j < n; j++)
+                for (int64_t d = 0; d < D; d++) o[d] += x[j * D + d];
+            for (int64_t d = 0; d < D; d++) o[d] /= (float)n;
+        }
+        dst_ids[dst_row[r]] = ids[r];
+    }
+    return 0;
 }

@@ -5,6 +5,7 @@ microseconds as chains of torch ops, hence native code for such small work."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -231,6 +232,32 @@ def index_score_native(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tenso
                                     out.data_ptr()) != 0:
         raise MemoryError("host kernel index_score: out of memory")
     return out
+
+
+def keep_rows(sources: list[torch.Tensor], src_rows: list[int], dst_rows: list[int], ids: list[int], mean: bool,
+              dst: torch.Tensor, dst_ids: torch.Tensor) -> bool:
+    """engine/runner.py `ModelRunner._keep`'s rows written at once (mhc.c dk_keep_rows), where its torch path keeps
+    them pending and `_flush` writes them every few steps: rows `src_rows` of every source ([T, n, D] each) into the
+    rows `dst_rows` of dst (flat row numbers), ids into dst_ids. `mean`: dst rows [L*D], each source's n streams
+    averaged (DSpark's `Capture.tensor`); else [L*n*D], copied (MTP's final streams). The same bits as the torch
+    path. False, nothing written, where the call does not fit (not CPU fp32, not contiguous, shapes)."""
+    t, n, d = sources[0].shape if sources[0].dim() == 3 else (0, 0, 0)
+    width, rows = len(sources) * d * (1 if mean else n), len(src_rows)
+    if not t or dst.dtype is not F32 or dst_ids.dtype is not torch.int64 or not dst.is_cpu \
+            or not (dst.is_contiguous() and dst_ids.is_contiguous()) or dst.numel() != dst_ids.numel() * width \
+            or any(s.dtype is not F32 or not s.is_cpu or not s.is_contiguous() or s.shape != (t, n, d)
+                   for s in sources) or not rows == len(dst_rows) == len(ids):
+        return False
+    if mean and n > 4 and d % 64:  # torch's sum over the streams adds them in order only then (tests pin both)
+        return False
+    if not (0 <= min(src_rows) and max(src_rows) < t and 0 <= min(dst_rows) and max(dst_rows) < dst_ids.numel()):
+        raise IndexError(f"keep_rows: a source row outside [0, {t}) or a held row outside [0, {dst_ids.numel()})")
+    at = (ctypes.c_int64 * (3 * rows))(*src_rows, *dst_rows, *ids)
+    step = ctypes.sizeof(ctypes.c_int64) * rows
+    _native().lib.dk_keep_rows((ctypes.c_void_p * len(sources))(*(s.data_ptr() for s in sources)), len(sources), n,
+                               d, at, ctypes.addressof(at) + step, ctypes.addressof(at) + 2 * step, rows, int(mean),
+                               dst.data_ptr(), dst_ids.data_ptr())
+    return True
 
 
 

@@ -20,4 +20,5 @@ NATIVE_OPS: dict[str, Callable[..., Any]] = {
     "attn_decode_takes": attn_ops.attn_decode_takes, "native_pack": packs.packed,
     "decode_layer": layer_ops.decode_layer, "decode_layer_pack": layer_ops.layer_pack,
     "mtp_input": step_ops.mtp_input, "lm_head": step_ops.lm_head, "mtp_draft": layer_ops.mtp_draft,
+    "keep_rows": small_ops.keep_rows,
     "decode_limits": lambda: (native.max_m("close"), native.max_m("index"))}

@@ -137,6 +137,8 @@ class OpTable:
     # fused paths: a table without them declines every call (`OpByOp`, `_no_moe_ffn`)
     moe_ffn: Callable[[Any, T, T, T], T | None]  # MoE module, x, weights, indices -> routed + shared, or None
     block_decoder: BlockDecoder
+    # the runner's held rows written at once (engine/runner.py `ModelRunner._keep`; None: its torch path)
+    keep_rows: Callable[..., bool] | None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(OpTable))
@@ -209,7 +211,7 @@ def with_composites(ops: OpTable | Mapping[str, Any], fused_attn_tail: bool) -> 
     d.update(attn_out_expand=fused_tail if fused_attn_tail else tail, stack_linear=stack_linear, attn_qkv=attn_qkv)
     for name, default in (("hc_pre", hc_pre), ("rope_tail", reference.rope_tail), ("gate", reference.gate),
                           ("hc_head", reference.hc_head), ("attn_qkv_native", None), ("moe_ffn", _no_moe_ffn),
-                          ("block_decoder", OpByOp())):
+                          ("block_decoder", OpByOp()), ("keep_rows", None)):
         d.setdefault(name, default)
     table = make_table(str(d.get("kernels")), d)
     return table

@@ -121,15 +121,12 @@ def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.Mo
                                                                                       ref.spec_stats.to_dict())
 
 
-@pytest.mark.parametrize("method", ["mtp", "dspark"])
-def test_held_rows_keep_a_whole_step_by_reference_copy_a_part_and_the_later_row_wins(method: str) -> None:
-    """`ModelRunner._keep` / `_flush` (speculation off): a decode step's rows are kept as they are (no copy), some
-    rows of a longer step are copied (the step is not kept alive), and a (slot, ring row) kept twice before a flush
-    holds the later one's rows and id; DSpark's rows are its `Capture`'s context (the hc mean of each layer's)."""
+def _keep_steps(run, method: str, native: bool) -> list:
+    """Three steps' rows kept (`ModelRunner._keep`) through the op table's `keep_rows` or (`native` False) the torch
+    path, flushed: (the steps, `_held`, `_held_ids`). Slot 0's ring row 5 is kept twice."""
     from engine.model.dspark_proposer import Capture
 
-    run = _engine("auto", method).runner
-    rows, cfg = run._held.shape[1], run.cfg
+    cfg = run.cfg
 
     def step(t: int, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -137,25 +134,60 @@ def test_held_rows_keep_a_whole_step_by_reference_copy_a_part_and_the_later_row_
             return torch.randn(t, cfg.hc_mult, cfg.dim, generator=g)
         return Capture([torch.randn(t, cfg.hc_mult, cfg.dim, generator=g) for _ in cfg.dspark_target_layer_ids])
 
+    write = run.model.ops.keep_rows
+    run.model.ops.keep_rows = write if native else None
+    try:
+        run._pending.clear()
+        first, long, later = step(2, 1), step(40, 2), step(2, 3)
+        # row 1 (kept, not overwritten): -0 in every stream, whose sum is +0 (torch's sum starts from 0)
+        (first if method == "mtp" else first.streams[0])[1, :, :3] = -0.0
+        run._keep(first, [0, 1], [5, 5], [0, 1], [11, 12])
+        pending = [p[0] for p in run._pending]
+        run._keep(long, [0], [6], [7], [13])
+        pending += [p[0] for p in run._pending[len(pending):]]
+        run._keep(later, [0], [5], [1], [14])  # slot 0, ring row 5 again: the later wins
+        run._flush() if run._pending else None
+        return [first, long, later, pending], run._held.clone(), run._held_ids.clone()
+    finally:
+        run.model.ops.keep_rows = write
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_held_rows_keep_a_whole_step_by_reference_copy_a_part_and_the_later_row_wins(method: str) -> None:
+    """`ModelRunner._keep` / `_flush` (speculation off), the torch path: a decode step's rows are kept as they are
+    (no copy), some rows of a longer step are copied (the step is not kept alive), and a (slot, ring row) kept twice
+    before a flush holds the later one's rows and id; DSpark's rows are its `Capture`'s context (the hc mean of each
+    layer's)."""
+    run = _engine("auto", method).runner
+    (first, long, later, pending), held, ids = _keep_steps(run, method, native=False)
+
     def made(src):
         return src if isinstance(src, torch.Tensor) else src.tensor()
 
-    run._pending.clear()
-    first, long, later = step(2, 1), step(40, 2), step(2, 3)
-    run._keep(first, [0, 1], [5, 5], [0, 1], [11, 12])
-    assert run._pending[-1][0] is first
-    run._keep(long, [0], [6], [7], [13])
-    part = run._pending[-1][0]
-    kept = part if isinstance(part, torch.Tensor) else part.streams[0]
+    assert pending[0] is first
+    kept = pending[1] if isinstance(pending[1], torch.Tensor) else pending[1].streams[0]
     whole = long if isinstance(long, torch.Tensor) else long.streams[0]
     assert kept.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()  # a copy of row 7
-    run._keep(later, [0], [5], [1], [14])  # slot 0, ring row 5 again: the later wins
-    run._flush()
     assert not run._pending
-    assert torch.equal(run._held[0, 5].flatten(), made(later)[1].flatten()) and int(run._held_ids[0, 5]) == 14
-    assert torch.equal(run._held[1, 5].flatten(), made(first)[1].flatten()) and int(run._held_ids[1, 5]) == 12
-    assert torch.equal(run._held[0, 6].flatten(), made(long)[7].flatten()) and int(run._held_ids[0, 6]) == 13
-    assert rows > 6
+    assert torch.equal(held[0, 5].flatten(), made(later)[1].flatten()) and int(ids[0, 5]) == 14
+    assert torch.equal(held[1, 5].flatten(), made(first)[1].flatten()) and int(ids[1, 5]) == 12
+    assert torch.equal(held[0, 6].flatten(), made(long)[7].flatten()) and int(ids[0, 6]) == 13
+    assert run._held.shape[1] > 6
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_the_native_keep_writes_the_torch_paths_held_rows_at_once(method: str) -> None:
+    """The host table's `keep_rows` (one native call a step, engine/host_kernels/small_ops.py) writes `_held` and
+    `_held_ids` at once, nothing pending, bit for bit what the torch path's `_flush` writes (the hc mean of DSpark's
+    capture: the streams summed in torch's order from 0, -0 included, then divided)."""
+    run = _engine("auto", method).runner
+    assert run.model.ops.keep_rows is not None
+    _, want, want_ids = _keep_steps(run, method, native=False)
+    run._held.zero_()
+    run._held_ids.zero_()
+    (_, _, _, pending), held, ids = _keep_steps(run, method, native=True)
+    assert pending == []  # written at once
+    assert torch.equal(held.view(torch.int32), want.view(torch.int32)) and torch.equal(ids, want_ids)
 
 
 
