@@ -226,19 +226,20 @@ class SpecPolicy:
     (3 steps: the first at a new size is dropped); at B > 1 plain steps near B are measured before anything turns on
     or probes there (a line from smaller sizes overshoots a larger one's plain cost: a step's fixed share).
     E: the mean over the batch's sequences of each one's own rates (acceptance depends on the text: a sequence's own
-    last verifies say more than the engine's), which start from the engine's rates (over every sequence); before
-    `least_seen` verified sequences it speculates. E < 1 + margin
-    after `least_none` verify steps (a draft head that is never right) turns it off with no cost needed, probed one
-    step in `interval` (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
-    acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
-    G >= 0.9) and a batch of sequences none of which has verified yet speculates once; where even full acceptance
-    cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and nothing is
-    probed: that decided-off state costs nothing.
+    last verifies say more than the engine's), which start from the engine's prior (over every sequence's verifies,
+    a slower average than the engine's own rates); before `least_seen` verified sequences it speculates.
+    E < 1 + margin after `least_none` verify steps (a draft head that is never right) turns it off with no cost
+    needed, probed one step in `interval` (doubling up to `max_interval`). On at B = 1, it stays on down to
+    G = 1 / band. Where full acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps
+    losing; one in 4 while G >= 0.9) and a batch of sequences none of which has verified yet speculates once;
+    where even full acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it
+    is off and nothing is probed: that decided-off state costs nothing.
     `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
                  interval: int = 32, max_interval: int = 1024, probe_every: int = 8, alpha: float = 0.1,
-                 seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1, probe_share: float = 0.02) -> None:
+                 seq_alpha: float = 0.2, margin: float = 0.05, band: float = 1.1, probe_share: float = 0.02,
+                 prior_alpha: float = 0.02) -> None:
         self.k, self.always, self.margin, self.band = k, policy == "always", margin, band
         self.least_seen = 8  # verified sequences before E may turn it off (but for E < 1 + margin)
         # verifies with next to nothing accepted before that alone turns it off, no cost needed (a draft head that is
@@ -250,6 +251,9 @@ class SpecPolicy:
         self.off_steps, self._every = 0, 0
         self.clock = clock
         self.accepted = _Rates(alpha)  # every sequence's verifies
+        # and over more of them: a new sequence's prior (the last few verifies of one text - DSpark's drafts pass or
+        # fail as a block - swing E by +-1, and a batch of new sequences would probe or turn on on a swing)
+        self.prior = _Rates(prior_alpha)
         self.seq_alpha = seq_alpha
         self._seqs: dict[object, _Rates] = {}  # each decoding sequence's own
         self.parts = {w: _Costs(window) for w in ("verify", "draft", "plain", "catch_up")}
@@ -324,18 +328,19 @@ class SpecPolicy:
         decision is worked out anew (not a settled one)."""
         self._settled = None
         self.accepted.add(drafted, accepted)
+        self.prior.add(drafted, accepted)
         if seq is not None:
-            if seq not in self._seqs:  # the engine's rates, as if from 2 verifies: the first moves it by a third
-                self._seqs[seq] = _Rates(self.seq_alpha, self.accepted.rates, seen=2)
+            if seq not in self._seqs:  # the engine's prior, as if from 2 verifies: the first moves it by a third
+                self._seqs[seq] = _Rates(self.seq_alpha, self.prior.rates, seen=2)
             self._seqs[seq].add(drafted, accepted)
 
     def expected_tokens(self, seqs: Sequence[object] = ()) -> float:
         """E: tokens a sequence gets from one verify step: the mean over `seqs` of their own rates' (a sequence
-        with no verify yet: the engine's), or the engine's."""
+        with no verify yet: the engine's prior), or the engine's."""
         if not seqs:
             return self.accepted.expected(self.k)
         own = [self._seqs.get(s) for s in seqs]
-        return statistics.fmean(self.accepted.expected(self.k) if r is None else r.expected(self.k) for r in own)
+        return statistics.fmean(self.prior.expected(self.k) if r is None else r.expected(self.k) for r in own)
 
     def forget(self, keep: Sequence[object]) -> None:
         """Drop the rates of sequences not in `keep` (finished ones)."""

@@ -23,6 +23,7 @@ def _set_rates(p: SpecPolicy, rates: list[float]) -> None:
     """The engine's acceptance set outright; observed as a verify is (observe(): the next step works its
     decision out anew, not a settled one)."""
     p.accepted.rates = rates
+    p.prior.rates = list(rates)  # and the prior of sequences not seen yet
     p.observe(0, 0)
 
 
@@ -140,7 +141,23 @@ def test_acceptance_is_each_sequences_own() -> None:
     assert p.expected_tokens(["a", "b"]) > 2.9 and p.expected_tokens(["c", "d"]) < 1.3
     assert p.speculate(2, ["a", "b"])
     assert not p.speculate(2, ["c", "d"])
-    assert p.expected_tokens(["e"]) == p.expected_tokens()  # a sequence with no verify: the engine's rates
+    # a sequence with no verify: the engine's prior, a slower average than its rates (the last 20 verifies, all
+    # rejected, weigh less in it)
+    assert p.expected_tokens() < p.expected_tokens(["e"]) == p.prior.expected(2) < 2.5
+
+
+def test_a_new_sequences_prior_is_the_engines_longer_run() -> None:
+    """The engine's rates follow its last ~10 verifies; a run of full acceptances at the end of one text lifts them,
+    not the prior a batch of new sequences starts from: the batch does not turn on (or probe) on that swing."""
+    p = SpecPolicy(2, probe_share=1.0)
+    _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
+    for i in range(60):
+        p.observe(2, 1 if i % 2 else 0, "old")  # E ~ 1.5 over the long run
+    for _ in range(10):
+        p.observe(2, 2, "old")  # the last few all accepted: the engine's E ~ 2.5
+    assert p.expected_tokens() > 2.4 and p.expected_tokens(["x", "y", "z", "w"]) < 1.8
+    # G from the prior: 1.78 * 2.1 / (1.15 * 4) = 0.81 (from the engine's rates: 1.14, on for the whole batch)
+    assert not p.speculate(4, ["x", "y", "z", "w"]) and not p.probe_one
 
 
 def test_a_probe_of_a_batch_drafts_for_one_sequence() -> None:
