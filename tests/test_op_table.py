@@ -30,9 +30,10 @@ def test_every_table_supplies_every_declared_op(kernels: str) -> None:
     table = ops_for(kernels)
     assert isinstance(table, OpTable)
     for f in dataclasses.fields(OpTable):
-        if f.name not in ("kernel_ops", "attn_qkv_native"):  # declared: None where the table has none
+        if f.name not in ("kernel_ops", "attn_qkv_native", "keep_rows"):  # declared: None where the table has none
             assert getattr(table, f.name) is not None, f.name
     assert isinstance(table.block_decoder, OpByOp) == (kernels != "host")
+    assert (table.keep_rows is not None) == (kernels == "host")  # the runner's held rows: native, else torch
 
 
 def test_official_numerics_take_no_fused_host_path() -> None:
