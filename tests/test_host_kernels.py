@@ -1135,3 +1135,4 @@ def test_keep_rows_writes_the_torch_mean_or_declines() -> None:
     assert torch.equal(copy[2], torch.cat([x[1].flatten(), x[1].flatten()]))
     with pytest.raises(IndexError, match="outside"):
         keep_rows([x, x], [2], [0], [4], False, copy, torch.zeros(3, dtype=torch.long))
+    assert keep_rows([x, x], [], [], [], False, copy, torch.zeros(3, dtype=torch.long))  # no row: nothing to write
