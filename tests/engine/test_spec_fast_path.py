@@ -121,9 +121,10 @@ def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.Mo
                                                                                       ref.spec_stats.to_dict())
 
 
-def _keep_steps(run, method: str, native: bool) -> list:
+def _keep_steps(run, method: str, native: bool) -> tuple[list, torch.Tensor, torch.Tensor]:
     """Three steps' rows kept (`ModelRunner._keep`) through the op table's `keep_rows` or (`native` False) the torch
-    path, flushed: (the steps, `_held`, `_held_ids`). Slot 0's ring row 5 is kept twice."""
+    path, flushed: ([the three steps, what was left pending of them], `_held`, `_held_ids`). Slot 0's ring row 5 is
+    kept twice."""
     from engine.model.dspark_proposer import Capture
 
     cfg = run.cfg
@@ -146,7 +147,8 @@ def _keep_steps(run, method: str, native: bool) -> list:
         run._keep(long, [0], [6], [7], [13])
         pending += [p[0] for p in run._pending[len(pending):]]
         run._keep(later, [0], [5], [1], [14])  # slot 0, ring row 5 again: the later wins
-        run._flush() if run._pending else None
+        if run._pending:
+            run._flush()
         return [first, long, later, pending], run._held.clone(), run._held_ids.clone()
     finally:
         run.model.ops.keep_rows = write
