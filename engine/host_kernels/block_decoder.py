@@ -42,6 +42,7 @@ class HostBlockDecoder:
         self.use_mtp, self.use_head, self.use_draft = mtp, head, draft
         self.packs = PackStore()
         self._moe_args: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
+        self._ropes: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
 
     # -- the whole layer ---------------------------------------------------------------------------------------
     def layer(self, block: Any, x: torch.Tensor, plan: Any, lc: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -210,16 +211,19 @@ class HostBlockDecoder:
             pos.extend(range(s.start, s.start + s.n))
             slots.extend([s.slot] * s.n)
             rows.append(len(pos) - 1)
-        b, r = len(pos), len(rows)
-        # one tensor: the catch-up's positions, each recursion pass's, the slots (views of it); the RoPE tables of
-        # all those positions in one call, split (an element's cos / sin do not depend on the call's shape: a test)
-        ix = torch.tensor([*pos, *(pos[i] + j for j in range(1, k) for i in rows), *slots])
-        cos_all, sin_all = attn.rope.cos_sin(ix[: b + (k - 1) * r])
-        cos, sin = cos_all[:b], sin_all[:b]
-        rcos, rsin = cos_all[b:].view(k - 1, r, attn.rd // 2), sin_all[b:].view(k - 1, r, attn.rd // 2)
         inp, head = self._mtp_input_pack(model, blk), self._lm_head_pack(model, blk, blk.norm)
-        return mtp_draft(self._layer_pack(blk, lc), inp, head, x, next_ids, rows, cos, sin, ix[b + (k - 1) * r:],
-                         ix[:b], k, rcos, rsin, attn.win)
+        return mtp_draft(self._layer_pack(blk, lc), inp, head, x, next_ids, pos, slots, rows, k,
+                         self._rope_table(attn.rope, max(pos) + k), attn.win)
+
+    def _rope_table(self, rope: Any, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope.cos_sin` of positions 0..P-1 (P >= upto: grown by doubling), kept per Rope (made again if its
+        inv_freq buffer is another tensor): the one-call drafting reads its rows (an element's cos / sin do not depend
+        on the call's shape: a test), not a call a step."""
+        tab = self._ropes.get(rope)
+        if tab is None or tab[0].shape[0] < upto or tab[2] is not rope.inv_freq:
+            size = max(256, 1 << (upto - 1).bit_length(), 2 * tab[0].shape[0] if tab is not None else 0)
+            tab = self._ropes[rope] = (*rope.cos_sin(torch.arange(size)), rope.inv_freq)
+        return tab[0], tab[1]
 
     # -- what the sites read from the modules --------------------------------------------------------------------
     def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:

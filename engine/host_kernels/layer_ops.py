@@ -138,32 +138,38 @@ def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Ten
     return out, logits, tokens
 
 
-def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, rows: list[int],
-              cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, k: int,
-              rcos: torch.Tensor, rsin: torch.Tensor, win: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, pos: list[int],
+              slots: list[int], rows: list[int], k: int, tables: tuple[torch.Tensor, torch.Tensor],
+              win: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """attn.c `dk_mtp_draft`: k greedy drafts of a sliding-only MTP block (no entries, no compressor; one rank) in
-    one call - the catch-up's `mtp_pass` over x [B, n, dim], ids [B] at positions pos [B] of slots [B] (int64; RoPE
-    cos / sin [B, rd/2]; `rows`: each sequence's last row), then k - 1 passes over its R rows at positions
-    pos[rows] + 1 .. + k - 1 (RoPE rcos / rsin [k-1, R, rd/2]), each fed the previous pass's streams and tokens;
-    ring rows and masks made from the positions (`win`: the attention's window). -> (logits [k, R, V], tokens
-    [k, R]), or None where `mtp_pass` would not take the catch-up or an argument does not fit (nothing counted, no
-    state written)."""
+    one call - the catch-up's `mtp_pass` over x [B, n, dim], ids [B] at positions `pos` of `slots` (B each), then
+    k - 1 passes over its R rows `rows` (each sequence's last) at positions pos[rows] + 1 .. + k - 1, each fed the
+    previous pass's streams and tokens; RoPE rows read from `tables` (cos, sin [P, rd/2]: the block's Rope over
+    positions 0..P-1), ring rows and masks made from the positions (`win`: the attention's window). -> (logits
+    [k, R, V], tokens [k, R]), or None where an argument does not fit (nothing counted, no state written)."""
     a, ia, ha = layer.args, inp.args, head.args
-    b = _mtp_rows(a, ia, ha, x, ids, rows, cos, sin, ())
-    r = len(rows)
-    if b is None or a.layer.pool or k < 1 or tuple(rcos.shape) != (k - 1, r, a.rd // 2) \
-            or rcos.shape != rsin.shape or rcos.dtype is not native.F32 or rsin.dtype is not native.F32 \
-            or any(t.dtype is not torch.int64 or tuple(t.shape) != (b,) for t in (slots, pos)):
+    b, r = len(pos), len(rows)
+    if a is None or ia is None or ha is None or a.layer.pool or a.n_comp or k < 1 or b != len(slots) \
+            or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or not hash_ids_fit(a, None, b):
+        return None
+    cos, sin = tables
+    if not packs.rows_ok(x, (b, a.n, a.dim), min(native.max_m(key) for key in a.limit_keys)) \
+            or b * a.n > min(native.max_m(key) for key in ia.limit_keys) \
+            or not 0 < r <= min(native.max_m(key) for key in ha.limit_keys) \
+            or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) or not ids.is_contiguous() \
+            or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != a.rd // 2 or not packs.fp32_cpu(cos, sin):
         return None
     native._count("host.mtp_draft")
     for keys in (ia.keys, a.keys, ha.keys):  # and as k mtp_pass calls
         native._count_each(keys, k)
     logits, tokens = torch.empty(k, r, ha.vocab, dtype=native.F32), torch.empty(k, r, dtype=torch.int64)
-    keep = [t.contiguous() for t in (ids, cos, sin, slots, pos, torch.tensor(rows, dtype=torch.int64), rcos, rsin)]
+    at = (ctypes.c_int64 * (2 * b + r))(*pos, *slots, *rows)
+    step = ctypes.sizeof(ctypes.c_int64)
     rc = native._native().lib.dk_mtp_draft(
-        a.ref, ctypes.byref(ia.struct), ctypes.byref(ha.struct), x.data_ptr(), keep[0].data_ptr(), b,
-        *(t.data_ptr() for t in keep[1:6]), r, k, keep[6].data_ptr(), keep[7].data_ptr(), win, logits.data_ptr(),
-        tokens.data_ptr(), torch.get_num_threads())
-    del keep
+        a.ref, ctypes.byref(ia.struct), ctypes.byref(ha.struct), x.data_ptr(), ids.data_ptr(), b, cos.data_ptr(),
+        sin.data_ptr(), cos.shape[0], ctypes.addressof(at) + step * b, ctypes.addressof(at), ctypes.addressof(at)
+        + step * 2 * b, r, k, win, logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+    if rc == -5:
+        raise IndexError(f"mtp_draft: a position or row outside the RoPE table [0, {cos.shape[0]}) / the {b} rows")
     native.check_rc(rc, "mtp_draft", x, IndexError(f"mtp_input: a token id outside [0, {ia.vocab})"))
     return logits, tokens

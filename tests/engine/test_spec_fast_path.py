@@ -210,3 +210,49 @@ def test_rope_tables_of_positions_at_once_are_each_parts_own(compressed: bool) -
         for c, s, part in zip(cos.split(sizes), sin.split(sizes), pos.split(sizes), strict=True):
             ref_cos, ref_sin = rope.cos_sin(part.clone())
             assert torch.equal(c, ref_cos) and torch.equal(s, ref_sin) and c.is_contiguous(), sizes
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_the_drafting_rope_table_rows_are_each_positions_own(compressed: bool) -> None:
+    """The host decoder's RoPE table (`_rope_table`: `cos_sin` of positions 0..P-1, which the one-call MTP drafting
+    reads rows of) holds at row p what `cos_sin` of p alone gives, bit for bit, across a growth; it is made again
+    for a Rope whose inv_freq is another tensor."""
+    from engine.config import ModelConfig
+    from engine.host_kernels.block_decoder import HostBlockDecoder
+    from engine.model.layers import Rope
+
+    rope, dec = Rope(ModelConfig.from_json(TINY_SPEC), compressed), HostBlockDecoder()
+    cos, sin = dec._rope_table(rope, 3)
+    assert cos.shape == sin.shape == (256, rope.inv_freq.shape[0])
+    assert dec._rope_table(rope, 256)[0] is cos  # kept
+    cos, sin = dec._rope_table(rope, 1000)  # grown: a power of two
+    assert cos.shape[0] == 1024
+    for p in (0, 1, 17, 255, 256, 999, 1023):
+        ref_cos, ref_sin = rope.cos_sin(torch.tensor([p]))
+        assert torch.equal(cos[p:p + 1], ref_cos) and torch.equal(sin[p:p + 1], ref_sin), p
+    rope.inv_freq = rope.inv_freq * 2  # another tensor: the table is another one
+    again = dec._rope_table(rope, 3)[0]
+    assert torch.equal(again[5:6], rope.cos_sin(torch.tensor([5]))[0]) and not torch.equal(again[5], cos[5])
+
+
+def test_one_call_drafting_refuses_a_position_past_its_rope_table() -> None:
+    """`mtp_draft` (layer_ops.py) reads RoPE rows at the catch-up's positions and k - 1 past each sequence's last: a
+    table too short for them is an IndexError naming it, not a read past its end."""
+    from engine.host_kernels.layer_ops import mtp_draft
+
+    eng = engine.build(EngineConfig.from_model_dir(TINY_SPEC, kernels="host", speculative="mtp",
+                                                   num_speculative_tokens=2))
+    m, dec = eng.runner.model, eng.runner.model.ops.block_decoder
+    blk, lc = m.mtp[0], eng.runner.cache.layers[m.mtp[0].layer_id]
+    packs = (dec._layer_pack(blk, lc), dec._mtp_input_pack(m, blk), dec._lm_head_pack(m, blk, blk.norm))
+    x = torch.randn(1, m.cfg.hc_mult, m.cfg.dim)
+    cos, sin = dec._rope_table(blk.attn.rope, 8)
+    short = (cos[:9].contiguous(), sin[:9].contiguous())
+    ids = torch.tensor([5])
+    took = mtp_draft(*packs, x, ids, [6], [0], [0], 3, short, blk.attn.win)  # positions 6..8
+    if not all(H.max_m(k) >= m.cfg.hc_mult for k in ("mhc", "linear", "fp8", "fp4", "sparse_attn")):
+        assert took is None  # the portable build's row limits (0 / 1): the sites decline, nothing is read
+        return
+    assert took is not None and took[1].shape == (3, 1)
+    with pytest.raises(IndexError, match="RoPE table"):
+        mtp_draft(*packs, x, ids, [7], [0], [0], 3, short, blk.attn.win)  # 9 is past it
