@@ -145,7 +145,9 @@ class MTPProposer:
             if not idx:
                 continue
             rows = [steps[requests[i].entry].token_start + j for i in idx for j in range(requests[i].n)]
-            x = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=dev)]
+            first = rows[0] if rows else 0  # one run of rows back to back (one sequence's): a view, not a gather
+            x = hidden[first:first + len(rows)] if rows == list(range(first, first + len(rows))) \
+                else hidden[torch.tensor(rows, device=dev)]
             ids = torch.tensor([t for i in idx for t in requests[i].next_ids], dtype=torch.long, device=dev)
             seqs = [draft_input(requests[i]) for i in idx]
             if not drafting:
