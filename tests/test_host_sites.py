@@ -346,12 +346,19 @@ def test_the_draft_heads_input_and_the_lm_head_in_one_call_each_are_their_ops_bi
     assert not any(ref_counts.get((k, "host"), 0) for k in ("host.mtp_input", "host.lm_head"))
 
 
-def test_mtp_drafting_in_one_call_is_its_passes_one_by_one_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rope_rows", [None, 8])
+def test_mtp_drafting_in_one_call_is_its_passes_one_by_one_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                                        rope_rows: int | None) -> None:
     """`mtp_draft` (layer_ops.py; attn.c `dk_mtp_draft`: the catch-up and the k - 1 recursion passes in one call)
     against each pass as its own `mtp_pass` call (the table without `mtp_draft`): MTP k = 3 speculation on the
     tiny-spec model, three sequences - the same drafts and draft logits bit for bit at every drafting step, and the
-    one call ran (where the build's row limits take three rows)."""
+    one call ran (where the build's row limits take three rows). `rope_rows` 8: its RoPE rows past a table of 8
+    positions (the prompts are longer) come from the positions' own call, not the kept table."""
+    from engine.host_kernels import block_decoder
     from engine.model import mtp_proposer as MP
+
+    if rope_rows is not None:
+        monkeypatch.setattr(block_decoder, "ROPE_ROWS", rope_rows)
 
     def run(without: tuple[str, ...]) -> tuple[list, list, dict]:
         proposals = []

@@ -552,19 +552,19 @@ static void ring_index(const int64_t *pos, int64_t B, int64_t wl, int64_t win, i
  * slots [B] (each row a decode query, every row's ring row written first), `rows`: each of the R sequences' last row
  * -> drafts 1; then K - 1 recursion passes over the R sequences, pass j fed the streams of pass j - 1's rows and its
  * tokens, at positions pos[rows[r]] + j. RoPE rows are those positions' rows of the tables tcs / tsn [P, rd/2] (the
- * block's Rope over positions 0..P-1), ring rows and masks made from the positions (ring_index; `win`: the
+ * block's Rope over positions P0..P0+P-1), ring rows and masks made from the positions (ring_index; `win`: the
  * attention's window). -> logits [K, R, V], tokens [K, R]; each pass the same calls as one dk_mtp_pass, so the same
  * bits. -1: out of memory, -3: an id out of range, -4: the layer has entries or compressors, -5: a position outside
- * [0, P). */
+ * [P0, P0 + P) or a row outside [0, B). */
 int dk_mtp_draft(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, const float *x, const int64_t *ids,
-                 int64_t B, const float *tcs, const float *tsn, int64_t P, const int64_t *slots, const int64_t *pos,
+                 int64_t B, const float *tcs, const float *tsn, int64_t P0, int64_t P, const int64_t *slots, const int64_t *pos,
                  const int64_t *rows, int64_t R, int64_t K, int64_t win, float *logits, int64_t *tokens, int nt) {
     if (L->C != 0 || L->pool != NULL) return -4;
     const int64_t nd = L->n * L->dim, half = L->rd / 2, V = hd->V, wl = L->wl, M = B + (K - 1) * R;
     for (int64_t b = 0; b < B; b++)
-        if (pos[b] < 0 || pos[b] >= P) return -5;
+        if (pos[b] < P0 || pos[b] - P0 >= P) return -5;
     for (int64_t r = 0; r < R; r++)
-        if (rows[r] < 0 || rows[r] >= B || pos[rows[r]] + K - 1 >= P) return -5;
+        if (rows[r] < 0 || rows[r] >= B || pos[rows[r]] + K - 1 - P0 >= P) return -5;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(B * nd + 2 * R * nd + 2 * M * half) + 64);
     int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * M + 2 * R) + 8);
     uint8_t *valid = (uint8_t *)malloc((size_t)(M * wl) + 8);
@@ -582,8 +582,8 @@ int dk_mtp_draft(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, cons
         for (int64_t j = 1; j < K; j++) at[B + (j - 1) * R + r] = pos[rows[r]] + j;
     }
     for (int64_t m = 0; m < M; m++) { /* the passes' RoPE rows: the catch-up's B, then each recursion pass's R */
-        memcpy(cs + m * half, tcs + at[m] * half, sizeof(float) * (size_t)half);
-        memcpy(sn + m * half, tsn + at[m] * half, sizeof(float) * (size_t)half);
+        memcpy(cs + m * half, tcs + (at[m] - P0) * half, sizeof(float) * (size_t)half);
+        memcpy(sn + m * half, tsn + (at[m] - P0) * half, sizeof(float) * (size_t)half);
     }
     ring_index(at, M, wl, win, ring, valid);
     int rc = dk_mtp_pass(L, in, hd, x, ids, streams, B, cs, sn, slots, ring, valid, NULL, 0, 0, NULL, NULL, NULL, rows,

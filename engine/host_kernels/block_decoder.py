@@ -27,6 +27,8 @@ _NO_BLOCK = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64
 
 _NO_TABLES = torch.zeros(1, 1, dtype=torch.int64)  # `ring_layer`: no compressed entry, no block table read
 
+ROPE_ROWS = 1 << 16  # positions the drafting's RoPE table holds at most (rd/2 = 32: 16 MB for cos and sin)
+
 
 def _none() -> None:
     return None
@@ -213,17 +215,20 @@ class HostBlockDecoder:
             rows.append(len(pos) - 1)
         inp, head = self._mtp_input_pack(model, blk), self._lm_head_pack(model, blk, blk.norm)
         return mtp_draft(self._layer_pack(blk, lc), inp, head, x, next_ids, pos, slots, rows, k,
-                         self._rope_table(attn.rope, max(pos) + k), attn.win)
+                         self._rope_rows(attn.rope, min(pos), max(pos) + k), attn.win)
 
-    def _rope_table(self, rope: Any, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope.cos_sin` of positions 0..P-1 (P >= upto: grown by doubling), kept per Rope (made again if its
-        inv_freq buffer is another tensor): the one-call drafting reads its rows (an element's cos / sin do not depend
-        on the call's shape: a test), not a call a step."""
+    def _rope_rows(self, rope: Any, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cos, sin, p0): `rope.cos_sin` of positions p0, p0 + 1, ... covering [lo, hi), the rows the one-call
+        drafting reads (an element's cos / sin do not depend on the call's shape: a test). Up to `ROPE_ROWS`
+        positions a table from 0 kept per Rope (grown by doubling; made again if its inv_freq buffer is another
+        tensor): no call a step; past that, [lo, hi) itself, one call (the table stays bounded at long contexts)."""
+        if hi > ROPE_ROWS:
+            return (*rope.cos_sin(torch.arange(lo, hi)), lo)
         tab = self._ropes.get(rope)
-        if tab is None or tab[0].shape[0] < upto or tab[2] is not rope.inv_freq:
-            size = max(256, 1 << (upto - 1).bit_length(), 2 * tab[0].shape[0] if tab is not None else 0)
+        if tab is None or tab[0].shape[0] < hi or tab[2] is not rope.inv_freq:
+            size = min(max(256, 1 << (hi - 1).bit_length(), 2 * tab[0].shape[0] if tab is not None else 0), ROPE_ROWS)
             tab = self._ropes[rope] = (*rope.cos_sin(torch.arange(size)), rope.inv_freq)
-        return tab[0], tab[1]
+        return tab[0], tab[1], 0
 
     # -- what the sites read from the modules --------------------------------------------------------------------
     def _moe_inputs(self, moe: Any) -> tuple[tuple, tuple]:

@@ -338,7 +338,7 @@ class HostLibrary:
         lib.dk_mtp_input.argtypes = [p, p, p, i32, i64, p, p, f32, i32, p, p, i32, p, p, p, i64, i64, i64, i32]
         lib.dk_lm_head.argtypes = [p, i64, i64, i64, p, p, p, f32, f32, p, i32, p, p, i64, p, i32]
         lib.dk_mtp_pass.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, p, i64, p, p, i32]
-        lib.dk_mtp_draft.argtypes = [p, p, p, p, p, i64, p, p, i64, p, p, p, i64, i64, i64, p, p, i32]
+        lib.dk_mtp_draft.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, p, p, p, i64, i64, i64, p, p, i32]
         lib.dk_layer_layout.argtypes = [p, i64]
         lib.dk_layer_layout.restype = ctypes.c_int64
         lib.dk_ffn_site.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, p, i64, p, p, i64, f32, i64, f32, i64,

@@ -139,20 +139,20 @@ def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Ten
 
 
 def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, pos: list[int],
-              slots: list[int], rows: list[int], k: int, tables: tuple[torch.Tensor, torch.Tensor],
+              slots: list[int], rows: list[int], k: int, tables: tuple[torch.Tensor, torch.Tensor, int],
               win: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """attn.c `dk_mtp_draft`: k greedy drafts of a sliding-only MTP block (no entries, no compressor; one rank) in
     one call - the catch-up's `mtp_pass` over x [B, n, dim], ids [B] at positions `pos` of `slots` (B each), then
     k - 1 passes over its R rows `rows` (each sequence's last) at positions pos[rows] + 1 .. + k - 1, each fed the
-    previous pass's streams and tokens; RoPE rows read from `tables` (cos, sin [P, rd/2]: the block's Rope over
-    positions 0..P-1), ring rows and masks made from the positions (`win`: the attention's window). -> (logits
+    previous pass's streams and tokens; RoPE rows read from `tables` (cos, sin [P, rd/2], p0: the block's Rope
+    over positions p0..p0+P-1), ring rows and masks made from the positions (`win`: the attention's window). -> (logits
     [k, R, V], tokens [k, R]), or None where an argument does not fit (nothing counted, no state written)."""
     a, ia, ha = layer.args, inp.args, head.args
     b, r = len(pos), len(rows)
     if a is None or ia is None or ha is None or a.layer.pool or a.n_comp or k < 1 or b != len(slots) \
             or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or not hash_ids_fit(a, None, b):
         return None
-    cos, sin = tables
+    cos, sin, p0 = tables
     if not packs.rows_ok(x, (b, a.n, a.dim), min(native.max_m(key) for key in a.limit_keys)) \
             or b * a.n > min(native.max_m(key) for key in ia.limit_keys) \
             or not 0 < r <= min(native.max_m(key) for key in ha.limit_keys) \
@@ -167,9 +167,10 @@ def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Te
     step = ctypes.sizeof(ctypes.c_int64)
     rc = native._native().lib.dk_mtp_draft(
         a.ref, ctypes.byref(ia.struct), ctypes.byref(ha.struct), x.data_ptr(), ids.data_ptr(), b, cos.data_ptr(),
-        sin.data_ptr(), cos.shape[0], ctypes.addressof(at) + step * b, ctypes.addressof(at), ctypes.addressof(at)
+        sin.data_ptr(), p0, cos.shape[0], ctypes.addressof(at) + step * b, ctypes.addressof(at), ctypes.addressof(at)
         + step * 2 * b, r, k, win, logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
     if rc == -5:
-        raise IndexError(f"mtp_draft: a position or row outside the RoPE table [0, {cos.shape[0]}) / the {b} rows")
+        raise IndexError(f"mtp_draft: a position outside the RoPE table's [{p0}, {p0 + cos.shape[0]}) or a row "
+                         f"outside the {b} rows")
     native.check_rc(rc, "mtp_draft", x, IndexError(f"mtp_input: a token id outside [0, {ia.vocab})"))
     return logits, tokens

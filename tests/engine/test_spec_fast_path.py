@@ -213,31 +213,40 @@ def test_rope_tables_of_positions_at_once_are_each_parts_own(compressed: bool) -
 
 
 @pytest.mark.parametrize("compressed", [False, True])
-def test_the_drafting_rope_table_rows_are_each_positions_own(compressed: bool) -> None:
-    """The host decoder's RoPE table (`_rope_table`: `cos_sin` of positions 0..P-1, which the one-call MTP drafting
-    reads rows of) holds at row p what `cos_sin` of p alone gives, bit for bit, across a growth; it is made again
-    for a Rope whose inv_freq is another tensor."""
+def test_the_drafting_rope_rows_are_each_positions_own(compressed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host decoder's RoPE rows for the one-call MTP drafting (`_rope_rows`: a table of `cos_sin` from position
+    0, kept and grown by doubling up to ROPE_ROWS positions, past that the positions asked for) hold at row p - p0
+    what `cos_sin` of p alone gives, bit for bit; the table is made again for a Rope whose inv_freq is another
+    tensor."""
     from engine.config import ModelConfig
-    from engine.host_kernels.block_decoder import HostBlockDecoder
+    from engine.host_kernels import block_decoder
     from engine.model.layers import Rope
 
-    rope, dec = Rope(ModelConfig.from_json(TINY_SPEC), compressed), HostBlockDecoder()
-    cos, sin = dec._rope_table(rope, 3)
-    assert cos.shape == sin.shape == (256, rope.inv_freq.shape[0])
-    assert dec._rope_table(rope, 256)[0] is cos  # kept
-    cos, sin = dec._rope_table(rope, 1000)  # grown: a power of two
-    assert cos.shape[0] == 1024
-    for p in (0, 1, 17, 255, 256, 999, 1023):
-        ref_cos, ref_sin = rope.cos_sin(torch.tensor([p]))
-        assert torch.equal(cos[p:p + 1], ref_cos) and torch.equal(sin[p:p + 1], ref_sin), p
+    monkeypatch.setattr(block_decoder, "ROPE_ROWS", 1024)
+    rope, dec = Rope(ModelConfig.from_json(TINY_SPEC), compressed), block_decoder.HostBlockDecoder()
+
+    def check(lo: int, hi: int) -> tuple[torch.Tensor, int]:
+        cos, sin, p0 = dec._rope_rows(rope, lo, hi)
+        assert p0 <= lo and hi <= p0 + cos.shape[0] and cos.shape == sin.shape == (cos.shape[0], rope.inv_freq.shape[0])
+        for p in sorted({lo, (lo + hi) // 2, hi - 1}):
+            ref_cos, ref_sin = rope.cos_sin(torch.tensor([p]))
+            assert torch.equal(cos[p - p0:p - p0 + 1], ref_cos) and torch.equal(sin[p - p0:p - p0 + 1], ref_sin), p
+        return cos, p0
+
+    cos, p0 = check(0, 3)
+    assert (cos.shape[0], p0) == (256, 0) and check(250, 256)[0] is cos  # kept
+    assert check(900, 1000)[0].shape[0] == 1024  # grown to a power of two, at most ROPE_ROWS
+    assert check(1020, 1025)[1] == 1020  # past it: the positions themselves, no table kept
+    assert dec._rope_rows(rope, 0, 3)[0].shape[0] == 1024
     rope.inv_freq = rope.inv_freq * 2  # another tensor: the table is another one
-    again = dec._rope_table(rope, 3)[0]
-    assert torch.equal(again[5:6], rope.cos_sin(torch.tensor([5]))[0]) and not torch.equal(again[5], cos[5])
+    again = check(0, 3)[0]
+    assert not torch.equal(again[5], cos[5])
 
 
 def test_one_call_drafting_refuses_a_position_past_its_rope_table() -> None:
     """`mtp_draft` (layer_ops.py) reads RoPE rows at the catch-up's positions and k - 1 past each sequence's last: a
-    table too short for them is an IndexError naming it, not a read past its end."""
+    table that does not cover them (below its first position or past its last) is an IndexError naming it, not a
+    read outside it."""
     from engine.host_kernels.layer_ops import mtp_draft
 
     eng = engine.build(EngineConfig.from_model_dir(TINY_SPEC, kernels="host", speculative="mtp",
@@ -246,13 +255,14 @@ def test_one_call_drafting_refuses_a_position_past_its_rope_table() -> None:
     blk, lc = m.mtp[0], eng.runner.cache.layers[m.mtp[0].layer_id]
     packs = (dec._layer_pack(blk, lc), dec._mtp_input_pack(m, blk), dec._lm_head_pack(m, blk, blk.norm))
     x = torch.randn(1, m.cfg.hc_mult, m.cfg.dim)
-    cos, sin = dec._rope_table(blk.attn.rope, 8)
-    short = (cos[:9].contiguous(), sin[:9].contiguous())
+    cos, sin, _ = dec._rope_rows(blk.attn.rope, 0, 16)
+    window = (cos[4:9].contiguous(), sin[4:9].contiguous(), 4)  # positions 4..8
     ids = torch.tensor([5])
-    took = mtp_draft(*packs, x, ids, [6], [0], [0], 3, short, blk.attn.win)  # positions 6..8
+    took = mtp_draft(*packs, x, ids, [6], [0], [0], 3, window, blk.attn.win)  # positions 6..8
     if not all(H.max_m(k) >= m.cfg.hc_mult for k in ("mhc", "linear", "fp8", "fp4", "sparse_attn")):
         assert took is None  # the portable build's row limits (0 / 1): the sites decline, nothing is read
         return
     assert took is not None and took[1].shape == (3, 1)
-    with pytest.raises(IndexError, match="RoPE table"):
-        mtp_draft(*packs, x, ids, [7], [0], [0], 3, short, blk.attn.win)  # 9 is past it
+    for at in (7, 3):  # 9 is past the table, 3 before it
+        with pytest.raises(IndexError, match="RoPE table"):
+            mtp_draft(*packs, x, ids, [at], [0], [0], 3, window, blk.attn.win)
