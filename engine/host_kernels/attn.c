@@ -557,8 +557,9 @@ static void ring_index(const int64_t *pos, int64_t B, int64_t wl, int64_t win, i
  * bits. -1: out of memory, -3: an id out of range, -4: the layer has entries or compressors, -5: a position outside
  * [P0, P0 + P) or a row outside [0, B). */
 int dk_mtp_draft(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, const float *x, const int64_t *ids,
-                 int64_t B, const float *tcs, const float *tsn, int64_t P0, int64_t P, const int64_t *slots, const int64_t *pos,
-                 const int64_t *rows, int64_t R, int64_t K, int64_t win, float *logits, int64_t *tokens, int nt) {
+                 int64_t B, const float *tcs, const float *tsn, int64_t P0, int64_t P, const int64_t *slots,
+                 const int64_t *pos, const int64_t *rows, int64_t R, int64_t K, int64_t win, float *logits,
+                 int64_t *tokens, int nt) {
     if (L->C != 0 || L->pool != NULL) return -4;
     const int64_t nd = L->n * L->dim, half = L->rd / 2, V = hd->V, wl = L->wl, M = B + (K - 1) * R;
     for (int64_t b = 0; b < B; b++)
