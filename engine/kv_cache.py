@@ -221,14 +221,20 @@ class BlockManager:
         `spare`: the rings keep that many positions past a boundary), or None (no such boundary, its block is not
         cached, or a snapshot of it exists). Taking one evicts the least recently used snapshot when all are in
         use."""
-        if not self.prefix_caching:
+        if not self.may_snapshot(seq, start, spare):
             return None
-        end = seq.num_computed_tokens
-        k = end // self.block_size
-        if k == 0 or k * self.block_size <= start or end - k * self.block_size > spare or seq.num_cached_blocks < k:
+        k = seq.num_computed_tokens // self.block_size
+        if seq.num_cached_blocks < k:
             return None
         key = self.block_hashes(seq, k)[k - 1]
         return self._new_snapshot(seq, k) if key in self._cached else None
+
+    def may_snapshot(self, seq: Sequence, start: int, spare: int = 0) -> bool:
+        """Whether `snapshot_for` could save the slot state after this step (a block boundary P in (start, end] with
+        end - P <= `spare`): it reads nothing of the cache, so it may be asked before the step's drafts are made."""
+        end = seq.num_computed_tokens
+        k = end // self.block_size
+        return self.prefix_caching and k > 0 and k * self.block_size > start and end - k * self.block_size <= spare
 
     def reserve_snapshot(self, seq: Sequence, p_end: int) -> int | None:
         """Before a prefill chunk of `seq` passes block boundary `p_end` (<= its token count): the snapshot the chunk

@@ -335,7 +335,7 @@ class LLMEngine:
             for seq, _ in batch.entries:
                 seq.draft_token_ids = []
             return
-        requests = []
+        requests, bm = [], self.scheduler.block_manager
         for i, (seq, _) in enumerate(batch.entries):
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens <= starts[i]:
                 continue
@@ -343,6 +343,11 @@ class LLMEngine:
             end = starts[i] + n_final
             room = min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                        self.config.cache.max_model_len - seq.num_tokens) if decoding[i] else 0
+            if decoding[i] and room <= 0 and not bm.may_snapshot(seq, starts[i], self.config.spare_positions):
+                # its next token is its last (length): no later draft reads what a catch-up would write, and no
+                # prefix snapshot keeps it
+                seq.draft_token_ids = []
+                continue
             drafts = (on and one in (None, seq.seq_id)) or not seq.sampling_params.greedy
             defer = decoding[i] and not drafts and self._defers
             requests.append(DraftRequest(entry=i, slot=seq.slot, start=starts[i], n=n_final,

@@ -70,3 +70,21 @@ def test_running_blocks_are_never_evicted() -> None:
     assert not bm.can_allocate(other, 8)  # only 1 free block: a's cached blocks are not evictable while it runs
     bm.allocate(other, 4)
     assert a.block_table and bm.num_cached_blocks == 2
+
+
+def test_may_snapshot_is_where_a_step_passed_a_boundary_the_slot_still_holds() -> None:
+    """`may_snapshot` (asked before a step's drafts are made, reading nothing cached): True exactly where the step
+    from `start` to `end` passed a block boundary P with end - P <= spare - where `snapshot_for` may take one -
+    and never with prefix caching off."""
+    bm, off = BlockManager(8, 4, 2, enable_prefix_caching=True, num_snapshots=2), BlockManager(8, 4, 2)
+    a = _seq("a", list(range(1, 12)))
+    seen = set()
+    for end in range(1, 11):
+        a.num_computed_tokens = end
+        for start in range(end):
+            for spare in (0, 2):
+                p = end // 4 * 4
+                want = 0 < p and start < p and end - p <= spare
+                assert bm.may_snapshot(a, start, spare) is want and off.may_snapshot(a, start, spare) is False
+                seen.add(want)
+    assert seen == {False, True}

@@ -95,6 +95,33 @@ def test_a_put_off_catch_up_writes_the_catch_ups_ring_rows() -> None:
     assert torch.equal(lc.win_kv[seq.slot, last], caught) and caught.abs().sum() > 0
 
 
+@pytest.mark.parametrize("method, caching", [("mtp", False), ("mtp", True), ("dspark", False)])  # DSpark: no caching
+def test_a_sequences_last_token_runs_no_draft_head_unless_a_prefix_snapshot_keeps_it(method: str,
+                                                                                       caching: bool) -> None:
+    """After a step that leaves a sequence one token to go (max_tokens), no later draft reads what its draft head
+    would write, so the head does not run for it (here: max_tokens 2, after the prefill); unless the step ended on a
+    cached block boundary, where the slot state - the draft ring with it - is saved as a prefix snapshot. The tokens
+    are the plain engine's either way."""
+    model = TINY_SPEC if method == "mtp" else TINY_SPEC.with_name("tiny-spec-dspark")
+    plain = engine.build(EngineConfig.from_model_dir(model, kernels="host", max_num_seqs=2,
+                                                     enable_prefix_caching=False))
+    eng = engine.build(EngineConfig.from_model_dir(model, kernels="host", max_num_seqs=2, speculative=method,
+                                                   num_speculative_tokens=2 if method == "mtp" else None,
+                                                   enable_prefix_caching=caching))
+    bs = eng.config.cache.block_size
+    prompt = list(range(3, 3 + 2 * bs))  # the prefill ends on a block boundary
+    calls, real = [], eng.runner.draft
+
+    def draft(requests):
+        calls.append([(r.start, r.n, r.want) for r in requests])
+        return real(requests)
+
+    eng.runner.draft = draft
+    outs, _ = greedy_with_logits(eng, [prompt], 2)
+    assert outs == greedy_with_logits(plain, [prompt], 2)[0]
+    assert calls == ([[(0, 2 * bs, 0)]] if caching else [])  # the catch-up over the prompt, then nothing
+
+
 @pytest.mark.parametrize("method", ["mtp", "dspark"])
 def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     """The policy off for three steps, on for one, over and over: the catch-ups (MTP) / context writes (DSpark) put
