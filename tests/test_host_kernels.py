@@ -650,6 +650,43 @@ def test_thread_count_follows_torch_and_does_not_change_results(lib: H.HostLibra
         torch.set_num_threads(before)
 
 
+def test_every_parallel_kernel_gives_one_threads_bits_on_two(lib: H.HostLibrary) -> None:
+    """The kernels with a parallel region (gemv.c's GEMVs at one row and at a few; mhc.c's mHC ops, rms_norm and
+    sparse_attn) run it on two threads above their size thresholds, and below them - or on one thread - on the
+    calling thread outside any region (dk.h DK_PARALLEL): the same bits either way."""
+    g = torch.Generator().manual_seed(21)
+    x, fn, scale, base = _mhc_inputs(64, 4, 512, g)  # above every mHC op's threshold
+    w, post, comb = torch.randn(512, generator=g), torch.rand(64, 4, generator=g), torch.rand(64, 4, 4, generator=g)
+    wide = torch.randn(256, 512, generator=g)
+    q, kv = torch.randn(8, 1, 8, 128, generator=g), torch.randn(8, 64, 128, generator=g)
+    valid, sink = torch.rand(8, 1, 64, generator=g) < 0.7, torch.randn(8, generator=g)
+    w8, s8 = _fp8(1024, 512, g)
+    p4, s4 = _fp4(1024, 512, g)
+    wb = torch.randn(1024, 512, generator=g).bfloat16()
+    rows = torch.randn(3, 512, generator=g)
+
+    def every() -> list[torch.Tensor]:
+        out = [*H.hc_mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6), H.rms_norm(wide, w, 1e-6),
+               H.hc_collapse(x, post), H.hc_expand(x[:, 0], x, post, comb),
+               H.sparse_attn(q, kv, valid, sink, 0.125), H.hc_mixes(x[:1], fn, scale, base, 4, 20, 1e-6, 1e-6)[0]]
+        for m in (1, 2, 3):  # run1_fp8 / runm_fp8, and the generic items (FP4 and bf16)
+            out += [H.fp8_linear(rows[:m], w8, s8), H.fp4_linear(rows[:m], p4, s4), H.linear(rows[:m], wb)]
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got[t] = every()
+            assert lib.last_threads() == (t if lib.parallel else 1)
+            H.fp8_linear(rows[:1, :128], w8[:8, :128], s8[:1, :1])  # below the GEMV threshold: no region
+            assert lib.last_threads() == 1
+        assert all(torch.equal(a, b) for a, b in zip(got[1], got[2], strict=True))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_custom_ops_trace_without_graph_breaks(lib: H.HostLibrary) -> None:
     g = torch.Generator().manual_seed(9)
     w8, s8 = _fp8(64, 128, g)

@@ -11,6 +11,20 @@ int omp_get_thread_num(void);
 int omp_get_num_threads(void);
 int omp_get_max_threads(void);
 
+/* `call` (a function whose loops are orphaned `omp for`s, which outside any region run on the calling thread) in a
+ * parallel region of `nt` threads where `par` and nt > 1, else on the calling thread outside any region: libgomp makes
+ * a team even for a region its `if` clause keeps to one thread (a malloc, and a barrier that ends in a futex wake), and
+ * that costs more than some of a decode step's one-row calls, which make dozens of regions a step. */
+#define DK_PARALLEL(par, nt, call)                                                                                     \
+    do {                                                                                                               \
+        const int dk_team_ = (nt);                                                                                     \
+        if ((par) && dk_team_ > 1) {                                                                                   \
+            _Pragma("omp parallel num_threads(dk_team_)") call;                                                        \
+        } else {                                                                                                       \
+            call;                                                                                                      \
+        }                                                                                                              \
+    } while (0)
+
 int dk_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int nthreads);
 int dk_fp8_linear(const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N, int64_t K,
                   int nthreads);

@@ -461,37 +461,40 @@ static void rows_fp4dw(const float *xp, int64_t M, int64_t kp, const uint8_t *w,
  * used unscaled on tile_fp8x2: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a
  * multiply per decoded vector; a row whose block is not exact (or without memory for the copies) on the one-row tile
  * with the scaled decode, which sums in the same order. Returns 0 (needs no memory it cannot do without). */
+/* run1_fp8's items (a parallel region's share of them, or all): rows i and i + half */
+static void run1_fp8_items(const float *xp, int64_t kp, const uint8_t *w, const uint8_t *s, int64_t K, float *y,
+                           int64_t N, int emin, int emax) {
+    const int64_t kb = (K + 127) / 128, half = (N + 1) / 2;
+    if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+    float *xs = (float *)aligned_alloc(64, (size_t)(2 * kp) * sizeof(float));
+    int64_t cur[2] = {-1, -1};
+    int exact[2] = {0, 0};
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < half; i++) {
+        const int cnt = i + half < N ? 2 : 1;
+        const int64_t nr[2] = {i, i + half};
+        for (int r = 0; r < cnt && xs != NULL; r++)
+            if (nr[r] >> 7 != cur[r])
+                cur[r] = nr[r] >> 7,
+                exact[r] = fp8_prescale(xp, xs + r * kp, 1, kp, K, s + cur[r] * kb, 127, emin, emax);
+        if (cnt == 2 && exact[0] && exact[1]) {
+            tile_fp8x2(xs, xs + kp, w + nr[0] * K, w + nr[1] * K, K, y + nr[0], y + nr[1]);
+            continue;
+        }
+        for (int r = 0; r < cnt; r++)
+            if (exact[r])
+                rows_fmt(FMT_FP8X, xs + r * kp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
+            else
+                rows_fmt(FMT_FP8, xp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
+    }
+    free(xs);
+}
+
 static __attribute__((noinline)) int run1_fp8(const float *xp, int64_t kp, const uint8_t *w, const uint8_t *s,
                                               int64_t K, float *y, int64_t N, int nthreads, int par) {
-    const int64_t kb = (K + 127) / 128, half = (N + 1) / 2;
     int emin = 0, emax = 0;
     exp_range(xp, kp, &emin, &emax);
-#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
-    {
-        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-        float *xs = (float *)aligned_alloc(64, (size_t)(2 * kp) * sizeof(float));
-        int64_t cur[2] = {-1, -1};
-        int exact[2] = {0, 0};
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < half; i++) {
-            const int cnt = i + half < N ? 2 : 1;
-            const int64_t nr[2] = {i, i + half};
-            for (int r = 0; r < cnt && xs != NULL; r++)
-                if (nr[r] >> 7 != cur[r])
-                    cur[r] = nr[r] >> 7,
-                    exact[r] = fp8_prescale(xp, xs + r * kp, 1, kp, K, s + cur[r] * kb, 127, emin, emax);
-            if (cnt == 2 && exact[0] && exact[1]) {
-                tile_fp8x2(xs, xs + kp, w + nr[0] * K, w + nr[1] * K, K, y + nr[0], y + nr[1]);
-                continue;
-            }
-            for (int r = 0; r < cnt; r++)
-                if (exact[r])
-                    rows_fmt(FMT_FP8X, xs + r * kp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
-                else
-                    rows_fmt(FMT_FP8, xp, 1, kp, w, s, K, y, N, nr[r], 0, 1);
-        }
-        free(xs);
-    }
+    DK_PARALLEL(par, nthreads, run1_fp8_items(xp, kp, w, s, K, y, N, emin, emax));
     return 0;
 }
 #endif
@@ -504,30 +507,33 @@ static __attribute__((noinline)) int run1_fp8(const float *xp, int64_t kp, const
  * same number either way (the same products, summed in the tile's order). Zen 4, one thread, cold, paired medians
  * of 5 runs of a C harness against the rows n, n + N/2 tiles with the scaled decode: 0.89-0.91x the time at 2 x rows
  * (1024 x 1024, 4096 x 1024, 512 x 1024), 0.91x at 3, 0.92x at 4, 0.92-0.95x at 8. Returns 0. */
+/* runm_fp8's items (a parallel region's share of them, or all): the 128-row scale blocks */
+static void runm_fp8_items(const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s, int64_t K,
+                           float *y, int64_t N, int emin, int emax) {
+    const int64_t kb = (K + 127) / 128, nblk = (N + 127) / 128;
+    if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+    float *xs = (float *)aligned_alloc(64, (size_t)(M * kp) * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t r0 = blk * 128, rows = N - r0 < 128 ? N - r0 : 128, half = (rows + 1) / 2;
+        const int exact = xs != NULL && fp8_prescale(xp, xs, M, kp, K, s + blk * kb, 127, emin, emax);
+        for (int64_t i = 0; i < half; i++) {
+            const int cnt = i + half < rows ? NT_TILE : 1;
+            if (exact)
+                rows_fmt(FMT_FP8X, xs, M, kp, w, s, K, y, N, r0 + i, half, cnt);
+            else
+                rows_fmt(FMT_FP8, xp, M, kp, w, s, K, y, N, r0 + i, half, cnt);
+        }
+    }
+    free(xs);
+}
+
 static __attribute__((noinline)) int runm_fp8(const float *xp, int64_t M, int64_t kp, const uint8_t *w,
                                               const uint8_t *s, int64_t K, float *y, int64_t N, int nthreads,
                                               int par) {
-    const int64_t kb = (K + 127) / 128, nblk = (N + 127) / 128;
     int emin = 0, emax = 0;
     exp_range(xp, M * kp, &emin, &emax);
-#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
-    {
-        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-        float *xs = (float *)aligned_alloc(64, (size_t)(M * kp) * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < nblk; blk++) {
-            const int64_t r0 = blk * 128, rows = N - r0 < 128 ? N - r0 : 128, half = (rows + 1) / 2;
-            const int exact = xs != NULL && fp8_prescale(xp, xs, M, kp, K, s + blk * kb, 127, emin, emax);
-            for (int64_t i = 0; i < half; i++) {
-                const int cnt = i + half < rows ? NT_TILE : 1;
-                if (exact)
-                    rows_fmt(FMT_FP8X, xs, M, kp, w, s, K, y, N, r0 + i, half, cnt);
-                else
-                    rows_fmt(FMT_FP8, xp, M, kp, w, s, K, y, N, r0 + i, half, cnt);
-            }
-        }
-        free(xs);
-    }
+    DK_PARALLEL(par, nthreads, runm_fp8_items(xp, M, kp, w, s, K, y, N, emin, emax));
     return 0;
 }
 #endif
@@ -546,6 +552,30 @@ int dk_fp8_decode(int want) {
 
 /* An FMA with a subnormal input against one with normal inputs, time ratio, as the choice measured (0: not run) */
 double dk_subnormal_cost(void) { return subnormal_cost; }
+
+#if !defined(DK_AVX2)
+/* run's items (a parallel region's share of them, or all): weight rows i and i + half (nt == NT_TILE; one row for
+ * the last item where N is odd), or row i */
+static void run_items(const int fmt, const int dw, const float *xp, int64_t M, int64_t kp, const uint8_t *w,
+                      const uint8_t *s, int64_t K, float *y, int64_t N, const int nt) {
+    const int64_t half = (N + nt - 1) / nt, items = half;
+    if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) {
+        const int cnt = (nt == NT_TILE && i + half >= N) ? 1 : nt;
+        if (fmt == FMT_BF16)
+            rows_fmt(FMT_BF16, xp, M, kp, w, s, K, y, N, i, half, cnt);
+        else if (fmt == FMT_FP8)
+            rows_fmt(FMT_FP8, xp, M, kp, w, s, K, y, N, i, half, cnt);
+#if defined(DK_AVX512)
+        else if (dw)
+            rows_fp4dw(xp, M, kp, w, s, K, y, N, i, half, cnt);
+#endif
+        else
+            rows_fmt(FMT_FP4, xp, M, kp, w, s, K, y, N, i, half, cnt);
+    }
+}
+#endif
 
 static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s, float *y, int64_t M, int64_t N,
                int64_t K, int nthreads) {
@@ -592,25 +622,7 @@ static int run(const int fmt, const float *x, const uint8_t *w, const uint8_t *s
 #else
     const int nt = M == 1 ? 1 : NT_TILE;
 #endif
-    const int64_t half = (N + nt - 1) / nt, items = half;
-#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (par)
-    {
-        if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < items; i++) {
-            const int cnt = (nt == NT_TILE && i + half >= N) ? 1 : nt;
-            if (fmt == FMT_BF16)
-                rows_fmt(FMT_BF16, xp, M, kp, w, s, K, y, N, i, half, cnt);
-            else if (fmt == FMT_FP8)
-                rows_fmt(FMT_FP8, xp, M, kp, w, s, K, y, N, i, half, cnt);
-#if defined(DK_AVX512)
-            else if (dw)
-                rows_fp4dw(xp, M, kp, w, s, K, y, N, i, half, cnt);
-#endif
-            else
-                rows_fmt(FMT_FP4, xp, M, kp, w, s, K, y, N, i, half, cnt);
-        }
-    }
+    DK_PARALLEL(par, nthreads, run_items(fmt, dw, xp, M, kp, w, s, K, y, N, nt));
     free(xp);
     return 0;
 #endif

@@ -158,12 +158,11 @@ static void mixes_finish(const float *mix, const float *scale, const float *base
     }
 }
 
-int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float *base, float *pre, float *post,
-                float *comb, int64_t T, int64_t n, int64_t D, int64_t iters, float hc_eps, float norm_eps,
-                int nthreads) {
-    if (n <= 0 || n > 16) return -2;
-    const int64_t K = n * D, M = (2 + n) * n, tiles = (T + HC_TILE - 1) / HC_TILE;
-#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * M * K >= PAR_MIN)
+static void hc_mixes_tiles(const float *x, const float *fn, const float *scale, const float *base, float *pre,
+                           float *post, float *comb, int64_t T, int64_t n, int64_t K, int64_t M, int64_t iters,
+                           float hc_eps, float norm_eps) {
+    const int64_t tiles = (T + HC_TILE - 1) / HC_TILE;
+#pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t t0 = tile * HC_TILE, tt = T - t0 < HC_TILE ? T - t0 : HC_TILE;
         float mixes[HC_TILE][(2 + 16) * 16], r[HC_TILE];
@@ -172,11 +171,20 @@ int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float
         for (int64_t t = t0; t < t0 + tt; t++)
             mixes_finish(mixes[t - t0], scale, base, pre + t * n, post + t * n, comb + t * n * n, n, iters, hc_eps);
     }
+}
+
+int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float *base, float *pre, float *post,
+                float *comb, int64_t T, int64_t n, int64_t D, int64_t iters, float hc_eps, float norm_eps,
+                int nthreads) {
+    if (n <= 0 || n > 16) return -2;
+    const int64_t K = n * D, M = (2 + n) * n;
+    DK_PARALLEL(T * M * K >= PAR_MIN, nthreads,
+                hc_mixes_tiles(x, fn, scale, base, pre, post, comb, T, n, K, M, iters, hc_eps, norm_eps));
     return 0;
 }
 
-int dk_rms_norm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * D >= PAR_MIN)
+static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * D;
         float *yr = y + t * D;
@@ -186,11 +194,15 @@ int dk_rms_norm(const float *x, const float *w, float *y, int64_t T, int64_t D, 
         else
             for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * r;
     }
+}
+
+int dk_rms_norm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps, int nthreads) {
+    DK_PARALLEL(T * D >= PAR_MIN, nthreads, rms_rows(x, w, y, T, D, eps));
     return 0;
 }
 
-int dk_hc_collapse(const float *x, const float *pre, float *y, int64_t T, int64_t n, int64_t D, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * n * D >= PAR_MIN)
+static void collapse_rows(const float *x, const float *pre, float *y, int64_t T, int64_t n, int64_t D) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *yr = y + t * D;
         const float *xt = x + t * n * D, *p = pre + t * n;
@@ -198,6 +210,10 @@ int dk_hc_collapse(const float *x, const float *pre, float *y, int64_t T, int64_
         for (int64_t j = 1; j < n; j++)
             for (int64_t d = 0; d < D; d++) yr[d] += p[j] * xt[j * D + d];
     }
+}
+
+int dk_hc_collapse(const float *x, const float *pre, float *y, int64_t T, int64_t n, int64_t D, int nthreads) {
+    DK_PARALLEL(T * n * D >= PAR_MIN, nthreads, collapse_rows(x, pre, y, T, n, D));
     return 0;
 }
 
@@ -212,9 +228,9 @@ int dk_hc_pre(const float *x, const float *fn, const float *scale, const float *
     return rc;
 }
 
-int dk_hc_expand(const float *y, const float *x, const float *post, const float *comb, float *out, int64_t T,
-                 int64_t n, int64_t D, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * n * n * D >= PAR_MIN)
+static void expand_rows(const float *y, const float *x, const float *post, const float *comb, float *out, int64_t T,
+                        int64_t n, int64_t D) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *yr = y + t * D, *xt = x + t * n * D, *p = post + t * n, *c = comb + t * n * n;
         float *ot = out + t * n * D;
@@ -226,6 +242,11 @@ int dk_hc_expand(const float *y, const float *x, const float *post, const float 
             for (int64_t d = 0; d < D; d++) o[d] = p[k] * yr[d] + o[d];
         }
     }
+}
+
+int dk_hc_expand(const float *y, const float *x, const float *post, const float *comb, float *out, int64_t T,
+                 int64_t n, int64_t D, int nthreads) {
+    DK_PARALLEL(T * n * n * D >= PAR_MIN, nthreads, expand_rows(y, x, post, comb, out, T, n, D));
     return 0;
 }
 
@@ -409,6 +430,27 @@ static inline __attribute__((always_inline)) void attn_heads(const int G, const 
 /* ATTN_G for the caller, which sizes sparse_attn's scratch by it (HostLibrary.attn_heads) */
 int dk_attn_heads_per_pass(void) { return ATTN_G; }
 
+/* sparse_attn's (query row, head group) items, each thread with its own slice of the scratch */
+static void attn_rows(const float *q, const float *kv, const uint8_t *valid, const float *sink, float *o,
+                      float *scratch, int64_t B, int64_t T, int64_t H, int64_t N, int64_t D, float scale, int vec) {
+    const int64_t groups = (H + ATTN_G - 1) / ATTN_G;
+    float *buf = scratch + (int64_t)omp_get_thread_num() * 2 * ATTN_G * N;
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t bt = 0; bt < B * T; bt++)
+        for (int64_t hg = 0; hg < groups; hg++) {
+            const int64_t b = bt / T, h0 = hg * ATTN_G;
+            const float *qr = q + (bt * H + h0) * D, *keys = kv + b * N * D;
+            const uint8_t *ok = valid + bt * N;
+            float *out = o + (bt * H + h0) * D;
+            if (H - h0 >= ATTN_G)
+                attn_heads(ATTN_G, qr, keys, ok, sink + h0, out, buf, N, D, scale, vec);
+            else
+                for (int64_t h = h0; h < H; h++)
+                    attn_heads(1, q + (bt * H + h) * D, keys, ok, sink + h, o + (bt * H + h) * D, buf, N, D,
+                               scale, vec);
+        }
+}
+
 /* reference.sparse_attn: q [B, T, H, D] fp32, kv [B, N, D] fp32, valid [B, T, N] bytes (0/1), sink [H] fp32 ->
  * o [B, T, H, D] fp32 = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink_h)) over valid keys j, l_j = scale q.kv_j,
  * computed as the reference's partial + merge: m = max valid logit, p_j = exp(l_j - m), acc = sum p_j kv_j,
@@ -426,30 +468,12 @@ int dk_sparse_attn(const float *q, const float *kv, const uint8_t *valid, const 
     const int nt = nthreads > 0 ? nthreads : 1;
     if (scratch_n < (int64_t)nt * 2 * ATTN_G * N) return -2;
     const int par = nt > 1 && B * T * H * N * D >= PAR_MIN;
-    const int64_t groups = (H + ATTN_G - 1) / ATTN_G;
 #if defined(DK_ATTN_AVX2)
     const int vec = D % 8 == 0;
 #else
     const int vec = 0;
 #endif
-#pragma omp parallel num_threads(par ? nt : 1)
-    {
-        float *buf = scratch + (int64_t)omp_get_thread_num() * 2 * ATTN_G * N;
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t bt = 0; bt < B * T; bt++)
-            for (int64_t hg = 0; hg < groups; hg++) {
-                const int64_t b = bt / T, h0 = hg * ATTN_G;
-                const float *qr = q + (bt * H + h0) * D, *keys = kv + b * N * D;
-                const uint8_t *ok = valid + bt * N;
-                float *out = o + (bt * H + h0) * D;
-                if (H - h0 >= ATTN_G)
-                    attn_heads(ATTN_G, qr, keys, ok, sink + h0, out, buf, N, D, scale, vec);
-                else
-                    for (int64_t h = h0; h < H; h++)
-                        attn_heads(1, q + (bt * H + h) * D, keys, ok, sink + h, o + (bt * H + h) * D, buf, N, D,
-                                   scale, vec);
-            }
-    }
+    DK_PARALLEL(par, nt, attn_rows(q, kv, valid, sink, o, scratch, B, T, H, N, D, scale, vec));
     return 0;
 }
 
