@@ -456,11 +456,6 @@ static void rows_fp4dw(const float *xp, int64_t M, int64_t kp, const uint8_t *w,
 #endif
 
 #if defined(DK_AVX512)
-/* FP8, one x row (AVX-512): x pre-scaled per 128-row scale block where that is exact (fp8_prescale), one per-thread
- * copy for each of an item's two rows (rows n and n + half: they lie in different blocks), and the decoded values
- * used unscaled on tile_fp8x2: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a
- * multiply per decoded vector; a row whose block is not exact (or without memory for the copies) on the one-row tile
- * with the scaled decode, which sums in the same order. Returns 0 (needs no memory it cannot do without). */
 /* run1_fp8's items (a parallel region's share of them, or all): rows i and i + half */
 static void run1_fp8_items(const float *xp, int64_t kp, const uint8_t *w, const uint8_t *s, int64_t K, float *y,
                            int64_t N, int emin, int emax) {
@@ -490,6 +485,11 @@ static void run1_fp8_items(const float *xp, int64_t kp, const uint8_t *w, const 
     free(xs);
 }
 
+/* FP8, one x row (AVX-512): x pre-scaled per 128-row scale block where that is exact (fp8_prescale), one per-thread
+ * copy for each of an item's two rows (rows n and n + half: they lie in different blocks), and the decoded values
+ * used unscaled on tile_fp8x2: the same products (x * 2^(b-127)) * value = x * (value * 2^(b-127)), without a
+ * multiply per decoded vector; a row whose block is not exact (or without memory for the copies) on the one-row tile
+ * with the scaled decode, which sums in the same order. Returns 0 (needs no memory it cannot do without). */
 static __attribute__((noinline)) int run1_fp8(const float *xp, int64_t kp, const uint8_t *w, const uint8_t *s,
                                               int64_t K, float *y, int64_t N, int nthreads, int par) {
     int emin = 0, emax = 0;
@@ -500,13 +500,6 @@ static __attribute__((noinline)) int run1_fp8(const float *xp, int64_t kp, const
 #endif
 
 #if defined(DK_AVX512)
-/* FP8 at 2..MT_TILE x rows (AVX-512): each 128-row scale block in one pass, its rows paired within it (n and
- * n + half of the block's rows: two sequential streams, as at one row), x pre-scaled once per block where that is
- * exact (fp8_prescale, as run1_fp8) so the tiles decode the values unscaled (FMT_FP8X: no multiply per decoded
- * vector); a block where it is not exact (or without memory for the copy) on the scaled decode. Each output is the
- * same number either way (the same products, summed in the tile's order). Zen 4, one thread, cold, paired medians
- * of 5 runs of a C harness against the rows n, n + N/2 tiles with the scaled decode: 0.89-0.91x the time at 2 x rows
- * (1024 x 1024, 4096 x 1024, 512 x 1024), 0.91x at 3, 0.92x at 4, 0.92-0.95x at 8. Returns 0. */
 /* runm_fp8's items (a parallel region's share of them, or all): the 128-row scale blocks */
 static void runm_fp8_items(const float *xp, int64_t M, int64_t kp, const uint8_t *w, const uint8_t *s, int64_t K,
                            float *y, int64_t N, int emin, int emax) {
@@ -528,6 +521,13 @@ static void runm_fp8_items(const float *xp, int64_t M, int64_t kp, const uint8_t
     free(xs);
 }
 
+/* FP8 at 2..MT_TILE x rows (AVX-512): each 128-row scale block in one pass, its rows paired within it (n and
+ * n + half of the block's rows: two sequential streams, as at one row), x pre-scaled once per block where that is
+ * exact (fp8_prescale, as run1_fp8) so the tiles decode the values unscaled (FMT_FP8X: no multiply per decoded
+ * vector); a block where it is not exact (or without memory for the copy) on the scaled decode. Each output is the
+ * same number either way (the same products, summed in the tile's order). Zen 4, one thread, cold, paired medians
+ * of 5 runs of a C harness against the rows n, n + N/2 tiles with the scaled decode: 0.89-0.91x the time at 2 x rows
+ * (1024 x 1024, 4096 x 1024, 512 x 1024), 0.91x at 3, 0.92x at 4, 0.92-0.95x at 8. Returns 0. */
 static __attribute__((noinline)) int runm_fp8(const float *xp, int64_t M, int64_t kp, const uint8_t *w,
                                               const uint8_t *s, int64_t K, float *y, int64_t N, int nthreads,
                                               int par) {
