@@ -653,7 +653,7 @@ def test_thread_count_follows_torch_and_does_not_change_results(lib: H.HostLibra
 def test_every_parallel_kernel_gives_one_threads_bits_on_two(lib: H.HostLibrary) -> None:
     """The kernels with a parallel region (gemv.c's GEMVs at one row and at a few; mhc.c's mHC ops, rms_norm and
     sparse_attn) run it on two threads above their size thresholds, and below them - or on one thread - on the
-    calling thread outside any region (dk.h DK_PARALLEL): the same bits either way."""
+    calling thread outside any region (dk_omp.h DK_PARALLEL): the same bits either way."""
     g = torch.Generator().manual_seed(21)
     x, fn, scale, base = _mhc_inputs(64, 4, 512, g)  # above every mHC op's threshold
     w, post, comb = torch.randn(512, generator=g), torch.rand(64, 4, generator=g), torch.rand(64, 4, 4, generator=g)

@@ -50,7 +50,7 @@ import torch
 from engine.host_kernels.abi import layout_mismatch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "mhc.c", "moe.c", "attn.c", "dk.h",
-                                                          "gemv_avx512.h", "gemv_avx2.h"))
+                                                          "dk_omp.h", "gemv_avx512.h", "gemv_avx2.h"))
 COMPILED = tuple(src for src in SOURCES if src.suffix == ".c")  # one library; the headers are hashed, not compiled
 NAMES = ", ".join(src.name for src in COMPILED[:-1]) + f" and {COMPILED[-1].name}"  # "gemv.c, ... and attn.c"
 # -D_FORTIFY_SOURCE=3: what Ubuntu's gcc sets by default, set everywhere, so a build here is the build there (on a

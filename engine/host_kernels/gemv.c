@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "dk.h"
+#include "dk_omp.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include "dk.h"
+#include "dk_omp.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
