@@ -317,19 +317,24 @@ class LLMEngine:
         requests draft whatever the policy says: how many uniforms a step draws from their generator depends on
         whether it verifies, and their tokens must be a function of their seed, not of the machine's timing."""
         k = self.config.spec.num_speculative_tokens
-        decoding = [seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > starts[i]
-                    and seq.num_uncomputed_tokens == 1 for i, (seq, _) in enumerate(batch.entries)]
-        ids = [s.seq_id for (s, _), d in zip(batch.entries, decoding, strict=True) if d]
+        decoding, ids = [], []
+        held: list | None = []  # (entry, slot, position, next id) while every entry is a greedy one-token decode
+        for i, (seq, _) in enumerate(batch.entries):  # one pass: an off step's Python is most of what it costs
+            done = seq.num_computed_tokens
+            decoding.append(seq.status is SequenceStatus.RUNNING and done > starts[i] and seq.num_uncomputed_tokens == 1)
+            if decoding[-1]:
+                ids.append(seq.seq_id)
+                if held is not None and done == starts[i] + 1 and seq.sampling_params.greedy:
+                    held.append((i, seq.slot, starts[i], seq.all_token_ids[done]))
+                    continue
+            held = None
         on = self.spec_policy.speculate(len(ids), ids)
         # a probe of the acceptance drafts for one sequence: a verify step of B + k rows, not B * (k + 1)
         one = self.spec_policy.pick(ids) if on and self.spec_policy.probe_one and ids else None
-        if not on and self._defers and len(ids) == len(batch.entries) \
-                and all(seq.num_computed_tokens == starts[i] + 1 and seq.sampling_params.greedy
-                        for i, (seq, _) in enumerate(batch.entries)):
+        if not on and self._defers and held:
             # off, every entry a greedy one-token decode: each only keeps its final streams for a later resume
             t0 = self.spec_policy.clock()
-            self.runner.hold([(i, seq.slot, starts[i], seq.all_token_ids[starts[i] + 1])
-                              for i, (seq, _) in enumerate(batch.entries)])
+            self.runner.hold(held)
             if decode_only:
                 self.spec_policy.record("catch_up", len(batch.entries), self.spec_policy.clock() - t0)
             for seq, _ in batch.entries:

@@ -247,16 +247,15 @@ class ModelRunner:
         query reads - as its catch-up would have. Returns (index, request) of the requests to run."""
         rows, win, dev = self._held.shape[1], self.cfg.window_size, self._held.device
         live = []
-        keep: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # slot, ring row, step row, id
+        keep: tuple[list[int], list[int], list[int]] = ([], [], [])  # flat held row, step row, id
         gap: tuple[list[int], list[int]] = ([], [])  # slot, position
         spans: list[DraftInput] = []  # DSpark: the same positions per request
         for i, r in enumerate(requests):
             if r.defer:
                 first = max(0, r.n - rows)
-                keep[0].extend([r.slot] * (r.n - first))
-                keep[1].extend((r.start + j) % rows for j in range(first, r.n))
-                keep[2].extend(range(steps[r.entry].token_start + first, steps[r.entry].token_start + r.n))
-                keep[3].extend(r.next_ids[first:])
+                keep[0].extend(r.slot * rows + (r.start + j) % rows for j in range(first, r.n))
+                keep[1].extend(range(steps[r.entry].token_start + first, steps[r.entry].token_start + r.n))
+                keep[2].extend(r.next_ids[first:])
                 self._behind.setdefault(r.slot, r.start)
                 continue
             live.append((i, r))
@@ -285,28 +284,31 @@ class ModelRunner:
         final streams of each (entry, slot, position, next id) for a later resume, as `draft` does for requests
         that all defer (`_resume`), without a request each."""
         steps, hidden, captured = self._last
-        rows = self._held.shape[1]
-        for _, slot, pos, _ in decodes:
-            self._behind.setdefault(slot, pos)
-        self._keep(hidden if captured is None else captured, [d[1] for d in decodes], [d[2] % rows for d in decodes],
-                   [steps[d[0]].token_start for d in decodes], [d[3] for d in decodes])
+        rows, behind = self._held.shape[1], self._behind
+        at, step_rows, ids = [], [], []
+        for e, slot, pos, nid in decodes:
+            behind.setdefault(slot, pos)
+            at.append(slot * rows + pos % rows)
+            step_rows.append(steps[e].token_start)
+            ids.append(nid)
+        self._keep(hidden if captured is None else captured, at, step_rows, ids)
         if len(self._pending) >= self._flush_every:
             with self.backend.grad_context():
                 self._flush()
 
-    def _keep(self, src: Any, slots: list[int], ring_rows: list[int], step_rows: list[int], ids: list[int]) -> None:
-        """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for (slot, ring row):
-        written into `_held` at once by the op table's `keep_rows` (one native call) where it has one, else kept -
-        all of a step's rows (a decode step) by reference: a step's streams are new tensors nothing writes later;
-        some of them copied, not to keep a long step alive - and written in one go when a slot resumes, or every
-        few steps (`_flush`; while rows wait there, later ones wait too: the later of a row kept twice wins)."""
-        n, rows = len(step_rows), self._held.shape[1]
-        at = [s * rows + r for s, r in zip(slots, ring_rows, strict=True)]
+    def _keep(self, src: Any, at: list[int], step_rows: list[int], ids: list[int]) -> None:
+        """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for the flat held rows
+        `at` (slot * rows + ring row): written into `_held` at once by the op table's `keep_rows` (one native call)
+        where it has one, else kept - all of a step's rows (a decode step) by reference: a step's streams are new
+        tensors nothing writes later; some of them copied, not to keep a long step alive - and written in one go
+        when a slot resumes, or every few steps (`_flush`; while rows wait there, later ones wait too: the later of
+        a row kept twice wins)."""
         write = self.model.ops.keep_rows
         if write is not None and not self._pending:
             streams, mean = (src.streams, True) if hasattr(src, "streams") else ([src], False)  # a Capture: averaged
             if write(streams, step_rows, at, ids, mean, self._held, self._held_ids):
                 return
+        n = len(step_rows)
         if n == len(src) and step_rows == list(range(n)):
             held = src
         else:

@@ -296,15 +296,16 @@ class SpecPolicy:
 
     def estimate(self, batch: int) -> tuple[float | None, float | None]:
         """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
-        spec(B) from its own where a size within a quarter of B is measured, else from the sizes where both sides
-        are: a verify step costs a plain one plus B times its draft rows' cost per sequence, and drafting costs a
-        share of a plain step (both fitted over those sizes). Where no size has both, from a larger size's (an
-        overestimate: it is measured on), else None (measured first)."""
+        spec(B) = verify(B) + draft(B), each part from its own curve where a size within a quarter of B is measured,
+        else from the sizes where both sides are: a verify step costs a plain one plus B times its draft rows' cost
+        per sequence, and drafting costs a share of a plain step (both fitted over those sizes). Where no size has
+        both, from a larger size's (an overestimate: it is measured on), else None (measured first)."""
         p = self.parts
         plain = p["plain"].at(batch)
         if plain is not None:
             plain += p["catch_up"].at(batch) or 0.0
-        if p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least) or plain is None:
+        known = {w: p[w].near(batch, self.least) for w in ("verify", "draft")}
+        if all(known.values()) or plain is None:
             verify, draft = p["verify"].at(batch), p["draft"].at(batch)
             return (None if verify is None or draft is None else verify + draft), plain
         both = [b for b in p["verify"].sizes(self.least) if b in p["plain"].sizes(self.least)
@@ -315,13 +316,20 @@ class SpecPolicy:
                 return verify.at(batch) + draft.at(batch), plain
             return None, plain
         # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
-        # each weighted by its samples (a size seen twice in a batch's tail says little)
+        # each weighted by its samples (a size seen twice in a batch's tail says little); a part measured near B
+        # is taken as measured (a verify step of B x (k + 1) rows costs more than B rows' worth of batch 1's)
         n = {b: len(p["verify"].samples[b]) + len(p["plain"].samples[b]) for b in both}
-        rows = sum(n[b] * b * (p["verify"].mean(b) - p["plain"].mean(b)) for b in both) / sum(n[b] * b * b
-                                                                                              for b in both)
-        share = sum(n[b] * p["draft"].mean(b) for b in both) / sum(n[b] * p["plain"].mean(b) for b in both)
         target = p["plain"].at(batch)
-        return target + max(rows, 0.0) * batch + share * target, plain
+        if known["verify"]:
+            verify = p["verify"].at(batch)
+        else:
+            rows = sum(n[b] * b * (p["verify"].mean(b) - p["plain"].mean(b)) for b in both) / sum(n[b] * b * b
+                                                                                                  for b in both)
+            verify = target + max(rows, 0.0) * batch
+        if known["draft"]:
+            return verify + p["draft"].at(batch), plain
+        share = sum(n[b] * p["draft"].mean(b) for b in both) / sum(n[b] * p["plain"].mean(b) for b in both)
+        return verify + share * target, plain
 
     def observe(self, drafted: int, accepted: int, seq: object = None) -> None:
         """One sequence's verify: `accepted` of its `drafted` drafts (`seq`: its id, for its own rates). The next

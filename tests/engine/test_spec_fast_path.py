@@ -169,11 +169,12 @@ def _keep_steps(run, method: str, native: bool) -> tuple[list, torch.Tensor, tor
         first, long, later = step(2, 1), step(40, 2), step(2, 3)
         # row 1 (kept, not overwritten): -0 in every stream, whose sum is +0 (torch's sum starts from 0)
         (first if method == "mtp" else first.streams[0])[1, :, :3] = -0.0
-        run._keep(first, [0, 1], [5, 5], [0, 1], [11, 12])
+        rows = run._held.shape[1]
+        run._keep(first, [5, rows + 5], [0, 1], [11, 12])  # flat held rows: slot * rows + ring row
         pending = [p[0] for p in run._pending]
-        run._keep(long, [0], [6], [7], [13])
+        run._keep(long, [6], [7], [13])
         pending += [p[0] for p in run._pending[len(pending):]]
-        run._keep(later, [0], [5], [1], [14])  # slot 0, ring row 5 again: the later wins
+        run._keep(later, [5], [1], [14])  # slot 0, ring row 5 again: the later wins
         if run._pending:
             run._flush()
         return [first, long, later, pending], run._held.clone(), run._held_ids.clone()
