@@ -304,8 +304,7 @@ class SpecPolicy:
         plain = p["plain"].at(batch)
         if plain is not None:
             plain += p["catch_up"].at(batch) or 0.0
-        known = {w: p[w].near(batch, self.least) for w in ("verify", "draft")}
-        if all(known.values()) or plain is None:
+        if p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least) or plain is None:
             verify, draft = p["verify"].at(batch), p["draft"].at(batch)
             return (None if verify is None or draft is None else verify + draft), plain
         both = [b for b in p["verify"].sizes(self.least) if b in p["plain"].sizes(self.least)
@@ -316,8 +315,11 @@ class SpecPolicy:
                 return verify.at(batch) + draft.at(batch), plain
             return None, plain
         # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
-        # each weighted by its samples (a size seen twice in a batch's tail says little); a part measured near B
-        # is taken as measured (a verify step of B x (k + 1) rows costs more than B rows' worth of batch 1's)
+        # each weighted by its samples (a size seen twice in a batch's tail says little). A part with a sample kept
+        # near B is read off its own curve: a fit from batch 1 rests on verify(1) - plain(1), a small difference of
+        # two costs measured at different times (a busy moment's plain(1) made batch 8's spec(B) 6.6 ms against its
+        # own verify's 7.3 + drafting 2.7, and batch 8 turned on at a gain of 1.4)
+        known = {w: p[w].near(batch, 1) for w in ("verify", "draft")}
         n = {b: len(p["verify"].samples[b]) + len(p["plain"].samples[b]) for b in both}
         target = p["plain"].at(batch)
         if known["verify"]:

@@ -234,22 +234,22 @@ def test_an_unmeasured_batch_sizes_spec_cost_comes_from_the_draft_rows() -> None
 def test_a_spec_part_measured_near_the_batch_size_is_taken_as_measured() -> None:
     """Verify steps measured at B = 8 but drafting not (a batch's first speculative steps: the first of each kind
     is not kept): spec(8) is batch 8's verify cost plus drafting's fitted share, not the line from batch 1's draft
-    rows (3 rows of one sequence cost little more than 1; 8 x 3 rows cost far more than 8), so batch 8 stays off."""
+    rows (3 rows of one sequence cost little more than 1; 8 x 3 rows cost far more than 8), so batch 8 stays off;
+    one kept sample of each part at 8 is taken over the fit."""
     p = SpecPolicy(2)
     _feed(p, 1, verify=1.15, draft=0.3, plain=1.2, catch_up=0.05)  # batch 1: a verify costs a plain step
     for what, s in (("plain", 2.0), ("catch_up", 0.05)):
         for _ in range(4):
             p.record(what, 8, s)
-    for s in (6.0, 6.0, 6.0):  # the first is not kept
+    for s in (9.0, 6.0):  # the first is not kept: one sample
         p.record("verify", 8, s)
     p.record("draft", 8, 1.0)  # one draft step at 8: not kept
     spec, plain = p.estimate(8)
     assert plain == pytest.approx(2.05) and spec == pytest.approx(6.0 + 0.3 / 1.2 * 2.0)
     _accept(p, 16, 2)  # E = 3: 3 * 2.05 < 1.2 * 6.5, not even full acceptance pays
     assert not any(p.speculate(8, [f"s{i}" for i in range(8)]) for _ in range(50))
-    for _ in range(2):
-        p.record("draft", 8, 1.0)
-    assert p.estimate(8)[0] == pytest.approx(7.0)  # both parts measured at 8
+    p.record("draft", 8, 1.5)
+    assert p.estimate(8)[0] == pytest.approx(7.5)  # one kept sample of each part at 8
 
 
 def test_probes_of_a_batch_cost_a_share_of_its_steps() -> None:
