@@ -113,9 +113,13 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
 
 
 def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
-                threads: int, seed: int, policy: str = "auto", warmup: int = 4) -> list[dict]:
+                threads: int, seed: int, policy: str = "auto", warmup: int = 4, instances: int = 1,
+                aa: bool = False) -> list[dict]:
     """`policy`: one --speculative-policy, or several comma-separated (one speculative engine each, interleaved);
-    `warmup`: tokens per request of the untimed run of each setting and batch size first."""
+    `warmup`: tokens per request of the untimed run of each setting and batch size first; `instances`: engines
+    built per setting, repeat r running on instance r % instances (each engine's memory lies where it was
+    allocated: two engines of one setting differ by up to ~3% CPU per token, which averages out over instances);
+    `aa`: a second plain setting ("A/A"), whose ratio to the first is the run's floor."""
     from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
 
@@ -125,20 +129,22 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
         settings = [("none", 0, "-")] + [("dspark", ks[0], pol) for pol in policies]
     else:
         settings = [("none", 0, "-")] + [("mtp", k, pol) for k in ks for pol in policies]
+    if aa:
+        settings.insert(1, ("none", 0, "A/A"))
     longest = input_len + new + max(ks, default=0) + 1
     t0 = time.time()
-    engines = {s: build_engine(model_dir, max(batches), longest, s[0], s[1], threads,
-                               s[2] if s[0] != "none" else "always") for s in settings}
-    print(f"{model_dir}: {len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
-    for b in batches:  # warm-up: one run of each setting and batch size
-        for eng in engines.values():
+    engines = {s: [build_engine(model_dir, max(batches), longest, s[0], s[1], threads,
+                                s[2] if s[0] != "none" else "always") for _ in range(instances)] for s in settings}
+    print(f"{model_dir}: {instances * len(engines)} engines built in {time.time() - t0:.0f} s", flush=True)
+    for b in batches:  # warm-up: one run of each engine and batch size
+        for eng in (e for group in engines.values() for e in group):
             timed_run(eng, make_prompts(b, seed - 1, (input_len, input_len)), warmup)
     runs: dict[tuple, list[dict]] = {}
     for r in range(repeats):
         for b in batches:
             prompts = make_prompts(b, seed + 1000 * r + b, (input_len, input_len))
-            for s, eng in engines.items():
-                runs.setdefault((b, *s), []).append(timed_run(eng, prompts, new))
+            for s, group in engines.items():
+                runs.setdefault((b, *s), []).append(timed_run(group[r % instances], prompts, new))
     rows = [summarise(str(model_dir), b, m, k, runs[(b, m, k, pol)], new) | {"policy": pol}
             for b in batches for m, k, pol in settings]
     for row in rows:
@@ -186,24 +192,32 @@ def main() -> None:
                    help="tokens per request of the untimed first run of each setting and batch size (default: "
                    "--new); the auto policy measures both sides of its first steps at a batch size, so the default "
                    "leaves that out of the timed runs (the steady state) and e.g. 4 times it in")
+    p.add_argument("--instances", type=int, default=1,
+                   help="engines per setting, the repeats spread over them in turn (where an engine's memory lies "
+                   "moves its speed by up to ~3%%: more instances average that out)")
+    p.add_argument("--aa", action="store_true", help="a second plain engine (A/A): the run's own floor")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
 
     if not args.policy or any(pol not in ("auto", "always") for pol in args.policy.split(",")):
         p.error(f"--policy {args.policy!r}: auto, always, or both comma-separated")
+    if args.instances < 1:
+        p.error(f"--instances {args.instances}: at least 1")
 
     rows = []
     for m in args.models.split(","):
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
                             [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
-                            args.threads, args.seed, args.policy, args.new if args.warmup is None else args.warmup)
+                            args.threads, args.seed, args.policy, args.new if args.warmup is None else args.warmup,
+                            args.instances, args.aa)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
           "| step ms | vs plain | CPU ms/token | CPU vs plain | CPU vs plain, median of repeats |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        spec = "none" if r["method"] == "none" else f"{r['method']} k={r['k']} {r['policy']}"
+        spec = ("none" + (" (A/A)" if r["policy"] == "A/A" else "")) if r["method"] == "none" else \
+            f"{r['method']} k={r['k']} {r['policy']}"
         acc = (f"{r['acceptance_rate']:.3f} ({', '.join(f'{x:.3f}' for x in r['per_position'] if x is not None)})"
                if "acceptance_rate" in r else "-")
         tpv = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "1"
