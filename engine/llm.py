@@ -321,7 +321,8 @@ class LLMEngine:
         held: list | None = []  # (entry, slot, position, next id) while every entry is a greedy one-token decode
         for i, (seq, _) in enumerate(batch.entries):  # one pass: an off step's Python is most of what it costs
             done = seq.num_computed_tokens
-            decoding.append(seq.status is SequenceStatus.RUNNING and done > starts[i] and seq.num_uncomputed_tokens == 1)
+            decoding.append(seq.status is SequenceStatus.RUNNING and done > starts[i]
+                            and seq.num_uncomputed_tokens == 1)
             if decoding[-1]:
                 ids.append(seq.seq_id)
                 if held is not None and done == starts[i] + 1 and seq.sampling_params.greedy:

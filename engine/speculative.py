@@ -386,7 +386,11 @@ class SpecPolicy:
         e = self.expected_tokens(seqs)
         if seen >= self.least_none and self.accepted.expected(self.k) < 1 + self.margin and e < 1 + self.margin:
             self._was_on[batch] = False
-            return self._off(self.base, why="next to nothing accepted")  # no step cost makes that pay
+            # no step cost makes that pay; a probe costs a speculative step (and the resume of the draft ring's
+            # window): probes come one in `base` steps, or fewer where that would cost over `probe_share` of them
+            # (mid's random head at batch 1: a probe ~6 plain steps, one in 32 was a cost of ~1.15x)
+            return self._off(max(self.base, self._probe_steps(batch)), why="next to nothing accepted", sooner=False,
+                             later=True)
         spec, plain = self.estimate(batch)
         if spec is None or seen < self.least_seen:  # E from a few verifies is too rough to turn it off on
             return self._on("measuring a speculative step" if spec is None else "measuring E")
@@ -463,23 +467,26 @@ class SpecPolicy:
         return True
 
     def _probe_steps(self, batch: int) -> int:
-        """At B > 1, the steps per probe at which probing costs `probe_share` of them: a probe pays one sequence's
-        draft rows and drafting beyond a plain step at B, about spec(1) - plain(1) (0 while that is unknown)."""
+        """The steps per probe at which probing costs `probe_share` of them: a probe pays one sequence's draft rows
+        and drafting beyond a plain step at B, about spec(1) - plain(1) (0 while that is unknown)."""
         spec1, plain1 = self.estimate(1)
         plain = self.parts["plain"].at(batch)
         if spec1 is None or plain1 is None or not plain:
             return 0
         return math.ceil(max(spec1 - plain1, 0.0) / (plain * self.probe_share))
 
-    def _off(self, every: int | None, why: str, sooner: bool = True) -> bool:
+    def _off(self, every: int | None, why: str, sooner: bool = True, later: bool = False) -> bool:
         """Off, but one step in `every` (None: never) probes E; the interval doubles with each probe that loses.
-        `sooner`: a smaller `every` than the last (G nearer 1) restarts the interval from it."""
+        `sooner`: a smaller `every` than the last (G nearer 1) restarts the interval from it; `later`: a larger
+        `every` than the interval (a probe's cost measured since) raises it."""
         self.off_steps += 1
         self.why = why
         if every is None:
             return False
         if self.interval is None or sooner and every < self._every:  # probe sooner than the doubling says
             self.interval = every
+        elif later and every > self.interval:
+            self.interval = min(every, self.max_interval)
         self._every = every
         if self.off_steps >= self.interval:
             self.interval = min(2 * self.interval, self.max_interval)

@@ -132,6 +132,28 @@ def test_nothing_accepted_turns_it_off_before_any_cost() -> None:
     assert [p.speculate(1) for _ in range(32)] == [False] * 31 + [True]  # probed once in 32
 
 
+def test_a_head_never_right_is_probed_at_what_a_probe_may_cost() -> None:
+    """Nothing accepted where a speculative step is dear (a random head on a wide model: spec(1) = 3.3 plain steps):
+    probes come one in (spec(1) - plain(1)) / (2% of a plain step) steps, not one in 32, and the interval doubles on
+    from there (a probe that costs 2.3 steps then costs at most 2% of them)."""
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=3.0, draft=0.3, plain=1.0, catch_up=0.0)
+    _accept(p, 4, 0)
+    decisions = [p.speculate(1) for _ in range(115 + 230)]
+    assert [i for i, d in enumerate(decisions) if d] == [114, 114 + 230], [i for i, d in enumerate(decisions) if d]
+    assert "next to nothing accepted" in p.why
+    q = SpecPolicy(2)  # off before a plain step was measured (one in 32), the cost known 10 steps later
+    for what, s in (("verify", 3.0), ("draft", 0.3)):
+        for _ in range(4):
+            q.record(what, 1, s)
+    _accept(q, 4, 0)
+    assert not any(q.speculate(1) for _ in range(10)) and q.interval == 32
+    for _ in range(4):
+        q.record("plain", 1, 1.0)
+    decisions = [q.speculate(1) for _ in range(110)]
+    assert [i for i, d in enumerate(decisions) if d] == [104], [i for i, d in enumerate(decisions) if d]
+
+
 def test_acceptance_is_each_sequences_own() -> None:
     """A batch of sequences whose drafts are rejected is off though the engine's rate (others') is high."""
     p = SpecPolicy(2)
