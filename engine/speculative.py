@@ -229,11 +229,12 @@ class SpecPolicy:
     last verifies say more than the engine's), which start from the engine's prior (over every sequence's verifies,
     a slower average than the engine's own rates); before `least_seen` verified sequences it speculates.
     E < 1 + margin after `least_none` verify steps (a draft head that is never right) turns it off with no cost
-    needed, probed one step in `interval` (doubling up to `max_interval`). On at B = 1, it stays on down to
-    G = 1 / band. Where full acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps
-    losing; one in 4 while G >= 0.9) and a batch of sequences none of which has verified yet speculates once;
-    where even full acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it
-    is off and nothing is probed: that decided-off state costs nothing.
+    needed, probed one step in `interval`, or in as many as keep the probes at `probe_share` of the steps' cost where a
+    probe is dearer (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
+    acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
+    G >= 0.9) and a batch of sequences none of which has verified yet speculates once; where even full acceptance
+    cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and nothing is probed:
+    that decided-off state costs nothing.
     `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
@@ -270,7 +271,7 @@ class SpecPolicy:
         self._probes: dict[bool, tuple[int | None, int, int]] = {}
         # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
         # up to this many and not past a probe or a verify, take that decision without working it out (working it
-        # out costs ~0.08 ms in a batch-8 step of the tiny model, ~4% of the step: one in 8 was ~0.5% of every step)
+        # out costs a few per cent of a small model's step: docs/speculative.md)
         self.recheck = 32
         self._settled: tuple[int, int] | None = None  # (batch size, steps left) of such a decision
 
@@ -318,8 +319,7 @@ class SpecPolicy:
         # per sequence, the draft rows' cost and drafting's share of a plain step: fits over the measured sizes,
         # each weighted by its samples (a size seen twice in a batch's tail says little). A part with a sample kept
         # near B is read off its own curve: a fit from batch 1 rests on verify(1) - plain(1), a small difference of
-        # two costs measured at different times (a busy moment's plain(1) made batch 8's spec(B) 6.6 ms against its
-        # own verify's 7.3 + drafting 2.7, and batch 8 turned on at a gain of 1.4)
+        # two costs measured at different times, which a busy moment can turn into a gain well above 1
         known = {w: p[w].near(batch, 1) for w in ("verify", "draft")}
         n = {b: len(p["verify"].samples[b]) + len(p["plain"].samples[b]) for b in both}
         target = p["plain"].at(batch)
@@ -388,7 +388,7 @@ class SpecPolicy:
             self._was_on[batch] = False
             # no step cost makes that pay; a probe costs a speculative step (and the resume of the draft ring's
             # window): probes come one in `base` steps, or fewer where that would cost over `probe_share` of them
-            # (mid's random head at batch 1: a probe ~6 plain steps, one in 32 was a cost of ~1.15x)
+            # (on a wide model a probe costs several plain steps)
             return self._off(max(self.base, self._probe_steps(batch)), why="next to nothing accepted", sooner=False,
                              later=True)
         spec, plain = self.estimate(batch)

@@ -145,7 +145,7 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
         for b in batches:
             prompts = make_prompts(b, seed + 1000 * r + b, (input_len, input_len))
             # the settings in turn, from another one each repeat: the one that runs first after a batch size's
-            # switch ran ~3% slower at batch 1 (an A/A pair in fixed order: 1.01x-1.04x)
+            # switch runs slower (an A/A pair in a fixed order reads a few per cent apart at batch 1)
             order = settings[r % len(settings):] + settings[:r % len(settings)]
             for s in order:
                 runs.setdefault((b, *s), []).append(timed_run(engines[s][r % instances], prompts, new))
