@@ -228,7 +228,8 @@ class ModelRunner:
             return [[] for _ in requests]
         with self.backend.grad_context(), self.dispatcher.active():
             captured = None if capture is None else capture.tensor()  # the context made, where a draft head runs
-            if not self.defers_catch_up:
+            if not self.defers_catch_up or not (self._behind or self._pending or any(r.defer for r in requests)):
+                # nothing held or to hold (`_resume` would pass every request on as it is)
                 return drafting.draft_for_requests(self.model, self.cache, self.config, steps, hidden, captured,
                                                    requests)
             live = self._resume(steps, hidden if capture is None else capture, requests)

@@ -269,7 +269,7 @@ def attn_decode_takes(pack: Pack, b: int, x: torch.Tensor, cos: torch.Tensor, si
     a = pack.args
     if a is None:
         return False
-    limit = min(native.max_m(k) for k in a.limit_keys)
+    limit = native.max_rows(a.limit_keys)
     return packs.rows_ok(x, (b, x.shape[1] if x.dim() == 3 else 0, a.wo[-1]), limit) \
         and packs.rows_ok(cos, (b, a.rd // 2), limit) and packs.rows_ok(sin, (b, a.rd // 2), limit)
 

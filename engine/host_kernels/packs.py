@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.host_kernels.native import F32, max_m
+from engine.host_kernels.native import F32, max_rows
 
 _FMT_CODE = {None: 0, "fp8": 1, "fp4": 2}  # the native weight formats (dk.h gemm: moe.c, attn.c)
 _FMT_DTYPE = {None: torch.bfloat16, "fp8": torch.uint8, "fp4": torch.uint8}
@@ -80,7 +80,7 @@ def step_rows(a: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     """The row count B of x [B, n, dim] when a packed call with static arguments `a` (n, dim, rd, limit_keys) takes
     x and the RoPE tables cos / sin [B, rd/2] (`rows_ok`, within every kernel's max_m), else None."""
     b = x.shape[0] if x.dim() == 3 else 0
-    limit = min(max_m(k) for k in a.limit_keys)
+    limit = max_rows(a.limit_keys)
     ok = rows_ok(x, (b, a.n, a.dim), limit) and rows_ok(cos, (b, a.rd // 2), limit) \
         and rows_ok(sin, (b, a.rd // 2), limit)
     return b if ok else None

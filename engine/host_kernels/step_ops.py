@@ -143,7 +143,7 @@ def ffn_site(pack: Pack, x: torch.Tensor, hash_ids: torch.Tensor | None = None) 
     if a is None:
         return None
     t = x.shape[0] if x.dim() == 3 else 0
-    if not packs.rows_ok(x, (t, a.n, a.d), min(native.max_m(k) for k in a.limit_keys)):
+    if not packs.rows_ok(x, (t, a.n, a.d), native.max_rows(a.limit_keys)):
         return None
     if not hash_ids_fit(a, hash_ids, t):
         return None
@@ -236,7 +236,7 @@ def mtp_input(pack: Pack, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | 
     if a is None or x.dim() != 3 or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != x.shape[:1]:
         return None
     t, n = x.shape[0], x.shape[1]
-    if n < 1 or not packs.rows_ok(x, (t, n, a.dim), min(native.max_m(k) for k in a.limit_keys) // n):  # T*n rows
+    if n < 1 or not packs.rows_ok(x, (t, n, a.dim), native.max_rows(a.limit_keys) // n):  # T*n rows
         return None
     native._count_each(a.keys)
     out = torch.empty(t, n, a.dim, dtype=native.F32)
@@ -273,7 +273,7 @@ def lm_head(pack: Pack, x: torch.Tensor) -> torch.Tensor | None:
     if a is None:
         return None
     t = x.shape[0] if x.dim() == 3 else 0
-    if not packs.rows_ok(x, (t, a.n, a.dim), min(native.max_m(k) for k in a.limit_keys)):
+    if not packs.rows_ok(x, (t, a.n, a.dim), native.max_rows(a.limit_keys)):
         return None
     native._count_each(a.keys)
     out = torch.empty(t, a.vocab, dtype=native.F32)
