@@ -269,11 +269,14 @@ int dk_attn_qkv(const float *x, int64_t T, int64_t dim, int fa, const uint8_t *w
                 const float *q_norm, int64_t Q, int fb, const uint8_t *wb, const uint8_t *sb, int64_t H, int64_t D,
                 int fk, const uint8_t *wk, const uint8_t *sk, const float *kv_norm, const float *cs, const float *sn,
                 int64_t rd, float eps, float *qr, float *q, float *kv, int nt) {
-    int rc = gemm(fa, x, wa, sa, qr, T, Q, dim, nt);
-    if (!rc) rc = dk_rms_norm(qr, q_norm, qr, T, Q, eps, nt);
-    if (!rc) rc = gemm(fb, qr, wb, sb, q, T, H * D, Q, nt);
-    if (!rc) rc = dk_rms_norm(q, NULL, q, T * H, D, eps, nt);
-    if (!rc) rc = dk_rope_tail(q, cs, sn, q, T, H, D, rd, 0);
+    int rc = 0;
+    if (q != NULL) { /* NULL: kv only (dk_mtp_draft's ring rows); the kv below does not depend on the query */
+        rc = gemm(fa, x, wa, sa, qr, T, Q, dim, nt);
+        if (!rc) rc = dk_rms_norm(qr, q_norm, qr, T, Q, eps, nt);
+        if (!rc) rc = gemm(fb, qr, wb, sb, q, T, H * D, Q, nt);
+        if (!rc) rc = dk_rms_norm(q, NULL, q, T * H, D, eps, nt);
+        if (!rc) rc = dk_rope_tail(q, cs, sn, q, T, H, D, rd, 0);
+    }
     if (!rc) rc = gemm(fk, x, wk, sk, kv, T, D, dim, nt);
     if (!rc) rc = dk_rms_norm(kv, kv_norm, kv, T, D, eps, nt);
     if (!rc) rc = dk_rope_tail(kv, cs, sn, kv, T, 1, D, rd, 0);
@@ -548,51 +551,86 @@ static void ring_index(const int64_t *pos, int64_t B, int64_t wl, int64_t win, i
 }
 
 /* MTP drafting in one call (engine/model/mtp_proposer.py propose_mtp, greedy drafts) for a sliding-only block (no
- * entries, no compressor; one rank): the catch-up's dk_mtp_pass over x [B, n, dim], ids [B] at positions pos [B] of
- * slots [B] (each row a decode query, every row's ring row written first), `rows`: each of the R sequences' last row
- * -> drafts 1; then K - 1 recursion passes over the R sequences, pass j fed the streams of pass j - 1's rows and its
- * tokens, at positions pos[rows[r]] + j. RoPE rows are those positions' rows of the tables tcs / tsn [P, rd/2] (the
- * block's Rope over positions P0..P0+P-1), ring rows and masks made from the positions (ring_index; `win`: the
- * attention's window). -> logits [K, R, V], tokens [K, R]; each pass the same calls as one dk_mtp_pass, so the same
- * bits. -1: out of memory, -3: an id out of range, -4: the layer has entries or compressors, -5: a position outside
- * [P0, P0 + P) or a row outside [0, B). */
+ * entries, no compressor; one rank): the catch-up over x [B, n, dim], ids [B] at positions pos [B] of slots [B], then
+ * K - 1 recursion passes over the R sequences. `rows`: each sequence's last row; every other row is before its
+ * sequence's last within the window, and a later query reads nothing of it but its ring row, the kv of its block
+ * input: those rows run dk_mtp_input and the kv half of dk_attn_front (no query) and write their ring rows first,
+ * then the R last rows run one dk_mtp_pass -> drafts 1. Recursion pass j is fed the streams of pass j - 1's rows and
+ * its tokens, at positions pos[rows[r]] + j. RoPE rows are those positions' rows of the tables tcs / tsn [P, rd/2]
+ * (the block's Rope over positions P0..P0+P-1), ring rows and masks made from the positions (ring_index; `win`: the
+ * attention's window). -> logits [K, R, V], tokens [K, R]; the same calls as propose_mtp's op-by-op catch-up
+ * (mtp_fill_ring over the earlier rows, one mtp_pass over the last ones) and passes, so the same bits. -1: out of
+ * memory, -3: an id out of range, -4: the layer has entries or compressors, -5: a position outside [P0, P0 + P) or a
+ * row outside [0, B) or given twice. */
 int dk_mtp_draft(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, const float *x, const int64_t *ids,
                  int64_t B, const float *tcs, const float *tsn, int64_t P0, int64_t P, const int64_t *slots,
                  const int64_t *pos, const int64_t *rows, int64_t R, int64_t K, int64_t win, float *logits,
                  int64_t *tokens, int nt) {
     if (L->C != 0 || L->pool != NULL) return -4;
-    const int64_t nd = L->n * L->dim, half = L->rd / 2, V = hd->V, wl = L->wl, M = B + (K - 1) * R;
-    for (int64_t b = 0; b < B; b++)
+    const int64_t n = L->n, dim = L->dim, nd = n * dim, half = L->rd / 2, V = hd->V, wl = L->wl, D = L->D,
+                  F = B - R, M = B + (K - 1) * R;
+    if (F < 0) return -5;
+    for (int64_t b = 0; b < B; b++) {
+        if (ids[b] < 0 || ids[b] >= in->V) return -3; /* before any ring row is written */
         if (pos[b] < P0 || pos[b] - P0 >= P) return -5;
+    }
     for (int64_t r = 0; r < R; r++)
         if (rows[r] < 0 || rows[r] >= B || pos[rows[r]] + K - 1 - P0 >= P) return -5;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(B * nd + 2 * R * nd + 2 * M * half) + 64);
-    int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * M + 2 * R) + 8);
-    uint8_t *valid = (uint8_t *)malloc((size_t)(M * wl) + 8);
+    /* pass rows m: the catch-up's earlier rows (F), its last rows (R), then each recursion pass's R */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(B * nd + F * nd + 2 * R * nd + 2 * M * half +
+                                                          F * (n + n * n + D)) + 64);
+    int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * M + R + B) + 8);
+    uint8_t *valid = (uint8_t *)malloc((size_t)(M * wl + B) + 8);
     if (buf == NULL || ix == NULL || valid == NULL) {
         free(buf);
         free(ix);
         free(valid);
         return -1;
     }
-    float *streams = buf, *xs = streams + B * nd, *out = xs + R * nd, *cs = out + R * nd, *sn = cs + M * half;
-    int64_t *ring = ix, *at = ring + M, *every = at + M, *rslots = every + R;
-    for (int64_t b = 0; b < B; b++) at[b] = pos[b];
+    float *xin = buf, *h = xin + B * nd, *xs = h + F * nd, *out = xs + R * nd, *cs = out + R * nd, *sn = cs + M * half,
+          *post = sn + M * half, *comb = post + F * n, *kv = comb + F * n * n;
+    int64_t *ring = ix, *at = ring + M, *sl = at + M, *src = sl + M, *every = src + M, *ids_in = every + R;
+    uint8_t *is_last = valid + M * wl;
+    memset(is_last, 0, (size_t)B);
+    int rc = 0;
     for (int64_t r = 0; r < R; r++) {
-        every[r] = r, rslots[r] = slots[rows[r]];
-        for (int64_t j = 1; j < K; j++) at[B + (j - 1) * R + r] = pos[rows[r]] + j;
+        if (is_last[rows[r]]) rc = -5;
+        is_last[rows[r]] = 1;
     }
-    for (int64_t m = 0; m < M; m++) { /* the passes' RoPE rows: the catch-up's B, then each recursion pass's R */
+    for (int64_t b = 0, f = 0; b < B; b++)
+        if (!is_last[b]) src[f++] = b;
+    for (int64_t r = 0; r < R; r++) {
+        src[F + r] = rows[r], every[r] = r;
+        for (int64_t j = 1; j < K; j++) {
+            const int64_t m = B + (j - 1) * R + r;
+            at[m] = pos[rows[r]] + j, sl[m] = slots[rows[r]];
+        }
+    }
+    for (int64_t m = 0; m < B; m++) {
+        at[m] = pos[src[m]], sl[m] = slots[src[m]], ids_in[m] = ids[src[m]];
+        memcpy(xin + m * nd, x + src[m] * nd, sizeof(float) * (size_t)nd);
+    }
+    for (int64_t m = 0; m < M; m++) { /* the passes' RoPE rows */
         memcpy(cs + m * half, tcs + (at[m] - P0) * half, sizeof(float) * (size_t)half);
         memcpy(sn + m * half, tsn + (at[m] - P0) * half, sizeof(float) * (size_t)half);
     }
     ring_index(at, M, wl, win, ring, valid);
-    int rc = dk_mtp_pass(L, in, hd, x, ids, streams, B, cs, sn, slots, ring, valid, NULL, 0, 0, NULL, NULL, NULL, rows,
-                         R, logits, tokens, nt);
-    for (int64_t r = 0; r < R && !rc; r++) memcpy(xs + r * nd, streams + rows[r] * nd, sizeof(float) * (size_t)nd);
+    if (F > 0 && !rc) /* the earlier rows: their ring rows only */
+        rc = dk_mtp_input(xin, ids_in, in->embed, (int)in->ebf16, in->V, in->enorm, in->hnorm, in->eps, (int)in->fe,
+                          in->we, in->se, (int)in->fh, in->wh, in->sh, h, F, n, dim, nt);
+    if (F > 0 && !rc)
+        rc = dk_attn_front(h, F, n, dim, L->a_fn, L->a_scale, L->a_base, L->iters, L->hc_eps, L->norm_eps, L->a_norm,
+                           (int)L->fa, L->wa, L->sa, L->q_norm, L->Q, (int)L->fb, L->wb, L->sb, L->H, D, (int)L->fk,
+                           L->wk, L->sk, L->kv_norm, cs, sn, L->rd, L->eps, 0, NULL, NULL, NULL, NULL, post, comb, NULL,
+                           NULL, kv, NULL, nt);
+    for (int64_t m = 0; m < F && !rc; m++)
+        memcpy(L->ring + (sl[m] * wl + ring[m]) * D, kv + m * D, sizeof(float) * (size_t)D);
+    if (!rc) /* the last rows: the whole pass -> drafts 1 */
+        rc = dk_mtp_pass(L, in, hd, xin + F * nd, ids_in + F, xs, R, cs + F * half, sn + F * half, sl + F, ring + F,
+                         valid + F * wl, NULL, 0, 0, NULL, NULL, NULL, every, R, logits, tokens, nt);
     for (int64_t j = 1; j < K && !rc; j++) {
         const int64_t o = (j - 1) * R, m = B + o;
-        rc = dk_mtp_pass(L, in, hd, xs, tokens + o, out, R, cs + m * half, sn + m * half, rslots, ring + m,
+        rc = dk_mtp_pass(L, in, hd, xs, tokens + o, out, R, cs + m * half, sn + m * half, sl + m, ring + m,
                          valid + m * wl, NULL, 0, 0, NULL, NULL, NULL, every, R, logits + j * R * V, tokens + o + R,
                          nt);
         float *t = xs;

@@ -198,17 +198,18 @@ class HostBlockDecoder:
                   k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """propose_mtp's k greedy drafts of MTP block `blk` in one `mtp_draft` call, without a step plan: the
         catch-up over the final positions of `seqs` (DraftInputs; rows back to back, each a decode row: at most
-        `spare` + 1 a sequence, as StepPlan.build's decode rows) and the k - 1 recursion passes after each one's last
+        `spare` + 1 a sequence, as StepPlan.build's decode rows, and within the window: the rows before each one's
+        last write their ring rows only, as propose_mtp's) and the k - 1 recursion passes after each one's last
         -> (logits [k, R, V], tokens [k, R]), or None (then propose_mtp plans the passes and runs each)."""
         attn = blk.attn
         sites = self.use_draft and self.use_mtp and self.use_head and self.use_layer and self.use_decode
         if not sites or attn.ratio or attn.par is not None or lc.win_store.fmt != "auto" \
                 or torch.compiler.is_compiling():
             return None
-        spare = lc.win_kv.shape[1] - attn.win
+        most = min(lc.win_kv.shape[1] - attn.win + 1, attn.win)  # spare + 1 rows, all within the window
         pos, slots, rows = [], [], []
         for s in seqs:
-            if not 0 < s.n <= spare + 1:
+            if not 0 < s.n <= most:
                 return None
             pos.extend(range(s.start, s.start + s.n))
             slots.extend([s.slot] * s.n)

@@ -104,9 +104,9 @@ def _mtp_rows(a, ia, ha, x: torch.Tensor, ids: torch.Tensor, rows: list[int], co
     three packs' arguments `a` (layer), `ia` (input), `ha` (head) take it, else None."""
     b = None if a is None or ia is None or ha is None else packs.step_rows(a, x, cos, sin)
     if b is None or len(crow) != a.n_comp or not hash_ids_fit(a, None, b) \
-            or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or b * a.n > min(native.max_m(k) for k in ia.limit_keys) \
+            or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or b * a.n > native.max_rows(ia.limit_keys) \
             or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) \
-            or not 0 < len(rows) <= min(native.max_m(k) for k in ha.limit_keys) or not 0 <= min(rows) <= max(rows) < b:
+            or not 0 < len(rows) <= native.max_rows(ha.limit_keys) or not 0 <= min(rows) <= max(rows) < b:
         return None
     return b
 
@@ -138,12 +138,16 @@ def mtp_pass(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Ten
     return out, logits, tokens
 
 
+_FILL_KEYS = tuple((k, native.EXECUTOR) for k in attn_ops._FRONT_KEYS[1:])  # hc_pre, then attn_qkv
+
+
 def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Tensor, pos: list[int],
               slots: list[int], rows: list[int], k: int, tables: tuple[torch.Tensor, torch.Tensor, int],
               win: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """attn.c `dk_mtp_draft`: k greedy drafts of a sliding-only MTP block (no entries, no compressor; one rank) in
-    one call - the catch-up's `mtp_pass` over x [B, n, dim], ids [B] at positions `pos` of `slots` (B each), then
-    k - 1 passes over its R rows `rows` (each sequence's last) at positions pos[rows] + 1 .. + k - 1, each fed the
+    one call - the catch-up over x [B, n, dim], ids [B] at positions `pos` of `slots` (B each: the rows before each
+    sequence's last, within its window, write their ring rows only; its R last rows `rows` run one `mtp_pass`), then
+    k - 1 passes over the R rows at positions pos[rows] + 1 .. + k - 1, each fed the
     previous pass's streams and tokens; RoPE rows read from `tables` (cos, sin [P, rd/2], p0: the block's Rope
     over positions p0..p0+P-1), ring rows and masks made from the positions (`win`: the attention's window). -> (logits
     [k, R, V], tokens [k, R]), or None where an argument does not fit (nothing counted, no state written)."""
@@ -153,15 +157,19 @@ def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Te
             or (ia.dim, ha.dim, ha.n) != (a.dim, a.dim, a.n) or not hash_ids_fit(a, None, b):
         return None
     cos, sin, p0 = tables
-    if not packs.rows_ok(x, (b, a.n, a.dim), min(native.max_m(key) for key in a.limit_keys)) \
-            or b * a.n > min(native.max_m(key) for key in ia.limit_keys) \
-            or not 0 < r <= min(native.max_m(key) for key in ha.limit_keys) \
+    if not packs.rows_ok(x, (b, a.n, a.dim), native.max_rows(a.limit_keys)) \
+            or b * a.n > native.max_rows(ia.limit_keys) \
+            or not 0 < r <= native.max_rows(ha.limit_keys) \
             or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) or not ids.is_contiguous() \
             or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != a.rd // 2 or not packs.fp32_cpu(cos, sin):
         return None
-    native._count("host.mtp_draft")
+    counts = native.dispatch.current()
+    counts.count("host.mtp_draft", native.EXECUTOR)
     for keys in (ia.keys, a.keys, ha.keys):  # and as k mtp_pass calls
-        native._count_each(keys, k)
+        counts.count_each(keys, k)
+    if b > r:  # and as the catch-up's ring fill of the rows before the last (mtp_proposer.mtp_fill_ring's ops)
+        counts.count_each(ia.keys)
+        counts.count_each(_FILL_KEYS)
     logits, tokens = torch.empty(k, r, ha.vocab, dtype=native.F32), torch.empty(k, r, dtype=torch.int64)
     at = (ctypes.c_int64 * (2 * b + r))(*pos, *slots, *rows)
     step = ctypes.sizeof(ctypes.c_int64)

@@ -6,10 +6,13 @@ position t and the token at t+1 to logits for the token at t+2. Drafting k token
 vLLM's and SGLang's MTP proposers drive it; vLLM `deepseek_v4/nvidia/mtp.py` re-feeds the block's own output
 streams, "the flat pre-hc_head residual", as the next step's hidden state):
 
-1. **catch-up**: the block runs over every position whose target state is final this step - the positions the
-   target just processed whose input tokens were accepted (a prefill chunk: all of them) - with the target's
-   streams there and the next committed token (for the last one: the bonus token the target just sampled). This
-   writes the block's window KV at those positions; the last row's logits give draft 1 (the token after the bonus).
+1. **catch-up**: over every position whose target state is final this step - the positions the target just
+   processed whose input tokens were accepted (a prefill chunk: all of them) - with the target's streams there and
+   the next committed token (for the last one: the bonus token the target just sampled), the block's window KV is
+   written at those positions; the last row's logits give draft 1 (the token after the bonus). A later query of the
+   sliding-only block reads nothing of an earlier row but its ring row, so (one rank) the rows before the last in
+   its window only write that (`mtp_fill_ring`: the kv of the block's input) and the last row runs the whole block;
+   older rows of a long prefill chunk are read by no query and write nothing.
 2. **recursion** (k > 1): draft j+1 comes from the block at the next position, fed its own output streams of the
    previous row and draft j. These rows write window KV at positions whose target state does not exist yet.
 
@@ -25,6 +28,7 @@ position, which the recursion had filled speculatively, with the target's state)
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -72,14 +76,47 @@ def _catch_up_plan(model: Transformer, cache: KVCache, seqs: list[DraftInput], h
     return plan, [s.token_start + s.n - 1 for s in steps]
 
 
+def _fills_ring(model: Transformer) -> bool:
+    """Whether a catch-up writes only the ring rows of the positions before each sequence's last (`mtp_fill_ring`):
+    one rank (a sharded block's catch-up runs whole, over every final position)."""
+    return model.mtp[0].attn.par is None
+
+
+def _fill_before(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
+                 next_ids: torch.Tensor, through_last: bool) -> None:
+    """The ring rows of each sequence's final positions in the window before its last (`through_last`: and the
+    last's), by `mtp_fill_ring`: a later query of the sliding-only block reads nothing else of them (rows back to
+    back, as `mtp_catch_up` takes them)."""
+    win = model.mtp[0].attn.win
+    rows: list[int] = []
+    slots: list[int] = []
+    pos: list[int] = []
+    t = 0
+    for s in seqs:
+        first, end = max(s.start, s.last - win + 1), s.last + through_last
+        rows.extend(range(t + first - s.start, t + end - s.start))
+        slots.extend([s.slot] * (end - first))
+        pos.extend(range(first, end))
+        t += s.n
+    if rows:
+        dev = hidden.device
+        at = torch.tensor(rows, device=dev)
+        mtp_fill_ring(model, cache, torch.tensor(slots, device=dev), torch.tensor(pos, device=dev), hidden[at],
+                      next_ids[at])
+
+
 def mtp_catch_up(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidden: torch.Tensor,
-                 next_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Run the MTP block over the final positions of `seqs` (rows back to back: hidden [T, n, dim] = the target's
-    last-layer streams there, next_ids [T] = the committed token at each position + 1) and write its window KV.
-    Returns the block's output streams of each sequence's last row [B, n, dim]."""
-    plan, last = _catch_up_plan(model, cache, seqs, hidden, next_ids, block_size)
-    out = model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
-    return out[torch.tensor(last, device=hidden.device)]
+                 next_ids: torch.Tensor, block_size: int) -> None:
+    """Write the MTP block's window KV at the final positions of `seqs` (rows back to back: hidden [T, n, dim] = the
+    target's last-layer streams there, next_ids [T] = the committed token at each position + 1), for the sequences
+    that draft nothing this step: their ring rows of the last window (`mtp_fill_ring`), or the whole block over
+    every position on a sharded block."""
+    _check_rows(seqs, hidden, next_ids)
+    if _fills_ring(model):
+        _fill_before(model, cache, seqs, hidden, next_ids.to(hidden.device), through_last=True)
+        return
+    plan, _ = _catch_up_plan(model, cache, seqs, hidden, next_ids, block_size)
+    model.mtp_streams(hidden, next_ids.to(hidden.device), plan, cache)
 
 
 def mtp_fill_ring(model: Transformer, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor,
@@ -116,9 +153,17 @@ def propose_mtp(model: Transformer, cache: KVCache, seqs: list[DraftInput], hidd
     if sample is greedy:
         fused = model.mtp_draft(hidden, next_ids.to(hidden.device), seqs, cache, num_tokens)  # all in one call
         if fused is not None:
-            return Proposal(tokens=fused[1].t().contiguous(), logits=fused[0].transpose(0, 1), num_proposed=k)
+            return Proposal(tokens=fused[1].t(), logits=fused[0].transpose(0, 1), num_proposed=k)
+    next_ids = next_ids.to(hidden.device)
+    if _fills_ring(model):  # the rows before each last write their ring rows only, then the last rows run whole
+        _fill_before(model, cache, seqs, hidden, next_ids, through_last=False)
+        ends = [t - 1 for t in itertools.accumulate(s.n for s in seqs)]  # each sequence's last row
+        if ends != list(range(hidden.shape[0])):
+            at = torch.tensor(ends, device=hidden.device)
+            hidden, next_ids = hidden[at], next_ids[at]
+        seqs = [DraftInput(s.slot, s.last, 1, s.block_table) for s in seqs]
     plan, last = _catch_up_plan(model, cache, seqs, hidden, next_ids, block_size)
-    out, lg, tok = model.mtp_pass(hidden, next_ids.to(hidden.device), plan, cache, last)
+    out, lg, tok = model.mtp_pass(hidden, next_ids, plan, cache, last)
     x = out if last == list(range(out.shape[0])) else out[torch.tensor(last, device=out.device)]
     logits, tokens = [lg], [tok if tok is not None and sample is greedy else sample(lg, 0)]
     every = list(range(len(seqs)))
@@ -140,7 +185,9 @@ class MTPProposer:
                 captured: torch.Tensor | None, requests: list, block_size: int) -> list[list[int]]:
         dev = hidden.device
         out: list[list[int]] = [[] for _ in requests]
-        groups = ([i for i, r in enumerate(requests) if r.want == 0], [i for i, r in enumerate(requests) if r.want > 0])
+        groups: tuple[list[int], list[int]] = ([], [])  # the requests that only catch up, those that draft
+        for i, r in enumerate(requests):
+            groups[r.want > 0].append(i)
         for idx, drafting in zip(groups, (False, True), strict=True):
             if not idx:
                 continue

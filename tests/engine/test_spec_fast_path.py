@@ -21,6 +21,7 @@ from engine.model.attention import Attention
 TINY_SPEC = Path(__file__).resolve().parents[2] / "golden" / "tiny-spec"
 PROMPTS = [list(range(3, 12)), [7, 300, 41, 2, 2, 9, 13, 600, 5, 8, 21, 34, 55]]
 NEW = 24  # past the window (16) and several CSA (4) / HCA (16) blocks
+TINY_SPEC_WINDOW = 16
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list, list, int, dict, int]:
@@ -75,24 +76,67 @@ def _engine(policy: str, method: str = "mtp"):
 
 def test_a_put_off_catch_up_writes_the_catch_ups_ring_rows() -> None:
     """`mtp_fill_ring` (the MTP ring rows of positions whose catch-up was put off, from the held streams) writes
-    exactly what the catch-up over those positions wrote: here the prefill's, over a 20-token prompt, bit for bit
-    over the same rows (fewer rows at once round like any other change of a GEMM's row count)."""
+    exactly what the catch-up over those positions wrote: here the prefill's, over a 20-token prompt, whose ring rows
+    of the window before the last position come from one fill and the last one's from the block's pass over that row
+    alone - bit for bit over the same rows (fewer rows at once round like any other change of a GEMM's row count)."""
     eng = _engine("always")
     eng.add_request(PROMPTS[1] + PROMPTS[0][:7], SamplingParams(temperature=0, max_tokens=4))
-    eng.step()  # the prefill, then the MTP block's catch-up over all 20 positions
+    eng.step()  # the prefill, then the MTP block's catch-up over its positions
     run = eng.runner
     seq = next(iter(eng._requests.values()))
     lc = run.cache.layers[run.cfg.n_layers]
-    wl = lc.win_kv.shape[1]
+    wl, win = lc.win_kv.shape[1], run.cfg.window_size
     pos = torch.arange(20)
     # the ring's rows of the last window (its spare rows past a window hold the drafting recursion's speculative rows)
-    last = pos[-run.cfg.window_size:] % wl
+    last = pos[-win:] % wl
     caught = lc.win_kv[seq.slot, last].clone()
     lc.win_kv[seq.slot].zero_()
     hidden = run._last[1][pos]
     ids = torch.tensor(seq.all_token_ids)[pos + 1]
-    mtp_proposer.mtp_fill_ring(run.model, run.cache, torch.full_like(pos, seq.slot), pos, hidden, ids)
+    for part in (pos[-win:-1], pos[-1:]):  # as the catch-up wrote them
+        mtp_proposer.mtp_fill_ring(run.model, run.cache, torch.full_like(part, seq.slot), part, hidden[part],
+                                   ids[part])
     assert torch.equal(lc.win_kv[seq.slot, last], caught) and caught.abs().sum() > 0
+
+
+def test_a_catch_up_runs_the_block_on_each_last_row_and_fills_the_window_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later query of the sliding-only MTP block reads nothing of a final position but its ring row, so a catch-up
+    over a 40-token prefill fills the ring rows of the window before its last position (window - 1 of them, none
+    older) and runs the block (one `mtp_pass`) over the last row only; its drafts are those of the whole block over
+    every position (`_fills_ring` off: the path a sharded block takes) within the golden's fp32 tolerance."""
+    prompt = [(7 * i + 3) % 900 + 2 for i in range(40)]
+
+    def catch_up(fills: bool) -> tuple[list, list, list]:
+        fills_at, pass_rows = [], []
+        real_fill, real_pass = mtp_proposer.mtp_fill_ring, engine.model.model.Transformer.mtp_pass
+
+        def fill(model, cache, slots, pos, hidden, ids):
+            fills_at.append(pos.tolist())
+            return real_fill(model, cache, slots, pos, hidden, ids)
+
+        def mtp_pass(self, x, next_ids, plan, cache, rows, k=0):
+            pass_rows.append(x.shape[0])
+            return real_pass(self, x, next_ids, plan, cache, rows, k)
+
+        with monkeypatch.context() as m:
+            m.setattr(mtp_proposer, "mtp_fill_ring", fill)
+            m.setattr(engine.model.model.Transformer, "mtp_pass", mtp_pass)
+            m.setattr(mtp_proposer, "_fills_ring", lambda model: fills)
+            eng = _engine("always")
+            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+            eng.step()  # the prefill and its catch-up
+        seq = next(iter(eng._requests.values()))
+        ring = eng.runner.cache.layers[eng.runner.cfg.n_layers].win_kv[seq.slot].clone()
+        return fills_at, pass_rows[:1], [seq.draft_token_ids, ring]
+
+    fills_at, first_pass, (drafts, ring) = catch_up(True)
+    win = TINY_SPEC_WINDOW
+    assert fills_at == [list(range(40 - win, 39))] and first_pass == [1]
+    whole_fills, whole_pass, (whole_drafts, whole_ring) = catch_up(False)
+    assert whole_fills == [] and whole_pass == [40] and drafts == whole_drafts and len(drafts) == 2
+    rows = torch.arange(40 - win, 40) % ring.shape[0]  # the window's ring rows: the same keys
+    assert (ring[rows] - whole_ring[rows]).abs().max() <= FP32_LOGIT_TOL
 
 
 @pytest.mark.parametrize("method, caching", [("mtp", False), ("mtp", True), ("dspark", False)])  # DSpark: no caching
