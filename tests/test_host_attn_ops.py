@@ -132,11 +132,16 @@ def test_attn_qkv_in_one_call_is_the_op_by_op_host_path_bit_for_bit(fmts: tuple,
     assert ("host.attn_qkv", "host") not in dispatch.counts() and dispatch.counts()[("host.rope_tail", "host")] == 2
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    # kv alone (the MTP ring fill): the same kv from either path, no query made
+    for table in (host, one_by_one):
+        q, kv, qr = table.attn_qkv(*args, kv_only=True)
+        assert q is None and qr is None and torch.equal(kv, got[1])
     for m in mods.values():
         m.ops = REFERENCE
     ref = REFERENCE.attn_qkv(*args)
     for a, b in zip(got, ref, strict=True):  # normed values of size ~1: fp32 summation order only
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), float((a - b).abs().max())
+    assert torch.equal(REFERENCE.attn_qkv(*args, kv_only=True)[1], ref[1])
 
 
 def test_attn_qkv_other_cases_run_op_by_op_counted() -> None:

@@ -114,10 +114,11 @@ def _gemm_args(lin: torch.nn.Module) -> tuple[int, int, int, str] | None:
 
 def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tensor, wq_b: torch.nn.Module,
                     wkv: torch.nn.Module, kv_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                    rd: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """engine/model/ops.py `attn_qkv` as one native call (attn.c), or None where the op-by-op path must run: not fp32
-    CPU inputs, a weight the native GEMVs do not take, more rows than a kernel's max_m, autograd (counted by reason
-    under "host.attn_qkv")."""
+                    rd: int, eps: float, kv_only: bool = False,
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+    """engine/model/ops.py `attn_qkv` as one native call (attn.c; `kv_only`: no query, (None, kv, None)), or None
+    where the op-by-op path must run: not fp32 CPU inputs, a weight the native GEMVs do not take, more rows than a
+    kernel's max_m, autograd (counted by reason under "host.attn_qkv")."""
     t = x.shape[0] if x.dim() == 2 else 0
     why = native._why_not_rows("mhc", t, x, q_norm_w, kv_norm_w, cos, sin)
     if why is None and (x.dtype is not torch.float32 or cos.dtype is not torch.float32
@@ -140,12 +141,15 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
     native._count("host.attn_qkv")
     xf, qn, kn, cf, sf = x.contiguous(), q_norm_w.contiguous(), kv_norm_w.contiguous(), cos.contiguous(), \
         sin.contiguous()
-    qr, q = torch.empty(t, ql, dtype=native.F32), torch.empty(t, n_heads, hd, dtype=native.F32)
+    qr = q = None
+    if not kv_only:
+        qr, q = torch.empty(t, ql, dtype=native.F32), torch.empty(t, n_heads, hd, dtype=native.F32)
     kv = torch.empty(t, hd, dtype=native.F32)
     (fa, wa, sa, _), (fb, wb, sb, _), (fk, wk, sk, _) = args
     rc = native._native().lib.dk_attn_qkv(xf.data_ptr(), t, dim, fa, wa, sa, qn.data_ptr(), ql, fb, wb, sb, n_heads, hd,
-                                      fk, wk, sk, kn.data_ptr(), cf.data_ptr(), sf.data_ptr(), rd, eps, qr.data_ptr(),
-                                      q.data_ptr(), kv.data_ptr(), torch.get_num_threads())
+                                      fk, wk, sk, kn.data_ptr(), cf.data_ptr(), sf.data_ptr(), rd, eps,
+                                      None if qr is None else qr.data_ptr(), None if q is None else q.data_ptr(),
+                                      kv.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"host kernel attn_qkv: error {rc} for x [{t}, {dim}]")
     return q, kv, qr

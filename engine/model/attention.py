@@ -152,6 +152,12 @@ class Attention(OpsUser, nn.Module):
                                       cos, sin, self.n_heads, self.rd, self.eps)
         return q, self.ops.kv_quant(kv, self.rd), qr  # kv [T, D] (numerics: FP8 non-RoPE dims)
 
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`qkv`'s kv [T, D] alone (the same values: the query is not made)."""
+        _, kv, _ = self.ops.attn_qkv(x, self.wq_a, self.q_norm.weight, self.wq_b, self.wkv, self.kv_norm.weight,
+                                     cos, sin, self.n_heads, self.rd, self.eps, kv_only=True)
+        return self.ops.kv_quant(kv, self.rd)
+
     def aux(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              index: bool = True) -> dict:
         """Compressor projections ("c", "i") and indexer queries/weights ("q") of all tokens (`index` False: no

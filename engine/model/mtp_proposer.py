@@ -128,7 +128,7 @@ def mtp_fill_ring(model: Transformer, cache: KVCache, slots: torch.Tensor, pos: 
     blk = model.mtp[0]
     h, _, _ = blk.ops.hc_pre(model.mtp_input(hidden, next_ids), *blk.site_args("attn"))
     cos, sin = blk.attn.rope.cos_sin(pos)
-    _, kv, _ = blk.attn.qkv(h, cos, sin)
+    kv = blk.attn.kv(h, cos, sin)
     lc = cache.layers[blk.layer_id]
     write_ring(lc.win_store, slots, pos % lc.win_kv.shape[1], kv)
 

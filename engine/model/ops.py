@@ -193,19 +193,22 @@ def with_composites(ops: OpTable | Mapping[str, Any], fused_attn_tail: bool) -> 
         return table.rms_norm(table.hc_collapse(x, pre), norm_w, norm_eps), post, comb
 
     def attn_qkv(x: T, wq_a: Any, q_norm_w: T, wq_b: Any, wkv: Any, kv_norm_w: T, cos: T, sin: T, n_heads: int,
-                 rd: int, eps: float) -> tuple[T, T, T]:
+                 rd: int, eps: float, kv_only: bool = False) -> tuple[T | None, T, T | None]:
         """x [T, dim] -> q [T, H, D] (low-rank q, per-head RMS, RoPE), kv [T, D] (normed, RoPE), qr [T, q_lora];
-        wq_a / wq_b / wkv are the Linear modules."""
+        wq_a / wq_b / wkv are the Linear modules. `kv_only`: (None, kv, None), the same kv (it does not depend on
+        the query)."""
         native = table.attn_qkv_native
         if native is not None and not torch.compiler.is_compiling():
-            out = native(x, wq_a, q_norm_w, wq_b, wkv, kv_norm_w, cos, sin, n_heads, rd, eps)
+            out = native(x, wq_a, q_norm_w, wq_b, wkv, kv_norm_w, cos, sin, n_heads, rd, eps, kv_only)
             if out is not None:
                 return out
+        kv = table.rope_tail(table.rms_norm(wkv(x), kv_norm_w, eps), cos, sin, rd)
+        if kv_only:
+            return None, kv, None
         t = x.shape[0]
         qr = table.rms_norm(wq_a(x), q_norm_w, eps)  # [T, q_lora]
         q = table.head_rms(wq_b(qr).view(t, n_heads, -1), eps)  # per-head unweighted RMS
         q = table.rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), rd)  # [T, H, D]
-        kv = table.rope_tail(table.rms_norm(wkv(x), kv_norm_w, eps), cos, sin, rd)
         return q, kv, qr
 
     d.update(attn_out_expand=fused_tail if fused_attn_tail else tail, stack_linear=stack_linear, attn_qkv=attn_qkv)
