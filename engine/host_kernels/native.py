@@ -36,17 +36,11 @@ def max_m(key: str) -> int:
     return MAX_M[_native().variant][key]
 
 
-_MAX_ROWS: dict[tuple[str, tuple[str, ...]], int] = {}
-
-
 def max_rows(keys: tuple[str, ...]) -> int:
     """min(max_m(k) for k in keys): the most rows a packed call that runs each of `keys`' kernels takes (a pack's
-    `limit_keys`; worked out once per build and keys, since every decode step asks in every layer)."""
-    variant = _native().variant
-    rows = _MAX_ROWS.get((variant, keys))
-    if rows is None:
-        rows = _MAX_ROWS[(variant, keys)] = min(MAX_M[variant][k] for k in keys)
-    return rows
+    `limit_keys`), the build's limits looked up once (not kept: tests change MAX_M)."""
+    limits = MAX_M[_native().variant]
+    return min(limits[k] for k in keys)
 
 
 def build_info() -> dict[str, Any]:
