@@ -119,7 +119,7 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
     """`policy`: one --speculative-policy, or several comma-separated (one speculative engine each, interleaved);
     `warmup`: tokens per request of the untimed run of each setting and batch size first; `instances`: engines
     built per setting, repeat r running on instance r % instances (each engine's memory lies where it was
-    allocated: two engines of one setting differ by up to ~3% CPU per token, which averages out over instances);
+    allocated: two engines of one setting differ by a few per cent of CPU per token, which instances average out);
     `aa`: a second plain setting ("A/A"), whose ratio to the first is the run's floor."""
     from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
@@ -198,7 +198,7 @@ def main() -> None:
                    "leaves that out of the timed runs (the steady state) and e.g. 4 times it in")
     p.add_argument("--instances", type=int, default=1,
                    help="engines per setting, the repeats spread over them in turn (where an engine's memory lies "
-                   "moves its speed by up to ~3%%: more instances average that out)")
+                   "moves its speed by a few per cent: more instances average that out)")
     p.add_argument("--aa", action="store_true", help="a second plain engine (A/A): the run's own floor")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()

@@ -592,11 +592,16 @@ int dk_mtp_draft(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, cons
     int64_t *ring = ix, *at = ring + M, *sl = at + M, *src = sl + M, *every = src + M, *ids_in = every + R;
     uint8_t *is_last = valid + M * wl;
     memset(is_last, 0, (size_t)B);
-    int rc = 0;
     for (int64_t r = 0; r < R; r++) {
-        if (is_last[rows[r]]) rc = -5;
+        if (is_last[rows[r]]) { /* a row given twice: the earlier rows below would not be B - R */
+            free(buf);
+            free(ix);
+            free(valid);
+            return -5;
+        }
         is_last[rows[r]] = 1;
     }
+    int rc = 0;
     for (int64_t b = 0, f = 0; b < B; b++)
         if (!is_last[b]) src[f++] = b;
     for (int64_t r = 0; r < R; r++) {

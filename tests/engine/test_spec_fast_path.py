@@ -338,3 +338,6 @@ def test_one_call_drafting_refuses_a_position_past_its_rope_table() -> None:
     for at in (7, 3):  # 9 is past the table, 3 before it
         with pytest.raises(IndexError, match="RoPE table"):
             mtp_draft(*packs, x, ids, [at], [0], [0], 3, window, blk.attn.win)
+    two = torch.randn(2, m.cfg.hc_mult, m.cfg.dim)
+    with pytest.raises(IndexError, match="rows"):  # a last row given twice: refused before anything is read
+        mtp_draft(*packs, two, torch.tensor([5, 6]), [5, 6], [0, 0], [1, 1], 2, window, blk.attn.win)
