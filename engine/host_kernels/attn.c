@@ -96,10 +96,11 @@ __attribute__((noinline)) static void pool_slots(const float *const *kv, const f
 
 /* The lightning indexer's scores of one query row over n keys (rows by pointer): s[e] = sum_h w[h] relu(q[h] . k_e),
  * fp32 (nki_kernels/reference.py index_score). qT [Di, Hi]: the row's queries transposed, so one key element meets
- * IS_H heads in one contiguous run. Four keys x IS_H heads at a time in registers (gcc / clang vector types of the
- * build's register width: 16 heads on AVX-512, 8 on AVX2, 4 otherwise); each head's dot is one chain over d, in d
- * order; the weighted ReLU sum in head order. Heads not a multiple of IS_H take the scalar loop. One copy
- * (noinline) for dk_index_score and dk_attn_decode's selection: the same bits. */
+ * IS_H heads in one contiguous run. Four keys x 2 IS_H heads at a time in registers, 8 chains in flight (4 x IS_H
+ * where the heads are not a multiple of 2 IS_H; gcc / clang vector types of the build's register width: IS_H is 16
+ * heads on AVX-512, 8 on AVX2, 4 otherwise); each head's dot is one chain over d, in d order; the weighted ReLU sum
+ * in head order. Heads not a multiple of IS_H take the scalar loop. One copy (noinline) for dk_index_score and
+ * dk_attn_decode's selection: the same bits. */
 #if defined(__AVX512F__)
 enum { IS_H = 16 }; /* one accumulator: one register of the build */
 #elif defined(__AVX2__)
@@ -116,7 +117,26 @@ __attribute__((noinline)) static void index_scores_row(const float *restrict qT,
         const float *k[4];
         for (int j = 0; j < 4; j++) k[j] = keys[e0 + j < n ? e0 + j : n - 1]; /* past n: the last, discarded */
         float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (Hi % IS_H == 0) {
+        if (Hi % (2 * IS_H) == 0) { /* two head groups a pass: 8 dot chains in flight, not 4 (FMA latency) */
+            for (int64_t h0 = 0; h0 < Hi; h0 += 2 * IS_H) {
+                is_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+                for (int64_t d = 0; d < Di; d++) {
+                    is_vec q, r;
+                    memcpy(&q, qT + d * Hi + h0, sizeof q);
+                    memcpy(&r, qT + d * Hi + h0 + IS_H, sizeof r);
+                    const float k0 = k[0][d], k1 = k[1][d], k2 = k[2][d], k3 = k[3][d];
+                    a0 += q * k0, a1 += q * k1, a2 += q * k2, a3 += q * k3;
+                    b0 += r * k0, b1 += r * k1, b2 += r * k2, b3 += r * k3;
+                }
+                const is_vec *acc[4][2] = {{&a0, &b0}, {&a1, &b1}, {&a2, &b2}, {&a3, &b3}};
+                for (int j = 0; j < 4; j++)
+                    for (int g = 0; g < 2; g++)
+                        for (int l = 0; l < IS_H; l++) {
+                            const float v = (*acc[j][g])[l];
+                            t[j] += w[h0 + g * IS_H + l] * (v < 0.0f ? 0.0f : v);
+                        }
+            }
+        } else if (Hi % IS_H == 0) {
             for (int64_t h0 = 0; h0 < Hi; h0 += IS_H) {
                 is_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 for (int64_t d = 0; d < Di; d++) {
