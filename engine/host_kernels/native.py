@@ -21,7 +21,7 @@ from nki_kernels import dispatch
 _AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8,
                  "close": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 32, "fp8": 32, "fp4": 128, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8,
+         "avx2": {"linear": 128, "fp8": 64, "fp4": 128, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 64,
                   "close": 64},
          "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0, "pool": 2, "index": 0,
                       "close": 64}}
