@@ -18,11 +18,14 @@ from nki_kernels import dispatch
 # fast or faster (scripts/bench_host_kernels.py measures the crossover; docs/host_kernels_history.md says why each).
 # "close": the blocks one compressor closes in a fused decode call (attn_decode, decode_layer, mtp_pass), pooled in
 # it with compress_pool's routine - past it the whole layer runs op by op, so it is not compress_pool's crossover.
+# A fused decode call takes the least limit of its kernels' keys, so a limit is also where the fused call stops: on
+# avx2 "index" is past index_score's own crossover (8 rows), because there the fused call's selection gains more
+# than the op alone loses.
 _AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8,
                  "close": 64}
 MAX_M = {"avx512-vbmi": dict(_AVX512_MAX_M), "avx512": dict(_AVX512_MAX_M),
-         "avx2": {"linear": 128, "fp8": 64, "fp4": 128, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 64,
-                  "close": 64},
+         "avx2": {"linear": 128, "fp8": 128, "fp4": 128, "mhc": 128, "sparse_attn": 128, "pool": 2, "index": 128,
+                  "close": 128},
          "portable": {"linear": 1, "fp8": 1, "fp4": 4, "mhc": 64, "sparse_attn": 0, "pool": 2, "index": 0,
                       "close": 64}}
 EXECUTOR = "host"  # the executor column of the dispatch counters
