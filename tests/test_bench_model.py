@@ -141,9 +141,12 @@ def test_values_are_realistic(small):
             assert len(torch.unique(h.get_tensor(key).view(torch.uint8))) == 2, key
 
 
-def _run(d: Path, prompts: list, max_model_len: int) -> tuple[list, torch.Tensor, dict[int, torch.Tensor]]:
+def _run(d: Path, prompts: list, max_model_len: int, kernels: str = "auto",
+         ) -> tuple[list, torch.Tensor, dict[int, torch.Tensor]]:
+    """Greedy outputs, logits and (under the reference kernels, where every layer runs the MoE gate module: a fused
+    native call routes inside C, at as many rows as the CPU's build takes) each layer's routed experts."""
     config = EngineConfig.from_model_dir(d, max_num_seqs=1, num_kv_blocks=max_model_len // 16 + 8,
-                                         max_model_len=max_model_len)
+                                         max_model_len=max_model_len, kernels=kernels)
     eng = engine.build(config)
     rows: list[torch.Tensor] = []
     eng.on_logits = lambda ids, logits: rows.append(logits.clone())
@@ -173,8 +176,9 @@ def test_engine_runs_it(small):
     d, cfg = small
     ids = [0] + torch.randint(2, 1000, (119,), generator=torch.Generator().manual_seed(0)).tolist()
     assert len(ids) // 4 > cfg.index_topk and len(ids) > cfg.window_size  # CSA selects, the window slides
-    outs, logits, picks = _run(d, [ids, "The quick brown fox jumps over the lazy dog."], 512)
-    _check_forward(cfg, outs, logits, picks)
+    prompts = [ids, "The quick brown fox jumps over the lazy dog."]
+    outs, logits, _ = _run(d, prompts, 512)
+    _check_forward(cfg, outs, logits, _run(d, prompts, 512, kernels="reference")[2])
 
 
 # ---- presets ---------------------------------------------------------------------------------------------------
@@ -247,8 +251,8 @@ def test_mid_generates_loads_and_runs(tmp_path):
     _check_layout(d, cfg)
     ids = [0] + torch.randint(2, 1000, (1279,), generator=torch.Generator().manual_seed(0)).tolist()
     assert len(ids) // 4 > cfg.index_topk  # the indexer really selects
-    outs, logits, picks = _run(d, [ids], 2048)
-    _check_forward(cfg, outs, logits, picks)
+    outs, logits, _ = _run(d, [ids], 2048)
+    _check_forward(cfg, outs, logits, _run(d, [ids], 2048, kernels="reference")[2])
 
 
 @pytest.mark.slow
