@@ -19,7 +19,7 @@ from nki_kernels import dispatch
 # "close": the blocks one compressor closes in a fused decode call (attn_decode, decode_layer, mtp_pass), pooled in
 # it with compress_pool's routine - past it the whole layer runs op by op, so it is not compress_pool's crossover.
 # A fused decode call takes the least limit of its kernels' keys, so a limit is also where the fused call stops: on
-# avx2 "index" is past index_score's own crossover (8 rows), because there the fused call's selection gains more
+# avx2 "index" is past index_score's own crossover (a few rows), because there the fused call's selection gains more
 # than the op alone loses.
 _AVX512_MAX_M = {"linear": 128, "fp8": 128, "fp4": 256, "mhc": 64, "sparse_attn": 64, "pool": 2, "index": 8,
                  "close": 64}
