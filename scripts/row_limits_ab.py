@@ -69,7 +69,8 @@ def main() -> None:
                for s in "AB"}
 
     def run(s: str, prompts: list[list[int]], new: int) -> dict:
-        limits.update(a_limits if s == "A" else b_limits)
+        if s == "B":
+            limits.update(b_limits)
         try:
             return timed_run(engines[s], prompts, new)
         finally:

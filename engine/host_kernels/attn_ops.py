@@ -134,7 +134,7 @@ def attn_qkv_native(x: torch.Tensor, wq_a: torch.nn.Module, q_norm_w: torch.Tens
                 or tuple(q_norm_w.shape) != (ql,) or tuple(kv_norm_w.shape) != (hd,) or not 0 < rd <= hd or rd % 2 \
                 or tuple(cos.shape) != (t, rd // 2) or tuple(sin.shape) != (t, rd // 2):
             why = "shape"
-        elif t > (limit := min(native.max_m(a[3]) for a in args)):
+        elif t > (limit := native.max_rows(tuple(a[3] for a in args))):
             why = f"M > {limit}"
     if why is not None:
         return dispatch.fallback("host.attn_qkv", why, lambda: None)

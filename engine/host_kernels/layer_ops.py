@@ -163,13 +163,12 @@ def mtp_draft(layer: Pack, inp: Pack, head: Pack, x: torch.Tensor, ids: torch.Te
             or ids.dtype is not torch.int64 or not ids.is_cpu or tuple(ids.shape) != (b,) or not ids.is_contiguous() \
             or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != a.rd // 2 or not packs.fp32_cpu(cos, sin):
         return None
-    counts = native.dispatch.current()
-    counts.count("host.mtp_draft", native.EXECUTOR)
+    native._count("host.mtp_draft")
     for keys in (ia.keys, a.keys, ha.keys):  # and as k mtp_pass calls
-        counts.count_each(keys, k)
+        native._count_each(keys, k)
     if b > r:  # and as the catch-up's ring fill of the rows before the last (mtp_proposer.mtp_fill_ring's ops)
-        counts.count_each(ia.keys)
-        counts.count_each(_FILL_KEYS)
+        native._count_each(ia.keys)
+        native._count_each(_FILL_KEYS)
     logits, tokens = torch.empty(k, r, ha.vocab, dtype=native.F32), torch.empty(k, r, dtype=torch.int64)
     at = (ctypes.c_int64 * (2 * b + r))(*pos, *slots, *rows)
     step = ctypes.sizeof(ctypes.c_int64)
