@@ -276,8 +276,11 @@ class LLMEngine:
                            torch.cat([emitted[i][1] for i in order]))
         outputs = [self._emit(batch.entries[i][0], *emitted[i], i in verify) for i in sorted(emitted)]
         if self.spec_policy is not None and decode_only and len(verify) in (0, len(batch.entries)):
-            # the whole target step, sampling and acceptance included (a verify step's are dearer per sequence)
-            self.spec_policy.record("verify" if verify else "plain", len(batch.entries), clock() - t0)
+            # the whole target step, sampling and acceptance included (a verify step's are dearer per sequence);
+            # not kept where a sequence verified fewer than k drafts (near its max_tokens: a cheaper step)
+            k = self.config.spec.num_speculative_tokens
+            self.spec_policy.record("verify" if verify else "plain", len(batch.entries),
+                                    clock() - t0 if all(len(d) == k for d in drafts.values()) else None)
         if self.config.spec.enabled:
             self._draft(batch, starts, decode_only)
         for slot, snap in self.scheduler.take_snapshots(batch, starts, self.config.spare_positions):
@@ -329,7 +332,7 @@ class LLMEngine:
                     held.append((i, seq.slot, starts[i], seq.all_token_ids[done]))
                     continue
             held = None
-        on = self.spec_policy.speculate(len(ids), ids)
+        on = self.spec_policy.speculate(len(ids), ids, bool(self.scheduler.waiting))
         # a probe of the acceptance drafts for one sequence: a verify step of B + k rows, not B * (k + 1)
         one = self.spec_policy.pick(ids) if on and self.spec_policy.probe_one and ids else None
         if not on and self._defers and held:
@@ -365,7 +368,9 @@ class LLMEngine:
         t0 = self.spec_policy.clock()
         drafted = self.runner.draft(requests)
         if decode_only and one is None and (on or not any(r.want for r in requests)):
-            self.spec_policy.record("draft" if on else "catch_up", len(requests), self.spec_policy.clock() - t0)
+            full = not on or all(r.want == k for r in requests)  # (as a verify step of fewer drafts: not kept)
+            self.spec_policy.record("draft" if on else "catch_up", len(requests),
+                                    self.spec_policy.clock() - t0 if full else None)
         for req, toks in zip(requests, drafted, strict=True):
             seq = batch.entries[req.entry][0]
             seq.draft_token_ids = list(toks[: req.want])

@@ -221,20 +221,25 @@ class SpecPolicy:
     sequences finish apart pays its slowest one's steps).
 
     Costs: each of the four parts has its own curve over B (`_Costs`: the last `window` steps per B, interpolated
-    between measured sizes), so a batch size needs no measuring of its own unless the estimate is unsure: where G
-    is within `band` of 1 and the side not taken has no measured size within a quarter of B, that side is measured
-    (3 steps: the first at a new size is dropped); at B > 1 plain steps near B are measured before anything turns on
-    or probes there (a line from smaller sizes overshoots a larger one's plain cost: a step's fixed share).
+    between measured sizes; a step where a sequence had fewer than k drafts is not kept), and where a size's verify
+    and draft steps were kept against its plain steps, spec(B) is their ratios to those times' plain step times its
+    plain step now (a shared machine's speed swings by half between phases); a size needs no measuring of its own
+    unless the estimate is unsure: where G is within `band` of 1 and the side not taken has no measured size within a
+    quarter of B, that side is measured (3 steps: the first at a new size is dropped); at B > 1 plain steps near B are
+    measured before anything turns on or probes there (a line from smaller sizes overshoots a larger one's plain
+    cost: a step's fixed share).
     E: the mean over the batch's sequences of each one's own rates (acceptance depends on the text: a sequence's own
     last verifies say more than the engine's), which start from the engine's prior (over every sequence's verifies,
-    a slower average than the engine's own rates); before `least_seen` verified sequences it speculates.
+    a slower average than the engine's own rates); at B > 1 with no request waiting, their harmonic mean (no request
+    takes the slot of a sequence that finishes early: the batch runs as long as its slowest one); before
+    `least_seen` verified sequences it speculates.
     E < 1 + margin after `least_none` verify steps (a draft head that is never right) turns it off with no cost
     needed, probed one step in `interval`, or in as many as keep the probes at `probe_share` of the steps' cost where a
     probe is dearer (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
     acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
-    G >= 0.9) and a batch of sequences none of which has verified yet speculates once; where even full acceptance
-    cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and nothing is probed:
-    that decided-off state costs nothing.
+    G >= 0.9) and at B = 1 a new sequence speculates once (at B > 1 new sequences wait for a probe); where even full
+    acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and
+    nothing is probed: that decided-off state costs nothing.
     `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
@@ -258,6 +263,10 @@ class SpecPolicy:
         self.seq_alpha = seq_alpha
         self._seqs: dict[object, _Rates] = {}  # each decoding sequence's own
         self.parts = {w: _Costs(window) for w in ("verify", "draft", "plain", "catch_up")}
+        # the speculative parts at a batch size again, each over the plain step's cost there when it was kept (a
+        # shared machine's speed swings by half between phases: a verify step kept in a fast one against plain steps
+        # of a slow one read as a gain that was not there)
+        self.rel = {w: _Costs(window) for w in ("verify", "draft")}
         self.why = ""
         self.hysteresis = 1.1  # the gain that turns it on at a batch size where it was off (costs drift)
         self._was_on: dict[int, bool] = {}
@@ -279,18 +288,30 @@ class SpecPolicy:
     def rates(self) -> list[float]:
         return self.accepted.rates
 
-    def record(self, what: str, batch: int, seconds: float) -> None:
+    def record(self, what: str, batch: int, seconds: float | None) -> None:
         """A measured decode-only step part: "verify" / "plain" (the whole target step, sampling and acceptance
-        included) or "draft" / "catch_up" (the draft head after it, drafting or not), of `batch` sequences."""
+        included) or "draft" / "catch_up" (the draft head after it, drafting or not), of `batch` sequences.
+        `seconds` None: a step of that kind ran but is not one the policy weighs (a sequence drafted fewer than k,
+        near its max_tokens: fewer rows than a speculative step has); it counts as the first after a switch."""
         target = what in ("verify", "plain")
         if what == "plain":
             self._plain_at[batch] = self._t
         switched = self._last.get(target) not in (None, what)
         self._last[target] = what
-        if switched:  # the first step after a switch of kind is not kept either: it rebuilds that kind's packs
-            self.parts[what].samples.setdefault(batch, deque(maxlen=self.parts[what].window))
-        else:
-            self.parts[what].add(batch, seconds)
+        costs = self.parts[what]
+        if switched or seconds is None:  # the first step after a switch of kind is not kept either: it rebuilds
+            costs.samples.setdefault(batch, deque(maxlen=costs.window))  # that kind's packs
+            return
+        kept = batch in costs.samples  # (the first at a new size is not)
+        costs.add(batch, seconds)
+        off = self._off_step(batch) if kept and what in self.rel else None
+        if off:
+            self.rel[what].samples.setdefault(batch, deque(maxlen=costs.window)).append(seconds / off)
+
+    def _off_step(self, batch: int) -> float | None:
+        """plain + catch-up at `batch` from its own kept samples (None while plain has fewer than `least`)."""
+        plain = self.cost("plain", batch, self.least)
+        return None if plain is None else plain + (self.cost("catch_up", batch) or 0.0)
 
     def cost(self, what: str, batch: int, least: int = 1) -> float | None:
         """The mean of the kept samples at `batch` (less the largest), None while fewer than `least`."""
@@ -298,7 +319,9 @@ class SpecPolicy:
 
     def estimate(self, batch: int) -> tuple[float | None, float | None]:
         """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
-        spec(B) = verify(B) + draft(B), each part from its own curve where a size within a quarter of B is measured,
+        spec(B): where B's own verify and draft steps were kept against its plain steps, their ratios to those times'
+        plain step (plain + catch-up at B) times B's now; else verify(B) + draft(B), each part from its own curve
+        where a size within a quarter of B is measured,
         else from the sizes where both sides are: a verify step costs a plain one plus B times its draft rows' cost
         per sequence, and drafting costs a share of a plain step (both fitted over those sizes). Where no size has
         both, from a larger size's (an overestimate: it is measured on), else None (measured first)."""
@@ -306,6 +329,10 @@ class SpecPolicy:
         plain = p["plain"].at(batch)
         if plain is not None:
             plain += p["catch_up"].at(batch) or 0.0
+        off = self._off_step(batch)
+        v, d = self.rel["verify"].mean(batch), self.rel["draft"].mean(batch)
+        if off and v is not None and d is not None:  # kept at B against its plain steps of their time: the speed
+            return (v + d) * off, plain  # of the machine then and now cancels
         if p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least) or plain is None:
             verify, draft = p["verify"].at(batch), p["draft"].at(batch)
             return (None if verify is None or draft is None else verify + draft), plain
@@ -345,13 +372,14 @@ class SpecPolicy:
                 self._seqs[seq] = _Rates(self.seq_alpha, self.prior.rates, seen=2)
             self._seqs[seq].add(drafted, accepted)
 
-    def expected_tokens(self, seqs: Sequence[object] = ()) -> float:
+    def expected_tokens(self, seqs: Sequence[object] = (), slowest: bool = False) -> float:
         """E: tokens a sequence gets from one verify step: the mean over `seqs` of their own rates' (a sequence
-        with no verify yet: the engine's prior), or the engine's."""
+        with no verify yet: the engine's prior), or the engine's; `slowest`: their harmonic mean (the batch's
+        steps per token, which its slow sequences rule)."""
         if not seqs:
             return self.accepted.expected(self.k)
-        own = [self._seqs.get(s) for s in seqs]
-        return statistics.fmean(self.prior.expected(self.k) if r is None else r.expected(self.k) for r in own)
+        own = [self.prior.expected(self.k) if r is None else r.expected(self.k) for r in map(self._seqs.get, seqs)]
+        return statistics.harmonic_mean(own) if slowest else statistics.fmean(own)
 
     def forget(self, keep: Sequence[object]) -> None:
         """Drop the rates of sequences not in `keep` (finished ones)."""
@@ -359,9 +387,10 @@ class SpecPolicy:
         for s in [s for s in self._seqs if s not in keep]:
             del self._seqs[s]
 
-    def speculate(self, batch: int, seqs: Sequence[object] = ()) -> bool:
-        """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids). None
-        decoding (prefill chunks only): no decision, nothing of the state moves (a probe interval runs on)."""
+    def speculate(self, batch: int, seqs: Sequence[object] = (), waiting: bool = False) -> bool:
+        """Whether the step after this one speculates, for `batch` decoding sequences (`seqs`: their ids; `waiting`:
+        requests wait for a slot). None decoding (prefill chunks only): no decision, nothing of the state moves (a
+        probe interval runs on)."""
         self.probe_one = False
         if batch == 0:
             return False
@@ -383,7 +412,11 @@ class SpecPolicy:
         seen = self.accepted.seen[0] if self.accepted.seen else 0
         if not seen:
             return self._on("no verify yet")
-        e = self.expected_tokens(seqs)
+        # at B > 1 with nothing waiting the batch runs as long as its slowest sequence (no request takes the slot of
+        # one that finishes early): E is the harmonic mean of its sequences' (steps per token averaged: the slow ones
+        # weigh as they do on the batch's length, and no one noisy estimate decides as the least's would); with
+        # requests waiting, the mean
+        e = self.expected_tokens(seqs, slowest=batch > 1 and not waiting)
         if seen >= self.least_none and self.accepted.expected(self.k) < 1 + self.margin and e < 1 + self.margin:
             self._was_on[batch] = False
             # no step cost makes that pay; a probe costs a speculative step (and the resume of the draft ring's
@@ -402,7 +435,7 @@ class SpecPolicy:
             # sizes overshoot a larger one's (the gain with it): at B > 1 plain steps (cheap, the off state) are
             # measured near B before anything turns on or probes there
             return self._off(None, why="measuring plain steps at this batch size")
-        margin = self.slack(batch)
+        margin = self.margin if batch > 1 and not waiting else self.slack(batch)  # (the harmonic E carries it)
         gain = e * plain / ((1 + margin) * spec)
         sure = not 1 / self.band < gain < self.band
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
@@ -418,10 +451,12 @@ class SpecPolicy:
         self._was_on[batch] = gain >= ((1 / self.band if batch == 1 else 1) if was else
                                        (1 if batch == 1 else self.hysteresis))
         if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
-            # on again at B > 1 on the batch's own acceptance, not the engine's (other texts'): until half its
-            # sequences have verified, one of them verifies a step
+            # on again at B > 1 on the batch's own acceptance, not the engine's (other texts' - the prior comes from
+            # the verifies made, most of them where acceptance was high): until half its sequences have verified,
+            # one of them verifies a step at the probe interval (each a probe's cost)
             self._was_on[batch] = False
-            return self._probe(f"gain {gain:.2f}: the batch's own acceptance first")
+            return self._off(self.interval or max(self.probe_every, self._probe_steps(batch)), sooner=False,
+                             why=f"gain {gain:.2f}: the batch's own acceptance first")
         if self._was_on[batch]:
             if batch > 1 and self._t - self._plain_at.get(batch, self._t) > self.refresh:
                 # on for long at B > 1: plain(B) is measured again (its samples are of another time, and a batch
@@ -437,11 +472,8 @@ class SpecPolicy:
         if (self.k + 1) * plain < (1 + margin) * spec:  # decided off: the next few steps at B take it as it is
             self._settled = (batch, self.recheck - 1)
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
-        if seqs and not any(s in self._seqs for s in seqs) and (batch == 1 or gain > 1 / self.band):
-            # at B > 1 only a near tie: one sequence's first verify moves the batch's E by at most (k + 1 - E) / 3B
-            if batch == 1:
-                return self._on(f"gain {gain:.2f}: a new sequence's first verify")
-            return self._probe(f"gain {gain:.2f}: new sequences' first verify")
+        if seqs and batch == 1 and seqs[0] not in self._seqs:
+            return self._on(f"gain {gain:.2f}: a new sequence's first verify")
         # at B = 1 a probe loses about 1 - G of a step: probe more often the less it loses (one in 2 at G = 0.9, 8
         # at 0.6); a probe of a batch (one sequence's drafts, its resume) costs a share of a step whatever G is
         # (at B > 1 the interval, once set, only doubles: its first length is worked out once)
@@ -454,8 +486,9 @@ class SpecPolicy:
         return False
 
     def slack(self, batch: int) -> float:
-        """The margin at B: margin * (1 + log2 B). A batch runs as long as its slowest sequence, and B sequences'
-        accepted counts spread more the more there are, so a near tie per step loses over a batch."""
+        """The margin at B with requests waiting (E the mean): margin * (1 + log2 B). A batch runs as long as its
+        slowest sequence, and B sequences' accepted counts spread more the more there are, so a near tie per step
+        loses over a batch. With nothing waiting the harmonic E weighs the slow sequences instead: `margin`."""
         return self.margin * (1 + math.log2(max(batch, 1)))
 
     def pick(self, seqs: Sequence[object]) -> object:

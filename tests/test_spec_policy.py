@@ -199,34 +199,36 @@ def test_a_probe_of_a_batch_drafts_for_one_sequence() -> None:
     assert p.pick(["a", "b"]) == "b"  # the fewest verifies of its own
 
 
-def test_a_batch_of_new_sequences_verifies_once_where_that_could_turn_it_on() -> None:
-    """A near tie (G within the band): one of the new sequences verifies at once; far off (G = 0.81), one sequence's
-    verify cannot move the batch's E enough, so they wait for the probe interval."""
+def test_a_batch_of_new_sequences_verifies_at_the_probe_interval() -> None:
+    """At B > 1 new sequences' first verify is a probe like any other, at the probe interval, near tie or far off
+    (a batch probing at once for each new batch paid a probe, about a plain step, every few dozen steps); at B = 1 a
+    new sequence verifies at once."""
     new = ["x", "y", "z", "w"]
-    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
-    _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
-    _accept(p, 16, 1)  # E = 2: G = 2 * 2.1 / (1.15 * 4) = 0.91
-    assert p.speculate(4, new) and p.probe_one and "first verify" in p.why  # for one of them
-    p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
-    _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
-    _accept(p, 16, 1)  # G = 0.81
-    decisions = [p.speculate(4, new) for _ in range(8)]
-    assert decisions.index(True) >= 4 and "probing E" in p.why
+    for verify in (2.5, 3.0):  # E = 2: G = 2 * 2.1 / (1.15 * 4) = 0.91, then 0.81
+        p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
+        _feed(p, 4, verify=verify, draft=1.5, plain=2.0, catch_up=0.1)
+        _accept(p, 16, 1)
+        decisions = [p.speculate(4, new, waiting=True) for _ in range(8)]
+        assert decisions.index(True) == 7 and p.probe_one and "probing E" in p.why
+    p = SpecPolicy(2)
+    _feed(p, 1, verify=4.0, draft=1.5, plain=2.0, catch_up=0.1)
+    _accept(p, 16, 1)  # G = 2 * 2.1 / (1.05 * 5.5) = 0.73
+    assert p.speculate(1, ["x"]) and "first verify" in p.why
 
 
 def test_a_probe_keeps_the_probe_interval() -> None:
-    """Probes at B > 1 (one sequence each), new sequences' first verifies included, do not restart the doubling
-    of the interval: a stream of new batches far off costs one probe in 8, then 16, ... steps."""
+    """Probes at B > 1 (one sequence each; new sequences' first verifies are probes too) do not restart the doubling
+    of the interval: a stream of new batches costs one probe in 8, then 16, ... steps."""
     p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=2.5, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1)  # near tie: new sequences verify once
     probes = []
     for step in range(64):
         seqs = [f"{step // 16}-{i}" for i in range(4)]  # a new batch every 16 steps
-        if p.speculate(4, seqs):
+        if p.speculate(4, seqs, waiting=True):
             probes.append(step)
             p.observe(2, 1, p.pick(seqs))
-    assert probes[0] == 0 and len(probes) <= 6
+    assert probes[0] == 7 and len(probes) <= 6
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] >= 16
 
@@ -282,27 +284,30 @@ def test_probes_of_a_batch_cost_a_share_of_its_steps() -> None:
     _feed(p, 8, verify=5.0, draft=2.0, plain=4.0, catch_up=0.0)  # a tie at full acceptance: never decided off
     _accept(p, 16, 1)  # E = 2: G at 8 = 2 * 4 / (1.2 * 7) = 0.95 (a near tie: within the band)
     assert p._probe_steps(8) == 17  # (2.5 - 1.2) / (4 * 0.02) = 16.25
-    decisions = [p.speculate(8) for _ in range(60)]
+    decisions = [p.speculate(8, waiting=True) for _ in range(60)]
     assert [i for i, d in enumerate(decisions) if d] == [16, 50]  # after 17 off steps, then 34
     assert not p.speculate(1) and p.interval != 68  # batch 1: its own interval
-    assert not p.speculate(8) and p.interval == 68
+    assert not p.speculate(8, waiting=True) and p.interval == 68
 
 
 def test_on_again_at_a_batch_rests_on_its_own_sequences_acceptance() -> None:
     """Off at B = 4, then the engine's acceptance (other sequences') says it would pay: the batch's sequences, none
-    verified yet, verify one a step first; on once half of them have, and their own acceptance says so."""
+    verified yet, verify one at a time first, each at the probe interval (a probe's cost); on once half of them
+    have, and their own acceptance says so."""
     batch = ["a", "b", "c", "d"]
-    p = SpecPolicy(2, margin=0.0)
+    p = SpecPolicy(2, margin=0.0, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
     _accept(p, 16, 0, seqs=("x",))  # another sequence: E ~ 1.2, G = 0.6
-    assert not p.speculate(4)
+    assert not p.speculate(4, waiting=True)
     _set_rates(p, [0.9, 0.8])  # the engine's: E = 2.7, G = 1.35
     decisions = []
-    for _ in range(4):
-        decisions.append((p.speculate(4, batch), p.probe_one))
+    for _ in range(32):
+        decisions.append((p.speculate(4, batch, waiting=True), p.probe_one))
         if p.probe_one:
             p.observe(2, 2, p.pick(batch))
-    assert decisions[:2] == [(True, True)] * 2 and decisions[2] == (True, False)
+    probes = [i for i, d in enumerate(decisions) if d == (True, True)]
+    assert len(probes) == 2 and probes[0] >= 6 and probes[1] - probes[0] >= 8, decisions
+    assert decisions[probes[1] + 1] == (True, False)  # half verified, their E 3: on for the whole batch
 
 
 def test_a_batch_size_seen_first_starts_as_the_nearest_one_was() -> None:
@@ -327,13 +332,13 @@ def test_on_at_a_batch_for_long_its_plain_steps_are_measured_again() -> None:
     p = SpecPolicy(2)
     _feed(p, 4, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
     _accept(p, 16, 2)  # E = 3: G = 3 * 2 / (1.15 * 4) = 1.30
-    decisions = [p.speculate(4) for _ in range(p.refresh + 1)]
+    decisions = [p.speculate(4, waiting=True) for _ in range(p.refresh + 1)]
     assert all(decisions[:-1]) and not decisions[-1] and "measured again" in p.why
     assert p.cost("plain", 4) is None
-    assert [p.speculate(4) for _ in range(2)] == [False, False]  # the other two plain steps
+    assert [p.speculate(4, waiting=True) for _ in range(2)] == [False, False]  # the other two plain steps
     for _ in range(3):
         p.record("plain", 4, 1.2)
-    assert not p.speculate(4) and p.why.startswith("gain 0.78")
+    assert not p.speculate(4, waiting=True) and p.why.startswith("gain 0.78")
 
 
 def test_a_spec_cost_measured_at_another_size_only_is_not_taken_for_this_ones() -> None:
@@ -376,12 +381,12 @@ def test_far_off_at_a_batch_size_is_settled_until_the_next_probe() -> None:
     p = SpecPolicy(2, probe_share=1.0)  # a probe's cost not counted: one in 8
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1)
     _accept(p, 16, 1)  # E = 2: G = 0.81, full acceptance would pay (not decided off)
-    assert not p.speculate(4) and p._settled is not None
+    assert not p.speculate(4, waiting=True) and p._settled is not None
     _feed(p, 4, verify=2.0, draft=0.1, plain=2.0, catch_up=0.1, n=16)  # now speculation would pay
-    decisions = [p.speculate(4) for _ in range(7)]
+    decisions = [p.speculate(4, waiting=True) for _ in range(7)]
     assert decisions == [False] * 6 + [True] and not p.probe_one  # settled; the 8th step works it out: on
     _feed(p, 4, verify=3.0, draft=1.5, plain=2.0, catch_up=0.1, n=16)
-    assert not p.speculate(4) and p._settled is not None
+    assert not p.speculate(4, waiting=True) and p._settled is not None
     p.observe(2, 1, "a")
     assert p._settled is None
 
@@ -430,8 +435,58 @@ def test_a_larger_batch_size_measures_its_plain_steps_before_anything_turns_on()
             p.record(what, 8, s)
     _accept(p, 16, 2)  # E = 3; plain(8) on the line: 1.2 + 7 * 0.4 = 4.0, G = 3 * 4 / (1.2 * 6.5) = 1.54
     assert p.estimate(8) == (pytest.approx(6.5), pytest.approx(4.0))
-    assert not p.speculate(8) and p.why == "measuring plain steps at this batch size"
+    assert not p.speculate(8, waiting=True) and p.why == "measuring plain steps at this batch size"
     for _ in range(3):  # the first at a new size is not kept
         p.record("plain", 8, 2.0)
-    assert not p.speculate(8) and p.why.startswith("gain 0.77")  # 3 * 2 / (1.2 * 6.5)
+    assert not p.speculate(8, waiting=True) and p.why.startswith("gain 0.77")  # 3 * 2 / (1.2 * 6.5)
     assert p.speculate(1)  # B = 1 is measured: 3 * 1.2 / (1.05 * 1.9) = 1.80
+
+
+def test_a_step_of_fewer_drafts_is_not_kept_and_counts_as_the_first_after_a_switch() -> None:
+    """The engine passes None for a verify / draft step where a sequence had fewer than k drafts (near its
+    max_tokens): its rows are fewer than a speculative step's, so the policy keeps only the steps it weighs."""
+    p = SpecPolicy(2)
+    for _ in range(3):
+        p.record("plain", 8, 2.0)
+    p.record("verify", 8, None)  # the first verify after plain steps, and the first at 8: neither kept
+    p.record("verify", 8, 6.0)  # so this one is
+    p.record("verify", 8, None)
+    p.record("verify", 8, 6.0)
+    assert list(p.parts["verify"].samples[8]) == [6.0, 6.0]
+    p.record("plain", 8, 9.0)  # a switch back: not kept
+    assert p.cost("plain", 8) == 2.0
+
+
+def test_spec_steps_at_a_batch_size_are_weighed_against_the_plain_steps_of_their_time() -> None:
+    """Verify and draft steps at B are kept over the plain step's cost at B when they ran, so a machine that has
+    since become slower (or faster) moves both sides alike: no gain appears from the swing alone."""
+    p = SpecPolicy(2)
+    for what, s in (("plain", 1.0), ("catch_up", 0.0), ("verify", 2.5), ("draft", 0.5)):
+        for _ in range(4):
+            p.record(what, 8, s)
+    assert p.estimate(8) == (3.0, 1.0)
+    for _ in range(17):  # slower by half: 16 new plain samples (and the first after the switch, not kept)
+        p.record("plain", 8, 1.5)
+    assert p.estimate(8) == (pytest.approx(4.5), 1.5)  # (2.5 + 0.5) / 1.0 of the plain step, now 1.5
+    assert p.cost("verify", 8) == 2.5  # the seconds as they were kept
+
+
+def test_a_batch_with_nothing_waiting_weighs_its_slow_sequences() -> None:
+    """Half the batch's drafts pass (E 3), half fail (E 1). With requests waiting (a sequence that finishes early
+    gives its slot to one) a step is worth the mean E, 2, and it speculates; with nothing waiting the batch runs as
+    long as its slowest sequences: the harmonic mean, 1.5, and off. The harmonic mean carries the spread the
+    margin's log2 B term stands for with the mean: with nothing waiting the margin is the base 0.05."""
+    p = SpecPolicy(2)
+    _feed(p, 4, verify=2.5, draft=0.5, plain=2.0, catch_up=0.0)
+    _accept(p, 40, 2, seqs=("a", "b"))
+    _accept(p, 40, 0, seqs=("c", "d"))
+    seqs = ["a", "b", "c", "d"]
+    assert p.expected_tokens(seqs) == pytest.approx(2.0, abs=0.03)
+    assert p.expected_tokens(seqs, slowest=True) == pytest.approx(1.5, abs=0.03)
+    assert p.speculate(4, seqs, waiting=True)  # G = 2 * 2 / (1.15 * 3) = 1.16
+    assert not p.speculate(4, seqs)  # G = 1.5 * 2 / (1.05 * 3) = 0.95
+    q = SpecPolicy(2)
+    _feed(q, 4, verify=3.1, draft=0.5, plain=2.0, catch_up=0.0)
+    _accept(q, 40, 1, seqs=seqs)  # E = 2 for each
+    assert q.speculate(4, seqs)  # G = 2 * 2 / (1.05 * 3.6) = 1.06
+    assert not q.speculate(4, seqs, waiting=True)  # with the log2 term: 2 * 2 / (1.15 * 3.6) = 0.97

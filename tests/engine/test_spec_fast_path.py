@@ -176,7 +176,7 @@ def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.Mo
     ref_out, _ = greedy_with_logits(ref, PROMPTS, NEW)
     eng = _engine("auto", method)
     pattern = iter([False, False, False, True] * 100)
-    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch, seqs=(): next(pattern))
+    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch, seqs=(), waiting=False: next(pattern))
     resumed = []
     real = eng.runner._resume
 
@@ -190,6 +190,41 @@ def test_speculation_switched_off_and_on_keeps_the_tokens(monkeypatch: pytest.Mo
     assert sum(resumed) > 0 and eng.spec_stats.num_drafts > 0
     assert eng.spec_stats.acceptance_rate >= ref.spec_stats.acceptance_rate - 0.1, (eng.spec_stats.to_dict(),
                                                                                       ref.spec_stats.to_dict())
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_the_policy_keeps_only_steps_of_k_drafts(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """A verify step (and its drafting) where a sequence near its max_tokens had fewer than k drafts reaches the
+    policy as a step not to keep (seconds None): fewer rows than the speculative steps it weighs."""
+    eng = _engine("always", method)
+    k = eng.config.spec.num_speculative_tokens
+    drafts, wants, seen = [], [], {"verify": [], "draft": []}
+    real_execute, real_draft, real_record = eng.runner.execute, eng.runner.draft, eng.spec_policy.record
+
+    def execute(batch, *args, **kwargs):
+        drafts.append([len(s.draft_token_ids) for s, _ in batch])
+        return real_execute(batch, *args, **kwargs)
+
+    def draft(requests):
+        wants.append([r.want for r in requests])
+        return real_draft(requests)
+
+    def record(what, batch, seconds):
+        if what in seen:  # whether kept, and whether every sequence had (verify) / wanted (draft) k drafts
+            seen[what].append((seconds is not None, min(drafts[-1] if what == "verify" else wants[-1]) == k))
+        return real_record(what, batch, seconds)
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.runner, "draft", draft)
+    monkeypatch.setattr(eng.spec_policy, "record", record)
+    # max_tokens apart: the shorter one's last steps draft fewer than k while the other drafts k
+    for prompt, n in zip(PROMPTS, (9, 14), strict=True):
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n))
+    while eng.has_unfinished():
+        eng.step()
+    for what, pairs in seen.items():
+        assert all(kept == full for kept, full in pairs), (what, pairs)
+        assert {kept for kept, _ in pairs} == {True, False}, (what, pairs)
 
 
 def _keep_steps(run, method: str, native: bool) -> tuple[list, torch.Tensor, torch.Tensor]:
