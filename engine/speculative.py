@@ -152,11 +152,14 @@ class _Costs:
         self.window = window
         self.samples: dict[int, deque[float]] = {}
 
-    def add(self, batch: int, seconds: float) -> None:
+    def add(self, batch: int, seconds: float, first: bool = False) -> bool:
+        """Keep `seconds` at `batch` (the first at a new size only with `first`); whether it was kept."""
         if batch not in self.samples:
             self.samples[batch] = deque(maxlen=self.window)
-            return
+            if not first:
+                return False
         self.samples[batch].append(seconds)
+        return True
 
     def sizes(self, least: int = 1) -> list[int]:
         return sorted(b for b, d in self.samples.items() if len(d) >= least)
@@ -302,11 +305,8 @@ class SpecPolicy:
         if switched or seconds is None:  # the first step after a switch of kind is not kept either: it rebuilds
             costs.samples.setdefault(batch, deque(maxlen=costs.window))  # that kind's packs
             return
-        kept = batch in costs.samples  # (the first at a new size is not)
-        costs.add(batch, seconds)
-        off = self._off_step(batch) if kept and what in self.rel else None
-        if off:
-            self.rel[what].samples.setdefault(batch, deque(maxlen=costs.window)).append(seconds / off)
+        if costs.add(batch, seconds) and what in self.rel and (off := self._off_step(batch)):
+            self.rel[what].add(batch, seconds / off, first=True)  # (kept as the seconds were)
 
     def _off_step(self, batch: int) -> float | None:
         """plain + catch-up at `batch` from its own kept samples (None while plain has fewer than `least`)."""
@@ -321,18 +321,17 @@ class SpecPolicy:
         """(spec(B), plain(B)), None for a side with no measured step at any size yet. plain(B) from its curves;
         spec(B): where B's own verify and draft steps were kept against its plain steps, their ratios to those times'
         plain step (plain + catch-up at B) times B's now; else verify(B) + draft(B), each part from its own curve
-        where a size within a quarter of B is measured,
-        else from the sizes where both sides are: a verify step costs a plain one plus B times its draft rows' cost
-        per sequence, and drafting costs a share of a plain step (both fitted over those sizes). Where no size has
-        both, from a larger size's (an overestimate: it is measured on), else None (measured first)."""
+        where a size within a quarter of B is measured, else from the sizes where both sides are: a verify step costs
+        a plain one plus B times its draft rows' cost per sequence, and drafting costs a share of a plain step (both
+        fitted over those sizes). Where no size has both, from a larger size's (an overestimate: it is measured on),
+        else None (measured first)."""
         p = self.parts
         plain = p["plain"].at(batch)
         if plain is not None:
             plain += p["catch_up"].at(batch) or 0.0
-        off = self._off_step(batch)
         v, d = self.rel["verify"].mean(batch), self.rel["draft"].mean(batch)
-        if off and v is not None and d is not None:  # kept at B against its plain steps of their time: the speed
-            return (v + d) * off, plain  # of the machine then and now cancels
+        if v is not None and d is not None and (off := self._off_step(batch)):  # kept at B against its plain steps
+            return (v + d) * off, plain  # of their time: the speed of the machine then and now cancels
         if p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least) or plain is None:
             verify, draft = p["verify"].at(batch), p["draft"].at(batch)
             return (None if verify is None or draft is None else verify + draft), plain
@@ -372,14 +371,14 @@ class SpecPolicy:
                 self._seqs[seq] = _Rates(self.seq_alpha, self.prior.rates, seen=2)
             self._seqs[seq].add(drafted, accepted)
 
-    def expected_tokens(self, seqs: Sequence[object] = (), slowest: bool = False) -> float:
+    def expected_tokens(self, seqs: Sequence[object] = (), harmonic: bool = False) -> float:
         """E: tokens a sequence gets from one verify step: the mean over `seqs` of their own rates' (a sequence
-        with no verify yet: the engine's prior), or the engine's; `slowest`: their harmonic mean (the batch's
+        with no verify yet: the engine's prior), or the engine's; `harmonic`: their harmonic mean (the batch's
         steps per token, which its slow sequences rule)."""
         if not seqs:
             return self.accepted.expected(self.k)
         own = [self.prior.expected(self.k) if r is None else r.expected(self.k) for r in map(self._seqs.get, seqs)]
-        return statistics.harmonic_mean(own) if slowest else statistics.fmean(own)
+        return statistics.harmonic_mean(own) if harmonic else statistics.fmean(own)
 
     def forget(self, keep: Sequence[object]) -> None:
         """Drop the rates of sequences not in `keep` (finished ones)."""
@@ -416,7 +415,7 @@ class SpecPolicy:
         # one that finishes early): E is the harmonic mean of its sequences' (steps per token averaged: the slow ones
         # weigh as they do on the batch's length, and no one noisy estimate decides as the least's would); with
         # requests waiting, the mean
-        e = self.expected_tokens(seqs, slowest=batch > 1 and not waiting)
+        e = self.expected_tokens(seqs, harmonic=batch > 1 and not waiting)
         if seen >= self.least_none and self.accepted.expected(self.k) < 1 + self.margin and e < 1 + self.margin:
             self._was_on[batch] = False
             # no step cost makes that pay; a probe costs a speculative step (and the resume of the draft ring's
@@ -435,7 +434,7 @@ class SpecPolicy:
             # sizes overshoot a larger one's (the gain with it): at B > 1 plain steps (cheap, the off state) are
             # measured near B before anything turns on or probes there
             return self._off(None, why="measuring plain steps at this batch size")
-        margin = self.margin if batch > 1 and not waiting else self.slack(batch)  # (the harmonic E carries it)
+        margin = self.slack(batch, waiting)
         gain = e * plain / ((1 + margin) * spec)
         sure = not 1 / self.band < gain < self.band
         spec_known = p["verify"].near(batch, self.least) and p["draft"].near(batch, self.least)
@@ -485,11 +484,11 @@ class SpecPolicy:
             self._settled = (batch, min(self.recheck, self.interval - self.off_steps) - 1)
         return False
 
-    def slack(self, batch: int) -> float:
+    def slack(self, batch: int, waiting: bool = True) -> float:
         """The margin at B with requests waiting (E the mean): margin * (1 + log2 B). A batch runs as long as its
         slowest sequence, and B sequences' accepted counts spread more the more there are, so a near tie per step
         loses over a batch. With nothing waiting the harmonic E weighs the slow sequences instead: `margin`."""
-        return self.margin * (1 + math.log2(max(batch, 1)))
+        return self.margin * (1 + math.log2(max(batch, 1))) if waiting else self.margin
 
     def pick(self, seqs: Sequence[object]) -> object:
         """The sequence a one-sequence probe drafts for: the one with the fewest verifies of its own."""

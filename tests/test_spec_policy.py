@@ -482,7 +482,7 @@ def test_a_batch_with_nothing_waiting_weighs_its_slow_sequences() -> None:
     _accept(p, 40, 0, seqs=("c", "d"))
     seqs = ["a", "b", "c", "d"]
     assert p.expected_tokens(seqs) == pytest.approx(2.0, abs=0.03)
-    assert p.expected_tokens(seqs, slowest=True) == pytest.approx(1.5, abs=0.03)
+    assert p.expected_tokens(seqs, harmonic=True) == pytest.approx(1.5, abs=0.03)
     assert p.speculate(4, seqs, waiting=True)  # G = 2 * 2 / (1.15 * 3) = 1.16
     assert not p.speculate(4, seqs)  # G = 1.5 * 2 / (1.05 * 3) = 0.95
     q = SpecPolicy(2)
