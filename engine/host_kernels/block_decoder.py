@@ -62,7 +62,11 @@ class HostBlockDecoder:
             return None
 
         g = block.ffn.gate
-        return decode_layer(self._layer_pack(block, lc), x, *dyn[:-1], g.tid2eid[input_ids] if g.hash else None)
+        hold = plan.hold.get(block.layer_id) if plan.hold else None
+        out = decode_layer(self._layer_pack(block, lc), x, *dyn[:-1], g.tid2eid[input_ids] if g.hash else None, hold)
+        if hold is not None and out is not None:
+            plan.held += 1
+        return out
 
     def ring_layer(self, block: Any, x: torch.Tensor, lc: Any, slots: torch.Tensor, ring_rows: torch.Tensor,
                    ring_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -140,8 +144,12 @@ class HostBlockDecoder:
         if index and not native_index:  # the indexer's picks in torch: [B, nloc]
             keep = attn.decode_picks(aux["q"], lc, tables, nloc, visible)
         # else, where the indexer selects, attn_decode scores the entries and picks them after the writes
-        return attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb,
-                                    writes, keep, (*aux["q"], attn.indexer.topk) if native_index else None)
+        hold = plan.hold.get(block.layer_id) if plan.hold else None
+        out = attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb, writes, keep,
+                          (*aux["q"], attn.indexer.topk) if native_index else None, hold)
+        if hold is not None:
+            plan.held += 1
+        return out
 
     def attn_front(self, block: Any, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, ...] | None:

@@ -17,6 +17,9 @@ int dk_hc_mixes(const float *x, const float *fn, const float *scale, const float
                 float *comb, int64_t T, int64_t n, int64_t D, int64_t iters, float hc_eps, float norm_eps,
                 int nthreads);
 int dk_hc_collapse(const float *x, const float *pre, float *y, int64_t T, int64_t n, int64_t D, int nthreads);
+/* o [D] = the mean of x's n streams ([n, D]) as torch's sum and division make it (Capture.tensor): added in order from
+ * 0, then divided by n (torch adds in that order while n <= 4 or D % 64 == 0) */
+void dk_stream_mean(const float *x, int64_t n, int64_t D, float *o);
 int dk_keep_rows(const float *const *src, int64_t L, int64_t n, int64_t D, const int64_t *src_row,
                  const int64_t *dst_row, const int64_t *ids, int64_t R, int mean, float *dst, int64_t *dst_ids);
 int dk_hc_pre(const float *x, const float *fn, const float *scale, const float *base, const float *norm_w,

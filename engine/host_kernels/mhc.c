@@ -568,6 +568,13 @@ int dk_hc_head(const float *x, const float *fn, const float *scale, const float 
  * and ids[r] into dst_ids[dst_row[r]]. mean: dst rows [L*D], source l's n streams summed in order from 0 and then
  * divided by n (torch.sum over the streams, then div_: dspark_proposer.Capture.tensor); else dst rows [L*n*D],
  * copied. A row kept twice: the later wins. */
+void dk_stream_mean(const float *x, int64_t n, int64_t D, float *o) {
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f + x[d]; /* from 0, as torch's sum: -0 + 0 is +0 */
+    for (int64_t j = 1; j < n; j++)
+        for (int64_t d = 0; d < D; d++) o[d] += x[j * D + d];
+    for (int64_t d = 0; d < D; d++) o[d] /= (float)n;
+}
+
 int dk_keep_rows(const float *const *src, int64_t L, int64_t n, int64_t D, const int64_t *src_row,
                  const int64_t *dst_row, const int64_t *ids, int64_t R, int mean, float *dst, int64_t *dst_ids) {
     const int64_t width = mean ? L * D : L * n * D;
@@ -579,11 +586,7 @@ int dk_keep_rows(const float *const *src, int64_t L, int64_t n, int64_t D, const
                 for (int64_t i = 0; i < n * D; i++) out[l * n * D + i] = x[i];
                 continue;
             }
-            float *o = out + l * D;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f + x[d]; /* from 0, as torch's sum: -0 + 0 is +0 */
-            for (int64_t j = 1; j < n; j++)
-                for (int64_t d = 0; d < D; d++) o[d] += x[j * D + d];
-            for (int64_t d = 0; d < D; d++) o[d] /= (float)n;
+            dk_stream_mean(x, n, D, out + l * D);
         }
         dst_ids[dst_row[r]] = ids[r];
     }

@@ -300,6 +300,42 @@ def test_the_native_keep_writes_the_torch_paths_held_rows_at_once(method: str) -
 
 
 
+def test_dspark_off_steps_hold_their_context_from_inside_the_target_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation off on the host table: a DSpark decode step's context rows reach `_held` from inside the target
+    layers' native attention calls (each averages its input streams into its slice of the row; the fused layer's
+    and, once the CSA layers' indexer selects, the attention half's), with no `keep_rows` call of their own, bit for
+    bit the rows of the step's `Capture`; MTP (final streams and next ids) keeps them by the call."""
+    eng = _engine("auto", "dspark")
+    run = eng.runner
+    assert run._hold_at is not None and set(run._hold_at) == set(run.cfg.dspark_target_layer_ids)
+    monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch, seqs=(), waiting=False: False)
+    calls, checked = [0], [0]
+    real_keep = run.model.ops.keep_rows
+
+    def keep_rows(*args):
+        calls[0] += 1
+        return real_keep(*args)
+
+    monkeypatch.setattr(run.model.ops, "keep_rows", keep_rows)
+    for prompt in PROMPTS:
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=NEW))
+    eng.step()  # the prefill: its rows kept by the call
+    rows = run._held.shape[1]
+    while eng.has_unfinished():
+        before = calls[0]
+        eng.step()
+        steps, _, capture = run._last
+        if all(s.n == 1 for s in steps) and len(steps) == len(PROMPTS):
+            assert run._held_by_step and calls[0] == before
+            want = capture.tensor()
+            for j, s in enumerate(steps):
+                got = run._held[s.slot, s.start % rows]
+                assert torch.equal(got.view(torch.int32), want[j].view(torch.int32)), (s, j)
+                checked[0] += 1
+    assert checked[0] >= NEW
+    assert _engine("auto", "mtp").runner._hold_at is None
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_rope_tables_of_positions_at_once_are_each_parts_own(compressed: bool) -> None:
     """`Rope.cos_sin` over positions back to back, split, is bit for bit `cos_sin` over each part alone: what the
