@@ -3,6 +3,7 @@
     python golden/make_bench_model.py --preset mid                   # golden/bench/mid/        (~0.8 GB)
     python golden/make_bench_model.py --preset flash --layers 2      # golden/bench/flash-2l/   (~9 GB)
     python golden/make_bench_model.py --preset mid --vocab 8192      # golden/bench/mid-v8192/  (~0.2 GB)
+    python golden/make_bench_model.py --preset mid --dspark          # golden/bench/mid-dspark/ (a DSpark head)
     python golden/make_bench_model.py --list                         # the presets, their configs and sizes
 
 Each output directory holds `config.json` (official `inference/config.json` spelling), one safetensors shard per
@@ -50,6 +51,7 @@ for p in (ROOT, GOLDEN):
         sys.path.insert(0, str(p))
 
 from make_tiny_model import _init  # noqa: E402
+from train_draft_heads import DSPARK  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import INDEX_FILE, expected_tensors, expert_of, official_format, split_name  # noqa: E402
@@ -87,7 +89,7 @@ class Preset:
     hash_layers: int  # default n_hash_layers (clamped to the layer count)
 
     def config(self, layers: int | None = None, mtp: int | None = None,
-               hash_layers: int | None = None, vocab: int | None = None) -> ModelConfig:
+               hash_layers: int | None = None, vocab: int | None = None, dspark: bool = False) -> ModelConfig:
         n = self.layers if layers is None else int(layers)
         if not 1 <= n <= len(self.pattern):
             raise ValueError(f"layers={n}: this preset has 1 to {len(self.pattern)} layers ({list(self.pattern)})")
@@ -100,6 +102,12 @@ class Preset:
             if int(vocab) < MIN_VOCAB:
                 raise ValueError(f"vocab={vocab}: at least {MIN_VOCAB} (the tokenizer's ids)")
             fields["vocab_size"] = int(vocab)
+        if dspark:  # `DSPARK`'s head (2 stages, blocks of 5) over the streams entering the last three main layers
+            if n < 3:
+                raise ValueError(f"layers={n}: a DSpark head reads three main layers")
+            m = DSPARK["n_mtp_layers"]
+            fields.update({k: v for k, v in DSPARK.items() if k != "n_mtp_layers"},
+                          dspark_target_layer_ids=(n - 3, n - 2, n - 1))
         return ModelConfig(**fields, n_layers=n, n_mtp_layers=m, n_hash_layers=h,
                            compress_ratios=self.pattern[:n] + (0,) * m)
 
@@ -139,7 +147,9 @@ def default_out(preset: str, cfg: ModelConfig) -> Path:
     base = PRESETS[preset]
     full = cfg.n_layers == base.layers == len(base.pattern)
     name = preset if full else f"{preset}-{cfg.n_layers}l"
-    if cfg.n_mtp_layers != base.mtp:
+    if cfg.dspark_block_size:
+        name += "-dspark"
+    elif cfg.n_mtp_layers != base.mtp:
         name += f"-mtp{cfg.n_mtp_layers}"
     if cfg.vocab_size != base.fields["vocab_size"]:
         name += f"-v{cfg.vocab_size}"
@@ -382,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=None, help="main layers (a prefix of the preset's layer pattern; "
                    "flash: 1-4, default 2 = CSA + HCA)")
     p.add_argument("--mtp", type=int, default=None, help="MTP layers (sliding; default: mid 1, flash 0)")
+    p.add_argument("--dspark", action="store_true", help="a DSpark draft head (golden/train_draft_heads.py's "
+                   "shape, random like every tensor: never accepted) in place of the MTP layers")
     p.add_argument("--hash-layers", type=int, default=None, help="the first N layers route by token hash "
                    "(default: mid 2, flash 1; at most --layers)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (embedding and head rows; default: the "
@@ -396,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, pre in PRESETS.items():
             print(_describe(name, pre.config()))
         return
-    cfg = PRESETS[args.preset].config(args.layers, args.mtp, args.hash_layers, args.vocab)
+    cfg = PRESETS[args.preset].config(args.layers, args.mtp, args.hash_layers, args.vocab, args.dspark)
     out = args.out or default_out(args.preset, cfg)
     print(_describe(args.preset, cfg))
     print(f"writing {out} (seed {args.seed}{', layout only' if args.layout_only else ''})")

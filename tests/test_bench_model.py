@@ -229,6 +229,23 @@ def test_vocab_option():  # issue 24's host-speed model: mid at vocab 8192 (the 
         mbm.PRESETS["mid"].config(vocab=512)
 
 
+def test_dspark_option(tmp_path):  # a realistic-width DSpark head (random: never accepted) for speculation benchmarks
+    cfg = mbm.PRESETS["test"].config(dspark=True)
+    assert cfg.has_dspark and cfg.n_mtp_layers == 2 and cfg.dspark_target_layer_ids == (0, 1, 2)
+    assert mbm.default_out("mid", mbm.PRESETS["mid"].config(dspark=True)).name == "mid-dspark"
+    with pytest.raises(ValueError, match="three main layers"):
+        mbm.PRESETS["mid"].config(layers=2, dspark=True)
+    d = tmp_path / "dspark"
+    mbm.write_model(d, cfg, seed=3)
+    _check_layout(d, cfg)
+    assert list(load_checkpoint(d)) == list(expected_tensors(cfg))
+    config = EngineConfig.from_model_dir(d, max_num_seqs=1, max_model_len=64, speculative="dspark")
+    eng = engine.build(config)
+    eng.add_request([0, 5, 9, 13, 200, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.spec_stats.num_drafts > 0
+
 def test_flash_layout_loads(tmp_path):
     """The exact flash shard layout, headers and sparse zero data only (no time, no disk): the loader reads it."""
     cfg = mbm.PRESETS["flash"].config(layers=1)
