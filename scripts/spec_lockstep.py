@@ -72,9 +72,12 @@ def main() -> None:
             for ids in prompts:
                 eng.add_request(ids, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
         steps = [0] * len(engines)
-        live = list(range(len(engines)))
+        live, turn = list(range(len(engines))), 0
         while live:
-            for i in list(live):
+            # each round starts from the next engine: the one stepped first (after another process's time slice,
+            # or after a prefill) would otherwise always be the same setting
+            turn += 1
+            for i in live[turn % len(live):] + live[: turn % len(live)]:
                 t = time.process_time()
                 engines[i].step()
                 if steps[i]:  # the first step is the prefill
