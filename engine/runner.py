@@ -119,12 +119,13 @@ class ModelRunner:
         # DSpark on the host table: a decode step's context rows are averaged into `_held` inside the target layers'
         # own native attention calls (attn_ops.attn_decode `hold`), not by a call of their own after the step (with
         # its checks and arguments, a visible share of a small model's step); `hold` then only marks the slots behind
-        self._hold_at: dict[int, int] | None = None  # layer id -> the address of its slice of held row 0
+        self._hold_in_layers: tuple[dict[int, int], int, int] | None = None  # StepPlan.hold
         self._held_by_step = False  # whether the last forward's layers held every row of it
         if self.defers_catch_up and self.capture and self.model.ops.keep_rows is not None \
                 and self._held.dtype is torch.float32 and self._held.is_cpu and (cfg.hc_mult <= 4 or cfg.dim % 64 == 0):
             at, size = self._held.data_ptr(), self._held.element_size()
-            self._hold_at = {lid: at + j * cfg.dim * size for j, lid in enumerate(cfg.dspark_target_layer_ids)}
+            self._hold_in_layers = ({lid: at + j * cfg.dim * size for j, lid in enumerate(cfg.dspark_target_layer_ids)},
+                                    self._held.shape[1], self._held.shape[2])
         self.regions: RegionRunner | None = None
         if graph.mode is not GraphMode.EAGER:
             self.regions = RegionRunner(model, self.cache, graph.mode, self.backend,
@@ -190,13 +191,10 @@ class ModelRunner:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device,
                                   decode_rows=self.decode_rows)
             if self.capture:
-                at = None
-                if self._hold_at is not None and not multi and not self._pending:  # (rows waiting there go first)
-                    rows, width = self._held.shape[1], self._held.shape[2]
-                    at = torch.tensor([s.slot * rows + s.start % rows for s in steps])  # each row's flat held row
-                    plan.hold = {lid: (ptr, at.data_ptr(), width) for lid, ptr in self._hold_at.items()}
+                if not multi and not self._pending:  # (rows waiting there go first)
+                    plan.hold = self._hold_in_layers
                 x, captured = self.proposer.hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
-                self._held_by_step = at is not None and plan.held == len(plan.hold)
+                self._held_by_step = plan.hold is not None and plan.held == len(plan.hold[0])
             else:
                 x = self.model.hidden(input_ids.to(self.device), plan, self.cache, self.timer)
             last = [s.token_start + s.n - 1 for s in steps]
@@ -299,20 +297,21 @@ class ModelRunner:
         """Speculation off for the next step and every entry of this one a one-token decode that defers: keep the
         final streams of each (entry, slot, position, next id) for a later resume, as `draft` does for requests
         that all defer (`_resume`), without a request each; where the step's layers held them already
-        (`_held_by_step`), only mark the slots behind."""
+        (`_held_by_step`), only mark the slots behind. The step's streams are let go then (nothing else reads them):
+        freed before the next step allocates its own, as a plain engine's are."""
         behind = self._behind
         for _, slot, pos, _ in decodes:
             behind.setdefault(slot, pos)
-        if self._held_by_step:
-            return
-        steps, hidden, captured = self._last
-        rows = self._held.shape[1]
-        at = [slot * rows + pos % rows for _, slot, pos, _ in decodes]
-        self._keep(hidden if captured is None else captured, at, [steps[e].token_start for e, *_ in decodes],
-                   [nid for *_, nid in decodes])
-        if len(self._pending) >= self._flush_every:
-            with self.backend.grad_context():
-                self._flush()
+        if not self._held_by_step:
+            steps, hidden, captured = self._last
+            rows = self._held.shape[1]
+            at = [slot * rows + pos % rows for _, slot, pos, _ in decodes]
+            self._keep(hidden if captured is None else captured, at, [steps[e].token_start for e, *_ in decodes],
+                       [nid for *_, nid in decodes])
+            if len(self._pending) >= self._flush_every:
+                with self.backend.grad_context():
+                    self._flush()
+        self._last = None
 
     def _keep(self, src: Any, at: list[int], step_rows: list[int], ids: list[int]) -> None:
         """Rows `step_rows` of `src` (a step's final streams, or its DSpark `Capture`) kept for the flat held rows

@@ -41,8 +41,9 @@
  * compressor c, cptr[CPTR c..] and cdim[CDIM c..] as dk.h lists them, ceps[c] its norm's eps. The closing blocks
  * pool with the routine the host table's compress_pool runs (dk_compress_pool), then dk_rms_norm and dk_rope_tail as
  * Compressor.finish calls them, so the entries are the op-by-op path's bit for bit. held (or NULL): each row's input
- * streams x averaged (dk_stream_mean) into held + held_at[b] * held_width - DSpark's context input of this layer,
- * which engine/runner.py holds while speculation is off (`ModelRunner.hold`), written here without a call of its own.
+ * streams x averaged (dk_stream_mean) into held row slots[b] * held_rows + held_pos[b] % held_rows (held_width
+ * floats a row) - DSpark's context input of this layer at its position, which engine/runner.py holds while
+ * speculation is off (`ModelRunner.hold`), written here without a call of its own.
  * Returns 0, -1 when out of memory, -2 for a block id outside the tables, else the first kernel's non-zero code.
  *
  *   dk_attn_front  the front of the attention half of a decode block (engine/host_kernels/block_decoder.py
@@ -61,7 +62,7 @@
  *                    the static arguments of dk_layer (dk.h) and the step's own: x [B, n, dim] -> out; cos / sin
  *                    [B, rd/2]; slots, ring rows [B]; ring_valid [B, wl]; tables [B, nb]; nloc, visible [B];
  *                    crow: per compressor six pointers (state rows, phases [B], closing rows, block ids [K_c],
- *                    cos, sin [K_c, rd/2]), ck[c] = K_c; hash_ids [B, K] or NULL; held, held_at, held_width:
+ *                    cos, sin [K_c, rd/2]), ck[c] = K_c; hash_ids [B, K] or NULL; held .. held_width:
  *                    dk_attn_decode's. The same calls
  *                    the three make one by one, so the same numbers bit for bit; what it saves is the Python
  *                    between them. Returns 0, -1 when out of memory, else the first kernel's non-zero code.
@@ -314,12 +315,13 @@ int dk_attn_decode(const float *q, int64_t B, int64_t H, int64_t D, float *ring,
                    const uint16_t *wo_a, int64_t G, int64_t R, int fb, const uint8_t *wb, const uint8_t *sb,
                    int64_t dim, const float *x, int64_t n, const float *post, const float *comb, float *out,
                    const float *new_kv, const int64_t *ring_rows, int64_t C, const void *const *cptr,
-                   const int64_t *cdim, const float *ceps, float *held, const int64_t *held_at, int64_t held_width,
-                   int nt) {
+                   const int64_t *cdim, const float *ceps, float *held, const int64_t *held_pos, int64_t held_rows,
+                   int64_t held_width, int nt) {
     if (nloc > nb * epb) return -2;
     if (held) /* DSpark's context input: each row's input streams x averaged into its held row */
         for (int64_t b = 0; b < B; b++)
-            dk_stream_mean(x + b * n * dim, n, dim, held + held_at[b] * held_width);
+            dk_stream_mean(x + b * n * dim, n, dim,
+                           held + (slots[b] * held_rows + held_pos[b] % held_rows) * held_width);
     if (new_kv != NULL) {
         for (int64_t b = 0; b < B; b++)
             memcpy(ring + (slots[b] * wl + ring_rows[b]) * D, new_kv + b * D, sizeof(float) * (size_t)D);
@@ -420,7 +422,8 @@ int dk_attn_front(const float *x, int64_t T, int64_t n, int64_t dim, const float
 int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, const float *cs, const float *sn,
                     const int64_t *slots, const int64_t *ring_rows, const uint8_t *ring_valid, const int64_t *tables,
                     int64_t nb, int64_t nloc, const int64_t *visible, const void *const *crow, const int64_t *ck,
-                    const int64_t *hash_ids, float *held, const int64_t *held_at, int64_t held_width, int nt) {
+                    const int64_t *hash_ids, float *held, const int64_t *held_pos, int64_t held_rows,
+                    int64_t held_width, int nt) {
     const int64_t n = L->n, dim = L->dim;
     int64_t proj_n = 0;
     for (int64_t i = 0; i < L->P; i++) proj_n += L->pn[i];
@@ -451,7 +454,7 @@ int dk_decode_layer(const dk_layer *L, const float *x, float *out, int64_t B, co
         rc = dk_attn_decode(q, B, L->H, L->D, L->ring, L->wl, slots, ring_valid, nloc ? L->pool : NULL, L->epb, tables,
                             nb, nloc, visible, NULL, NULL, NULL, NULL, 1, 0, 0, 0, L->sink, L->scale, cs, sn, L->rd,
                             L->wo_a, L->G, L->R, (int)L->fo, L->wo, L->so, dim, x, n, post, comb, x2, kv, ring_rows,
-                            L->C, cptr, cdim, L->ceps, held, held_at, held_width, nt);
+                            L->C, cptr, cdim, L->ceps, held, held_pos, held_rows, held_width, nt);
     if (!rc)
         rc = dk_ffn_site(x2, B, n, dim, L->f_fn, L->f_scale, L->f_base, L->iters, L->hc_eps, L->norm_eps, L->f_norm,
                          L->gate_w, L->E, L->bias, hash_ids, L->K, L->route_scale, L->I, L->limit, L->e_lo, L->e_n,
@@ -547,7 +550,7 @@ int dk_mtp_pass(const dk_layer *L, const dk_mtp_in *in, const dk_head *hd, const
                           in->se, (int)in->fh, in->wh, in->sh, h, B, n, dim, nt);
     if (!rc)
         rc = dk_decode_layer(L, h, streams, B, cs, sn, slots, ring_rows, ring_valid, tables, nb, nloc, visible, crow,
-                             ck, NULL, NULL, NULL, 0, nt);
+                             ck, NULL, NULL, NULL, 0, 0, nt);
     for (int64_t r = 0; r < R && !rc; r++)
         memcpy(sel + r * n * dim, streams + rows[r] * n * dim, sizeof(float) * (size_t)(n * dim));
     if (!rc)

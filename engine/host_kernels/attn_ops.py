@@ -282,7 +282,7 @@ def attn_decode(pack: Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: to
                 nloc: int, visible: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
                 post: torch.Tensor, comb: torch.Tensor, writes: tuple | None = None,
                 keep: torch.Tensor | None = None, index: tuple | None = None,
-                hold: tuple[int, int, int] | None = None) -> torch.Tensor:
+                hold: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """attn.c `dk_attn_decode` (module docstring) with `decode_pack`'s static arguments -> the block's new streams
     [B, n, dim] fp32. q [B, H, D]; the window ring read at slots [B] with ring_valid [B, (1,) wl] bool; entries
     0..nloc-1 of each sequence through tables [B, nb], seen while their id < visible [B, (1)]; cos / sin [B, rd/2];
@@ -295,8 +295,9 @@ def attn_decode(pack: Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: to
     `index`: the indexer's queries [B, Hi, Di] and head weights [B, Hi] fp32 and its top-k, for attn_decode to
     score the entries of the pack's second compressor's pool and pick them itself (after the state writes, as
     Attention._entries and _select do; the host table's `index_score` is the same routine).
-    `hold`: (address of fp32 rows, address of [B] int64 row numbers, row width): each row's x averaged over its
-    streams into its row (DSpark's context input, engine/runner.py `ModelRunner.hold`)."""
+    `hold`: (address of fp32 rows, address of the rows' positions [B] int64, rows per slot, row width): each row's
+    x averaged over its streams into row slot * rows per slot + position % rows per slot (DSpark's context input,
+    engine/runner.py `ModelRunner.hold`)."""
     a = pack.args
     b = q.shape[0]
     native._count_each(a.keys if keep is None and index is None else a.keys + _SELECT_KEY)
@@ -338,7 +339,7 @@ def attn_decode(pack: Pack, q: torch.Tensor, slots: torch.Tensor, ring_valid: to
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), a.rd, *a.wo[:-1], dim, x.data_ptr(), n,
         post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(),
         new_kv.data_ptr() if new_kv is not None else None, ring_rows.data_ptr() if ring_rows is not None else None,
-        n_comp, cptr, cdim, ceps, *(hold or (None, None, 0)), torch.get_num_threads())
+        n_comp, cptr, cdim, ceps, *(hold or (None, None, 0, 0)), torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"host kernel attn_decode: error {rc} for q [{b}, {a.h}, {a.d}] over {a.wl} + {nloc} keys")
     return out

@@ -62,11 +62,18 @@ class HostBlockDecoder:
             return None
 
         g = block.ffn.gate
-        hold = plan.hold.get(block.layer_id) if plan.hold else None
+        hold = self._hold(block, plan)
         out = decode_layer(self._layer_pack(block, lc), x, *dyn[:-1], g.tid2eid[input_ids] if g.hash else None, hold)
         if hold is not None and out is not None:
             plan.held += 1
         return out
+
+    @staticmethod
+    def _hold(block: Any, plan: Any) -> tuple[int, int, int, int] | None:
+        """attn_decode's `hold` for the block in this step: where the plan asks its layer's input streams held."""
+        if plan.hold is None or (at := plan.hold[0].get(block.layer_id)) is None:
+            return None
+        return at, plan.dec_pos.data_ptr(), plan.hold[1], plan.hold[2]
 
     def ring_layer(self, block: Any, x: torch.Tensor, lc: Any, slots: torch.Tensor, ring_rows: torch.Tensor,
                    ring_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -144,7 +151,7 @@ class HostBlockDecoder:
         if index and not native_index:  # the indexer's picks in torch: [B, nloc]
             keep = attn.decode_picks(aux["q"], lc, tables, nloc, visible)
         # else, where the indexer selects, attn_decode scores the entries and picks them after the writes
-        hold = plan.hold.get(block.layer_id) if plan.hold else None
+        hold = self._hold(block, plan)
         out = attn_decode(pack, q, slots, ring_valid, tables, nloc, visible, cos, sin, x, post, comb, writes, keep,
                           (*aux["q"], attn.indexer.topk) if native_index else None, hold)
         if hold is not None:

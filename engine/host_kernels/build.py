@@ -329,11 +329,11 @@ class HostLibrary:
                                     p, p, p, i32]
         lib.dk_attn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, p, i64, i64,
                                        i64, i64, p, f32, p, p, i64, p, i64, i64, i32, p, p, i64, p, i64, p, p, p, p, p,
-                                       i64, p, p, p, p, p, i64, i32]
+                                       i64, p, p, p, p, p, i64, i64, i32]
         lib.dk_index_score.argtypes = [p, p, p, i64, i64, i64, i64, i64, p]
         lib.dk_attn_front.argtypes = [p, i64, i64, i64, p, p, p, i64, f32, f32, p, i32, p, p, p, i64, i32, p, p, i64,
                                       i64, i32, p, p, p, p, p, i64, f32, i64, p, p, p, p, p, p, p, p, p, p, i32]
-        lib.dk_decode_layer.argtypes = [p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, p, p, p, i64, i32]
+        lib.dk_decode_layer.argtypes = [p, p, p, i64, p, p, p, p, p, p, i64, i64, p, p, p, p, p, p, i64, i64, i32]
         lib.dk_compress_pool.argtypes = [p, p, p, p, i64, i64, i64, i64, i32, p]
         lib.dk_mtp_input.argtypes = [p, p, p, i32, i64, p, p, f32, i32, p, p, i32, p, p, p, i64, i64, i64, i32]
         lib.dk_lm_head.argtypes = [p, i64, i64, i64, p, p, p, f32, f32, p, i32, p, p, i64, p, i32]

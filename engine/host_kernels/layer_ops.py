@@ -59,7 +59,7 @@ def layer_pack(front: Pack | None, decode: Pack | None, site: Pack | None) -> Pa
 def decode_layer(pack: Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  ring_rows: torch.Tensor, ring_valid: torch.Tensor, tables: torch.Tensor, nloc: int,
                  visible: torch.Tensor | None, crow: tuple[tuple[torch.Tensor, ...], ...],
-                 hash_ids: torch.Tensor | None, hold: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+                 hash_ids: torch.Tensor | None, hold: tuple[int, int, int, int] | None = None) -> torch.Tensor | None:
     """attn.c `dk_decode_layer` with `layer_pack`'s static arguments: x the residual streams [B, n, dim] -> the
     layer's output streams, or None where it does not take this call (nothing counted, no state written: the
     caller runs the layer's sites). cos / sin [B, rd/2]; slots, ring_rows [B] int64; ring_valid [B, (1,) wl] bool;
@@ -76,7 +76,7 @@ def decode_layer(pack: Pack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     out = torch.empty(b, a.n, a.dim, dtype=native.F32)
     args, keep = _step_args(cos, sin, slots, ring_rows, ring_valid, tables, nloc, visible, crow)
     rc = native._native().lib.dk_decode_layer(a.ref, x.data_ptr(), out.data_ptr(), b, *args,
-                                              h.data_ptr() if h is not None else None, *(hold or (None, None, 0)),
+                                              h.data_ptr() if h is not None else None, *(hold or (None, None, 0, 0)),
                                               torch.get_num_threads())
     del keep
     native.check_rc(rc, "decode_layer", x, ValueError(f"gate: a hash-layer expert id is outside [0, {a.e})"))

@@ -421,9 +421,10 @@ class StepPlan:
     dec_tables: torch.Tensor | None = None  # [B, max_blocks] (padded with 0; masked by position)
     dec_list: tuple[int, ...] = ()  # dec_pos on the host: what the layers derive without a device sync
     prefill: tuple[SeqStep, ...] = ()
-    # layer id -> where the host table's native attention averages the layer's input streams (attn_ops.attn_decode
-    # `hold`: DSpark's context input, engine/runner.py `ModelRunner.hold`), and how many layers did
-    hold: dict[int, tuple[int, int, int]] | None = None
+    # where the host table's native attention averages a layer's input streams, at each row's slot and position
+    # (attn_ops.attn_decode `hold`: DSpark's context input, engine/runner.py `ModelRunner.hold`): ({layer id: address
+    # of its part of held row 0}, rows per slot, row width); and how many layers did
+    hold: tuple[dict[int, int], int, int] | None = None
     held: int = 0
     # tensors every layer of the step derives alike from the plan (RoPE tables, window masks), made once: `shared`
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)

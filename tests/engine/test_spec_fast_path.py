@@ -307,7 +307,7 @@ def test_dspark_off_steps_hold_their_context_from_inside_the_target_layers(monke
     bit the rows of the step's `Capture`; MTP (final streams and next ids) keeps them by the call."""
     eng = _engine("auto", "dspark")
     run = eng.runner
-    assert run._hold_at is not None and set(run._hold_at) == set(run.cfg.dspark_target_layer_ids)
+    assert run._hold_in_layers is not None and set(run._hold_in_layers[0]) == set(run.cfg.dspark_target_layer_ids)
     monkeypatch.setattr(eng.spec_policy, "speculate", lambda batch, seqs=(), waiting=False: False)
     calls, checked = [0], [0]
     real_keep = run.model.ops.keep_rows
@@ -317,14 +317,25 @@ def test_dspark_off_steps_hold_their_context_from_inside_the_target_layers(monke
         return real_keep(*args)
 
     monkeypatch.setattr(run.model.ops, "keep_rows", keep_rows)
+    last, real_hold = [], run.hold
+
+    def hold(decodes):  # the step's rows, before hold lets them go
+        last.append(run._last)
+        real_hold(decodes)
+
+    monkeypatch.setattr(run, "hold", hold)
     for prompt in PROMPTS:
         eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=NEW))
     eng.step()  # the prefill: its rows kept by the call
     rows = run._held.shape[1]
     while eng.has_unfinished():
         before = calls[0]
+        held = len(last)
         eng.step()
-        steps, _, capture = run._last
+        if len(last) == held:  # the last steps: nothing decodes after them, nothing to hold
+            continue
+        steps, _, capture = last[-1]
+        assert run._last is None
         if all(s.n == 1 for s in steps) and len(steps) == len(PROMPTS):
             assert run._held_by_step and calls[0] == before
             want = capture.tensor()
@@ -333,7 +344,7 @@ def test_dspark_off_steps_hold_their_context_from_inside_the_target_layers(monke
                 assert torch.equal(got.view(torch.int32), want[j].view(torch.int32)), (s, j)
                 checked[0] += 1
     assert checked[0] >= NEW
-    assert _engine("auto", "mtp").runner._hold_at is None
+    assert _engine("auto", "mtp").runner._hold_in_layers is None
 
 
 @pytest.mark.parametrize("compressed", [False, True])
