@@ -191,7 +191,7 @@ class ModelRunner:
             plan = StepPlan.build(steps, self.block_size, batch_decode=self.batch_decode, device=self.device,
                                   decode_rows=self.decode_rows)
             if self.capture:
-                if not multi and not self._pending:  # (rows waiting there go first)
+                if not multi and not self._pending:  # (pending rows are older: the flush would write over these)
                     plan.hold = self._hold_in_layers
                 x, captured = self.proposer.hidden_and_capture(self.model, input_ids.to(self.device), plan, self.cache)
                 self._held_by_step = plan.hold is not None and plan.held == len(plan.hold[0])
