@@ -116,13 +116,15 @@ class ModelRunner:
             self._held_ids = torch.zeros(cache.max_num_seqs, rows, dtype=torch.long, device=self.device)
             self._pending: list[tuple[Any, list[int], list[int]]] = []  # (a step's rows, flat ring row, id)
             self._flush_every = 16  # steps: what the pending rows hold stays small (a slot kept twice: the later)
-        # DSpark on the host table: a decode step's context rows are averaged into `_held` inside the target layers'
-        # own native attention calls (attn_ops.attn_decode `hold`), not by a call of their own after the step (with
-        # its checks and arguments, a visible share of a small model's step); `hold` then only marks the slots behind
+        # DSpark: a decode step's context rows are averaged into `_held` inside the target layers' own native
+        # attention calls where the op table has them (the host table's attn_decode `hold`), not by a call of their
+        # own after the step (with its checks and arguments, a visible share of a small model's step); `hold` then
+        # only marks the slots behind. The native mean is torch's bits while hc_mult <= 4 or dim % 64 == 0 (as for
+        # keep_rows); elsewhere, or where a layer runs op by op, `hold` keeps the rows by its call as before.
         self._hold_in_layers: tuple[dict[int, int], int, int] | None = None  # StepPlan.hold
         self._held_by_step = False  # whether the last forward's layers held every row of it
-        if self.defers_catch_up and self.capture and self.model.ops.keep_rows is not None \
-                and self._held.dtype is torch.float32 and self._held.is_cpu and (cfg.hc_mult <= 4 or cfg.dim % 64 == 0):
+        if self.defers_catch_up and self.capture and self._held.dtype is torch.float32 and self._held.is_cpu \
+                and (cfg.hc_mult <= 4 or cfg.dim % 64 == 0):
             at, size = self._held.data_ptr(), self._held.element_size()
             self._hold_in_layers = ({lid: at + j * cfg.dim * size for j, lid in enumerate(cfg.dspark_target_layer_ids)},
                                     self._held.shape[1], self._held.shape[2])
