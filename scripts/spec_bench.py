@@ -4,13 +4,17 @@ target step and decode ms per output token, per model and batch size, through th
 (`deepinfer_bench.bench.batch_run.run_batch`, the driver of every timing command).
 
     nice -n 10 python scripts/spec_bench.py                                   # tiny-spec and mid, batch 1 and 8
+    nice -n 10 python scripts/spec_bench.py --models golden/tiny-spec-dspark --batches 8 --repeats 30 \
+        --policy auto,off --aa                                                # the off state's cost, and the floor
     python scripts/spec_bench.py --models golden/tiny-spec --batches 1 --ks 1,2,3 --repeats 3
     python scripts/spec_bench.py --trn2-step-ms 447.8 --json results/spec_bench.json
 
 Per model, one engine per setting (plain, then `--speculative mtp --num-speculative-tokens k` for each k; or
-`--instances` of each) is built first; then for each repeat, each batch size, each setting in turn (round-robin, so
-load from other processes on a shared box hits all settings alike; each repeat starts from the next setting) the same
-batch of prompts runs greedily (`ignore_eos`, `--new` tokens each).
+`--instances` of each) is built first; then for each repeat and batch size the same batch of prompts runs greedily
+(`ignore_eos`, `--new` tokens each) on every setting's engine: by default in lockstep (`--interleave step`,
+`batch_run.run_lockstep`: one step of each engine in turn, each round from the next, so a VM's slow and fast phases -
+its speed swings by half over seconds - fall on every setting alike), or whole batch runs one after another
+(`--interleave batch`: each repeat from the next setting; its A/A spread is a few per cent, lockstep's about one).
 Prompts: `golden/train_draft_heads.make_prompts` (half pseudo-word text, half random ids; `--input-len` tokens; a
 seed per repeat), valid ids for every model with the tiny tokenizer (vocab >= 1024).
 
@@ -44,6 +48,7 @@ if str(ROOT) not in sys.path:
 
 
 def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int, threads: int, policy: str = "auto"):
+    """`policy` "off": the auto engine with its policy never speculating (what the off state costs)."""
     import engine
     from engine.config import EngineConfig, Workload
 
@@ -53,45 +58,54 @@ def build_engine(model_dir: Path, batch: int, longest: int, method: str, k: int,
     # prefix caching off: the prompts share no prefix, and with a draft layer it cuts a prefill at a block boundary
     cfg = EngineConfig.from_model_dir(model_dir, workload=work, dtype="float32", speculative=method,
                                       num_speculative_tokens=k if method != "none" else None,
-                                      enable_prefix_caching=False, speculative_policy=policy)
-    return engine.build(cfg, threads=threads)
+                                      enable_prefix_caching=False,
+                                      speculative_policy="auto" if policy == "off" else policy)
+    eng = engine.build(cfg, threads=threads)
+    if policy == "off":
+        eng.spec_policy.speculate = lambda batch, seqs=(), waiting=False: False
+    return eng
+
+
+class _Timed:
+    """What one engine's batch run did: its spec stats from before the run on, checked to have decoded together."""
+
+    def __init__(self, eng) -> None:
+        s = self.stats = eng.spec_stats
+        self.eng = eng
+        self.then = (list(s.accepted_per_pos), list(s.drafted_per_pos), s.num_draft_tokens, s.num_accepted_tokens,
+                     s.num_drafts, eng.stats().num_preemptions)
+
+    def result(self, run, batch: int) -> dict:
+        acc0, dft0, d0, a0, n0, pre0 = self.then
+        s, eng = self.stats, self.eng
+        if run.first_decode_step != 1 or eng.stats().num_preemptions != pre0:
+            raise RuntimeError(f"the batch of {batch} did not prefill in one step and decode together "
+                               f"(first decode step {run.first_decode_step}, {eng.stats().num_preemptions - pre0} "
+                               "preemptions): size the engine for it")
+
+        def delta(now: list[int], then: list[int]) -> list[int]:
+            return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
+
+        return {"decode_s": sum(run.decode_steps_s), "decode_steps": len(run.decode_steps_s),
+                "decode_cpu_s": sum(run.decode_cpu_s), "step_s": run.decode_steps_s,
+                "drafted": s.num_draft_tokens - d0, "accepted": s.num_accepted_tokens - a0,
+                "verifies": s.num_drafts - n0,
+                "accepted_per_pos": delta(s.accepted_per_pos, acc0), "drafted_per_pos": delta(s.drafted_per_pos, dft0)}
 
 
 def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
     from deepinfer_bench.bench.batch_run import run_batch
 
-    acc0 = list(eng.spec_stats.accepted_per_pos), list(eng.spec_stats.drafted_per_pos)
-    d0, a0, n0 = eng.spec_stats.num_draft_tokens, eng.spec_stats.num_accepted_tokens, eng.spec_stats.num_drafts
-    pre0 = eng.stats().num_preemptions
-    cpu: list[float] = []  # the process's CPU seconds of each step (one torch thread: what a shared box bills it)
-    step = eng.step
+    timed = _Timed(eng)
+    return timed.result(run_batch(eng, prompts, new), len(prompts))
 
-    def timed_step():
-        t = time.process_time()
-        out = step()
-        cpu.append(time.process_time() - t)
-        return out
 
-    eng.step = timed_step
-    try:
-        run = run_batch(eng, prompts, new)
-    finally:
-        del eng.step
-    if run.first_decode_step != 1 or eng.stats().num_preemptions != pre0:
-        raise RuntimeError(f"the batch of {len(prompts)} did not prefill in one step and decode together "
-                           f"(first decode step {run.first_decode_step}, {eng.stats().num_preemptions - pre0} "
-                           "preemptions): size the engine for it")
-    s = eng.spec_stats
+def timed_lockstep(engines: list, prompts: list[list[int]], new: int, first: int) -> list[dict]:
+    from deepinfer_bench.bench.batch_run import run_lockstep
 
-    def delta(now: list[int], then: list[int]) -> list[int]:
-        return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
-
-    return {"decode_s": sum(run.decode_steps_s), "decode_steps": len(run.decode_steps_s),
-            "decode_cpu_s": sum(cpu[run.first_decode_step:len(run.step_s)]),
-            "step_s": run.decode_steps_s, "drafted": s.num_draft_tokens - d0, "accepted": s.num_accepted_tokens - a0,
-            "verifies": s.num_drafts - n0,
-            "accepted_per_pos": delta(s.accepted_per_pos, acc0[0]),
-            "drafted_per_pos": delta(s.drafted_per_pos, acc0[1])}
+    timed = [_Timed(e) for e in engines]
+    runs = run_lockstep(engines, prompts, new, first)
+    return [t.result(run, len(prompts)) for t, run in zip(timed, runs, strict=True)]
 
 
 def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new: int) -> dict:
@@ -115,12 +129,13 @@ def summarise(model: str, batch: int, method: str, k: int, runs: list[dict], new
 
 def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: int, new: int, repeats: int,
                 threads: int, seed: int, policy: str = "auto", warmup: int = 4, instances: int = 1,
-                aa: bool = False) -> list[dict]:
+                aa: bool = False, interleave: str = "step") -> list[dict]:
     """`policy`: one --speculative-policy, or several comma-separated (one speculative engine each, interleaved);
     `warmup`: tokens per request of the untimed run of each setting and batch size first; `instances`: engines
     built per setting, repeat r running on instance r % instances (each engine's memory lies where it was
     allocated: two engines of one setting differ by a few per cent of CPU per token, which instances average out);
-    `aa`: a second plain setting ("A/A"), whose ratio to the first is the run's floor."""
+    `aa`: a second plain setting ("A/A"), whose ratio to the first is the run's floor; `interleave`: "step" (the
+    settings' engines run each batch in lockstep, `run_lockstep`) or "batch" (whole batch runs one after another)."""
     from engine.config import ModelConfig
     from golden.train_draft_heads import make_prompts
 
@@ -144,6 +159,11 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
     for r in range(repeats):
         for b in batches:
             prompts = make_prompts(b, seed + 1000 * r + b, (input_len, input_len))
+            if interleave == "step":
+                done = timed_lockstep([engines[s][r % instances] for s in settings], prompts, new, r)
+                for s, res in zip(settings, done, strict=True):
+                    runs.setdefault((b, *s), []).append(res)
+                continue
             # the settings in turn, from another one each repeat: the one that runs first after a batch size's
             # switch runs slower (an A/A pair in a fixed order reads a few per cent apart at batch 1)
             order = settings[r % len(settings):] + settings[:r % len(settings)]
@@ -191,7 +211,11 @@ def main() -> None:
                    help="cost of one drafted token as a fraction of a target step, for the paper estimate")
     p.add_argument("--policy", default="auto",
                    help="--speculative-policy of the speculative engines (auto: off where it does not pay); "
-                   "comma-separated: one engine each, interleaved (auto,always)")
+                   "comma-separated: one engine each, interleaved (auto,always); off: an auto engine whose policy "
+                   "never speculates (what the off state costs)")
+    p.add_argument("--interleave", choices=("step", "batch"), default="step",
+                   help="step: the settings' engines run each batch in lockstep, one step of each in turn (their A/A "
+                   "spread about 1%%); batch: whole batch runs one after another (a few per cent)")
     p.add_argument("--warmup", type=int, default=None,
                    help="tokens per request of the untimed first run of each setting and batch size (default: "
                    "--new); the auto policy measures both sides of its first steps at a batch size, so the default "
@@ -204,8 +228,8 @@ def main() -> None:
     args = p.parse_args()
     import os
 
-    if not args.policy or any(pol not in ("auto", "always") for pol in args.policy.split(",")):
-        p.error(f"--policy {args.policy!r}: auto, always, or both comma-separated")
+    if not args.policy or any(pol not in ("auto", "always", "off") for pol in args.policy.split(",")):
+        p.error(f"--policy {args.policy!r}: auto, always, off, or several comma-separated")
     if args.instances < 1:
         p.error(f"--instances {args.instances}: at least 1")
 
@@ -214,7 +238,7 @@ def main() -> None:
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
                             [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
                             args.threads, args.seed, args.policy, args.new if args.warmup is None else args.warmup,
-                            args.instances, args.aa)
+                            args.instances, args.aa, args.interleave)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
           "| step ms | vs plain | CPU ms/token | CPU vs plain | CPU vs plain, median of repeats |")
