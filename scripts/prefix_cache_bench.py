@@ -49,6 +49,48 @@ def ttft(eng, prompt: list[int], new: int) -> float:
     return first
 
 
+def measure(model_dir: Path, prefix_len: int = 2048, suffix_len: int = 32, new: int = 2, repeats: int = 3,
+            budget: int = 2048, dtype: str = "bfloat16", threads: int | None = None) -> dict:
+    """The TTFTs per repeat, printed as they come, and their median hit / first ratio (and the engine's counters)."""
+    import torch
+
+    from engine.config import ModelConfig
+
+    if not (model_dir / "config.json").exists():
+        sys.exit(f"error: {model_dir} has no config.json (make it: python golden/make_bench_model.py --preset mid)")
+    vocab = ModelConfig.from_json(model_dir).vocab_size
+    longest = prefix_len + suffix_len + new
+    on = build_engine(model_dir, longest, budget, dtype, True, threads)
+    off = build_engine(model_dir, longest, budget, dtype, False, threads)
+    rows = []
+    g = torch.Generator().manual_seed(44)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(2, min(vocab, 1024), (n,), generator=g).tolist()
+
+    ttft(on, ids(suffix_len), new)  # warm-up (first-call allocations)
+    ttft(off, ids(suffix_len), new)
+    print(f"{model_dir.name}: prefix {prefix_len} + suffix {suffix_len}, dtype {dtype}, "
+          f"budget {budget} tokens/step, kernels {on.config.kernels.value}")
+    print(f"{'repeat':>6} {'first (miss) s':>15} {'second (hit) s':>15} {'no cache s':>11} {'hit/first':>10}")
+    for r in range(repeats):
+        prefix = ids(prefix_len)
+        first = ttft(on, prefix + ids(suffix_len), new)
+        hits0 = on.stats().prefix_cache_hits
+        second_prompt = prefix + ids(suffix_len)
+        second = ttft(on, second_prompt, new)
+        hit = on.stats().prefix_cache_hits - hits0
+        plain = ttft(off, second_prompt, new)
+        rows.append({"first_s": first, "second_s": second, "no_cache_s": plain, "hit_tokens": hit})
+        print(f"{r:>6} {first:>15.3f} {second:>15.3f} {plain:>11.3f} {second / first:>10.3f}   ({hit} tokens hit)")
+    ratio = statistics.median(x["second_s"] / x["first_s"] for x in rows)
+    s = on.stats()
+    print(f"median hit/first TTFT: {ratio:.3f} (target <= 0.2: {'met' if ratio <= 0.2 else 'NOT met'}); "
+          f"vllm:prefix_cache_queries {s.prefix_cache_queries}, vllm:prefix_cache_hits {s.prefix_cache_hits}")
+    return {"model_dir": str(model_dir), "prefix_len": prefix_len, "suffix_len": suffix_len, "dtype": dtype,
+            "runs": rows, "median_ratio": ratio}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=ROOT / "golden" / "bench" / "mid")
@@ -61,46 +103,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     a = p.parse_args()
-    import torch
-
-    from engine.config import ModelConfig
-
-    if not (a.model_dir / "config.json").exists():
-        sys.exit(f"error: {a.model_dir} has no config.json (make it: python golden/make_bench_model.py --preset mid)")
-    vocab = ModelConfig.from_json(a.model_dir).vocab_size
-    longest = a.prefix_len + a.suffix_len + a.new
-    on = build_engine(a.model_dir, longest, a.max_num_batched_tokens, a.dtype, True, a.threads)
-    off = build_engine(a.model_dir, longest, a.max_num_batched_tokens, a.dtype, False, a.threads)
-    rows = []
-    g = torch.Generator().manual_seed(44)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(2, min(vocab, 1024), (n,), generator=g).tolist()
-
-    ttft(on, ids(a.suffix_len), a.new)  # warm-up (first-call allocations)
-    ttft(off, ids(a.suffix_len), a.new)
-    print(f"{a.model_dir.name}: prefix {a.prefix_len} + suffix {a.suffix_len}, dtype {a.dtype}, "
-          f"budget {a.max_num_batched_tokens} tokens/step, kernels {on.config.kernels.value}")
-    print(f"{'repeat':>6} {'first (miss) s':>15} {'second (hit) s':>15} {'no cache s':>11} {'hit/first':>10}")
-    for r in range(a.repeats):
-        prefix = ids(a.prefix_len)
-        first = ttft(on, prefix + ids(a.suffix_len), a.new)
-        hits0 = on.stats().prefix_cache_hits
-        second_prompt = prefix + ids(a.suffix_len)
-        second = ttft(on, second_prompt, a.new)
-        hit = on.stats().prefix_cache_hits - hits0
-        plain = ttft(off, second_prompt, a.new)
-        rows.append({"first_s": first, "second_s": second, "no_cache_s": plain, "hit_tokens": hit})
-        print(f"{r:>6} {first:>15.3f} {second:>15.3f} {plain:>11.3f} {second / first:>10.3f}   ({hit} tokens hit)")
-    ratio = statistics.median(x["second_s"] / x["first_s"] for x in rows)
-    s = on.stats()
-    print(f"median hit/first TTFT: {ratio:.3f} (target <= 0.2: {'met' if ratio <= 0.2 else 'NOT met'}); "
-          f"vllm:prefix_cache_queries {s.prefix_cache_queries}, vllm:prefix_cache_hits {s.prefix_cache_hits}")
+    out = measure(a.model_dir, a.prefix_len, a.suffix_len, a.new, a.repeats, a.max_num_batched_tokens, a.dtype,
+                  a.threads)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"model_dir": str(a.model_dir), "prefix_len": a.prefix_len,
-                                      "suffix_len": a.suffix_len, "dtype": a.dtype, "runs": rows,
-                                      "median_ratio": ratio}, indent=1))
+        a.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

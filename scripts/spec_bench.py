@@ -6,6 +6,9 @@ target step and decode ms per output token, per model and batch size, through th
     nice -n 10 python scripts/spec_bench.py                                   # tiny-spec and mid, batch 1 and 8
     nice -n 10 python scripts/spec_bench.py --models golden/tiny-spec-dspark --batches 8 --repeats 30 \
         --policy auto,off --aa                                                # the off state's cost, and the floor
+    nice -n 10 python scripts/spec_bench.py --models golden/tiny-spec,golden/tiny-spec-dspark,golden/bench/mid:8 \
+        --batches 1,8 --repeats 30 --policy auto,always --aa --instances 3 \
+        --prefix-model-dir golden/bench/mid                                   # every target of issue 44, one run
     python scripts/spec_bench.py --models golden/tiny-spec --batches 1 --ks 1,2,3 --repeats 3
     python scripts/spec_bench.py --trn2-step-ms 447.8 --json results/spec_bench.json
 
@@ -15,6 +18,8 @@ Per model, one engine per setting (plain, then `--speculative mtp --num-speculat
 `batch_run.run_lockstep`: one step of each engine in turn, each round from the next, so a VM's slow and fast phases -
 its speed swings by half over seconds - fall on every setting alike), or whole batch runs one after another
 (`--interleave batch`: each repeat from the next setting; its A/A spread is a few per cent, lockstep's about one).
+After the tables, with `--prefix-model-dir`, the TTFT of a request that hits a cached 2,048-token prefix against the
+one that cached it (`scripts/prefix_cache_bench.py`), and then issue 44's targets, each met or not (`targets`).
 Prompts: `golden/train_draft_heads.make_prompts` (half pseudo-word text, half random ids; `--input-len` tokens; a
 seed per repeat), valid ids for every model with the tiny tokenizer (vocab >= 1024).
 
@@ -171,6 +176,10 @@ def bench_model(model_dir: Path, batches: list[int], ks: list[int], input_len: i
                 runs.setdefault((b, *s), []).append(timed_run(engines[s][r % instances], prompts, new))
     rows = [summarise(str(model_dir), b, m, k, runs[(b, m, k, pol)], new) | {"policy": pol}
             for b in batches for m, k, pol in settings]
+    for row in rows:  # over the engines' lives, warm-ups included (an auto engine may draft nothing while timed)
+        stats = [e.spec_stats for e in engines[(row["method"], row["k"], row["policy"])]]
+        drafted = sum(st.num_draft_tokens for st in stats)
+        row["acceptance_all"] = sum(st.num_accepted_tokens for st in stats) / drafted if drafted else None
     for row in rows:
         plain = next(x for x in rows if x["batch"] == row["batch"] and x["method"] == "none")
         row["speedup_vs_plain"] = plain["ms_per_token"] / row["ms_per_token"]
@@ -196,9 +205,38 @@ def paper_estimate(rows: list[dict], step_ms: float, draft_cost: float) -> list[
     return out
 
 
+def targets(rows: list[dict], prefix: dict | None) -> list[dict]:
+    """Issue 44's targets against the `auto` rows (and the prefix TTFT): at batch 1, MTP >= 1.8x plain and DSpark
+    >= 1.5x, unless the model's drafts are never accepted (`acceptance_all` under 5% in every row of it), where the
+    cost is held to <= 1.2x plain (>= 1 / 1.2); at a larger batch, >= 0.95x plain; a prefix hit's TTFT <= 0.2x the
+    first's."""
+    out = []
+    for r in rows:
+        if r["method"] == "none" or r["policy"] != "auto":
+            continue
+        seen = [x["acceptance_all"] for x in rows if x["model"] == r["model"] and x.get("acceptance_all") is not None]
+        never = bool(seen) and max(seen) < 0.05
+        if r["batch"] > 1:
+            want, what = 0.95, ">= 0.95x plain"
+        elif never:
+            want, what = 1 / 1.2, "a never-accepted draft costs <= 1.2x plain"
+        else:
+            want = {"mtp": 1.8, "dspark": 1.5}[r["method"]]
+            what = f">= {want}x plain"
+        out.append({"target": what, "model": Path(r["model"]).name, "batch": r["batch"], "policy": r["policy"],
+                    "measured": r["cpu_speedup_vs_plain"], "median": r["cpu_speedup_median"],
+                    "met": r["cpu_speedup_vs_plain"] >= want})
+    if prefix is not None:
+        ratio = prefix["median_ratio"]
+        out.append({"target": "prefix hit TTFT <= 0.2x the first's", "model": Path(prefix["model_dir"]).name,
+                    "batch": 1, "policy": "-", "measured": ratio, "median": ratio, "met": ratio <= 0.2})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="golden/tiny-spec,golden/bench/mid", help="model dirs, comma-separated")
+    p.add_argument("--models", default="golden/tiny-spec,golden/bench/mid",
+                   help="model dirs, comma-separated; DIR:N runs N repeats of that model (else --repeats)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--ks", default="2", help="MTP drafts per step (one engine each)")
     p.add_argument("--input-len", type=int, default=40)
@@ -224,6 +262,10 @@ def main() -> None:
                    help="engines per setting, the repeats spread over them in turn (where an engine's memory lies "
                    "moves its speed by a few per cent: more instances average that out)")
     p.add_argument("--aa", action="store_true", help="a second plain engine (A/A): the run's own floor")
+    p.add_argument("--prefix-model-dir", type=Path,
+                   help="also TTFT with and without a prefix hit on this model (scripts/prefix_cache_bench.py: a "
+                   "2,048-token prefix, a 32-token new suffix)")
+    p.add_argument("--prefix-repeats", type=int, default=2)
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     import os
@@ -235,10 +277,11 @@ def main() -> None:
 
     rows = []
     for m in args.models.split(","):
+        m, _, repeats = m.partition(":")
         rows += bench_model(Path(m), [int(b) for b in args.batches.split(",")],
-                            [int(k) for k in args.ks.split(",") if k], args.input_len, args.new, args.repeats,
-                            args.threads, args.seed, args.policy, args.new if args.warmup is None else args.warmup,
-                            args.instances, args.aa, args.interleave)
+                            [int(k) for k in args.ks.split(",") if k], args.input_len, args.new,
+                            int(repeats) if repeats else args.repeats, args.threads, args.seed, args.policy,
+                            args.new if args.warmup is None else args.warmup, args.instances, args.aa, args.interleave)
     print(f"load average after the run: {os.getloadavg()}")
     print("| model | batch | speculation | tokens/step | tokens/verify | acceptance (per position) | ms/token | tok/s "
           "| step ms | vs plain | CPU ms/token | CPU vs plain | CPU vs plain, median of repeats |")
@@ -257,10 +300,24 @@ def main() -> None:
         print(f"paper, {Path(e['model']).name} batch {e['batch']} k={e['k']}: {e['expected_tokens_per_step']:.2f} "
               f"tokens per {e['step_ms']:.1f} ms step = {e['ms_per_token']:.1f} ms/token "
               f"({e['speedup']:.2f}x vs {args.trn2_step_ms} ms/token)")
+    prefix = None
+    if args.prefix_model_dir is not None:
+        from prefix_cache_bench import measure
+
+        print(f"\nTTFT with and without a prefix hit ({args.prefix_repeats} repeats):")
+        prefix = measure(args.prefix_model_dir, repeats=args.prefix_repeats)
+    checks = targets(rows, prefix)
+    if checks:
+        print("\nissue 44's targets (CPU time, sums over the repeats; the median of repeats beside):")
+        print("| target | model | batch | policy | measured | median of repeats | |")
+        print("|---|---|---|---|---|---|---|")
+        for c in checks:
+            print(f"| {c['target']} | {c['model']} | {c['batch']} | {c['policy']} | {c['measured']:.3f} | "
+                  f"{c['median']:.3f} | {'met' if c['met'] else 'NOT met'} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "paper": est, "args": vars(args) | {"json": str(args.json)}},
-                                        indent=1, default=str) + "\n")
+        args.json.write_text(json.dumps({"rows": rows, "paper": est, "prefix": prefix, "targets": checks,
+                                         "args": vars(args) | {"json": str(args.json)}}, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":
