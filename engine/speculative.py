@@ -280,6 +280,10 @@ class SpecPolicy:
         self._t = 0  # decisions so far
         self.refresh = 64  # on at B > 1: plain steps at B are measured again after this many decisions without one
         self._plain_at: dict[int, int] = {}  # the decision count at each size's last plain step
+        # off at B > 1 near a tie (1 / band < G < hysteresis): the spec side at B is measured again after `refresh`
+        # decisions without a kept verify step there (or more, where that keeps its loss to `probe_share`)
+        self._spec_at: dict[int, int] = {}  # the decision count at each size's last kept verify step
+        self._measuring: tuple[int, int] | None = None  # (batch size, speculative steps left) of such a measuring
         self._probes: dict[bool, tuple[int | None, int, int]] = {}
         # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
         # up to this many and not past a probe or a verify, take that decision without working it out (working it
@@ -305,7 +309,11 @@ class SpecPolicy:
         if switched or seconds is None:  # the first step after a switch of kind is not kept either: it rebuilds
             costs.samples.setdefault(batch, deque(maxlen=costs.window))  # that kind's packs
             return
-        if costs.add(batch, seconds) and what in self.rel and (off := self._off_step(batch)):
+        if not costs.add(batch, seconds):
+            return
+        if what == "verify":
+            self._spec_at[batch] = self._t
+        if what in self.rel and (off := self._off_step(batch)):
             self.rel[what].add(batch, seconds / off, first=True)  # (kept as the seconds were)
 
     def _off_step(self, batch: int) -> float | None:
@@ -404,6 +412,11 @@ class SpecPolicy:
                 self.off_steps += 1
                 return False
             self._settled = None
+        if self._measuring is not None:
+            if self._measuring[0] == batch and self._measuring[1] > 0:
+                self._measuring = (batch, self._measuring[1] - 1)
+                return self._on("speculative steps measured again")
+            self._measuring = None
         if len(self._seqs) > 4 * max(batch, 8):
             self.forget(seqs)
         if self.always:
@@ -451,11 +464,12 @@ class SpecPolicy:
                                        (1 if batch == 1 else self.hysteresis))
         if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
             # on again at B > 1 on the batch's own acceptance, not the engine's (other texts' - the prior comes from
-            # the verifies made, most of them where acceptance was high): until half its sequences have verified,
-            # one of them verifies a step at the probe interval (each a probe's cost)
+            # the verifies made, most of them where acceptance was high): while fewer than half its sequences have
+            # verified, one step speculates for the whole batch (every sequence verifies at once: one sequence at
+            # the probe interval gave a batch of short requests no chance to turn on before it finished), then the
+            # next decision rests on their own rates, past the hysteresis
             self._was_on[batch] = False
-            return self._off(self.interval or max(self.probe_every, self._probe_steps(batch)), sooner=False,
-                             why=f"gain {gain:.2f}: the batch's own acceptance first")
+            return self._on(f"gain {gain:.2f}: one step for the batch's own acceptance")
         if self._was_on[batch]:
             if batch > 1 and self._t - self._plain_at.get(batch, self._t) > self.refresh:
                 # on for long at B > 1: plain(B) is measured again (its samples are of another time, and a batch
@@ -468,6 +482,19 @@ class SpecPolicy:
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")
             return self._off(None, why=f"gain {gain:.2f} from estimates: measuring plain steps")
+        if batch > 1 and 1 / self.band < gain < self.hysteresis and \
+                self._t - self._spec_at.get(batch, self._t) > self._spec_refresh(e, spec, plain):
+            # off at B > 1 near a tie on spec samples of long ago: measured again, as plain's are when on (a shared
+            # box's speed drifts, and spec(B) is their ratio to the plain step of their time: one kept in a slow
+            # phase against a fast one's plain step holds a gain that pays under the hysteresis, and off steps
+            # measure no verify step - nor does a probe, one sequence's - to move it): 3 speculative steps of the
+            # whole batch (the first not kept), its old samples dropped; they verify the batch's sequences too
+            self._spec_at[batch] = self._t
+            for w in ("verify", "draft"):
+                p[w].samples.pop(batch, None)
+                self.rel[w].samples.pop(batch, None)
+            self._measuring = (batch, 2)
+            return self._on(f"gain {gain:.2f}: speculative steps measured again")
         if (self.k + 1) * plain < (1 + margin) * spec:  # decided off: the next few steps at B take it as it is
             self._settled = (batch, self.recheck - 1)
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
@@ -489,6 +516,12 @@ class SpecPolicy:
         slowest sequence, and B sequences' accepted counts spread more the more there are, so a near tie per step
         loses over a batch. With nothing waiting the harmonic E weighs the slow sequences instead: `margin`."""
         return self.margin * (1 + math.log2(max(batch, 1))) if waiting else self.margin
+
+    def _spec_refresh(self, e: float, spec: float, plain: float) -> int:
+        """Decisions between two measurings of the spec side while off near a tie: `refresh`, or as many as keep
+        their loss (3 speculative steps, each spec - E * plain against E tokens of plain steps) at `probe_share`
+        of the steps' cost."""
+        return max(self.refresh, math.ceil(3 * max(spec - e * plain, 0.0) / (plain * self.probe_share)))
 
     def pick(self, seqs: Sequence[object]) -> object:
         """The sequence a one-sequence probe drafts for: the one with the fewest verifies of its own."""
