@@ -280,8 +280,8 @@ class SpecPolicy:
         self._t = 0  # decisions so far
         self.refresh = 64  # on at B > 1: plain steps at B are measured again after this many decisions without one
         self._plain_at: dict[int, int] = {}  # the decision count at each size's last plain step
-        # off at B > 1 near a tie (1 / band < G < hysteresis): the spec side at B is measured again after `refresh`
-        # decisions without a kept verify step there (or more, where that keeps its loss to `probe_share`)
+        # off at B > 1 near a tie (1 - margin <= G < hysteresis): the spec side at B is measured again after
+        # `refresh` decisions without a kept verify step there, or as many more as keep its cost to `probe_share`
         self._spec_at: dict[int, int] = {}  # the decision count at each size's last kept verify step
         self._measuring: tuple[int, int] | None = None  # (batch size, speculative steps left) of such a measuring
         self._probes: dict[bool, tuple[int | None, int, int]] = {}
@@ -482,8 +482,8 @@ class SpecPolicy:
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")
             return self._off(None, why=f"gain {gain:.2f} from estimates: measuring plain steps")
-        if batch > 1 and 1 / self.band < gain < self.hysteresis and \
-                self._t - self._spec_at.get(batch, self._t) > self._spec_refresh(e, spec, plain):
+        if batch > 1 and 1 - self.margin <= gain < self.hysteresis and \
+                self._t - self._spec_at.get(batch, self._t) > self._spec_refresh(spec, plain):
             # off at B > 1 near a tie on spec samples of long ago: measured again, as plain's are when on (a shared
             # box's speed drifts, and spec(B) is their ratio to the plain step of their time: one kept in a slow
             # phase against a fast one's plain step holds a gain that pays under the hysteresis, and off steps
@@ -517,11 +517,11 @@ class SpecPolicy:
         loses over a batch. With nothing waiting the harmonic E weighs the slow sequences instead: `margin`."""
         return self.margin * (1 + math.log2(max(batch, 1))) if waiting else self.margin
 
-    def _spec_refresh(self, e: float, spec: float, plain: float) -> int:
+    def _spec_refresh(self, spec: float, plain: float) -> int:
         """Decisions between two measurings of the spec side while off near a tie: `refresh`, or as many as keep
-        their loss (3 speculative steps, each spec - E * plain against E tokens of plain steps) at `probe_share`
-        of the steps' cost."""
-        return max(self.refresh, math.ceil(3 * max(spec - e * plain, 0.0) / (plain * self.probe_share)))
+        their loss at `probe_share` of the steps' cost, taken at its worst (3 speculative steps, each spec - plain:
+        the estimate being measured may be wrong, and a batch runs as long as its slowest sequence)."""
+        return max(self.refresh, math.ceil(3 * max(spec - plain, 0.0) / (plain * self.probe_share)))
 
     def pick(self, seqs: Sequence[object]) -> object:
         """The sequence a one-sequence probe drafts for: the one with the fewest verifies of its own."""
