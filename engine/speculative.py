@@ -230,7 +230,8 @@ class SpecPolicy:
     unless the estimate is unsure: where G is within `band` of 1 and the side not taken has no measured size within a
     quarter of B, that side is measured (3 steps: the first at a new size is dropped); at B > 1 plain steps near B are
     measured before anything turns on or probes there (a line from smaller sizes overshoots a larger one's plain
-    cost: a step's fixed share).
+    cost: a step's fixed share). On at B > 1 for long, plain(B) is measured again; off at B > 1 near a tie
+    (1 - margin <= G < hysteresis) on old verify samples, spec(B) is (`_spec_refresh`).
     E: the mean over the batch's sequences of each one's own rates (acceptance depends on the text: a sequence's own
     last verifies say more than the engine's), which start from the engine's prior (over every sequence's verifies,
     a slower average than the engine's own rates); at B > 1 with no request waiting, their harmonic mean (no request
@@ -240,9 +241,10 @@ class SpecPolicy:
     needed, probed one step in `interval`, or in as many as keep the probes at `probe_share` of the steps' cost where a
     probe is dearer (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
     acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
-    G >= 0.9) and at B = 1 a new sequence speculates once (at B > 1 new sequences wait for a probe); where even full
-    acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and
-    nothing is probed: that decided-off state costs nothing.
+    G >= 0.9) and at B = 1 a new sequence speculates once (at B > 1 a batch that would turn on again speculates one
+    step first, for its sequences' own acceptance); where even full acceptance cannot pay ((k + 1) * plain(B) <
+    (1 + margin) * spec(B), the spec side measured) it is off and nothing is probed: that decided-off state costs
+    nothing.
     `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
