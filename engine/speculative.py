@@ -230,8 +230,7 @@ class SpecPolicy:
     unless the estimate is unsure: where G is within `band` of 1 and the side not taken has no measured size within a
     quarter of B, that side is measured (3 steps: the first at a new size is dropped); at B > 1 plain steps near B are
     measured before anything turns on or probes there (a line from smaller sizes overshoots a larger one's plain
-    cost: a step's fixed share). On at B > 1 for long, plain(B) is measured again; off at B > 1 near a tie
-    (1 - margin <= G < hysteresis) on old verify samples, spec(B) is (`_spec_refresh`).
+    cost: a step's fixed share).
     E: the mean over the batch's sequences of each one's own rates (acceptance depends on the text: a sequence's own
     last verifies say more than the engine's), which start from the engine's prior (over every sequence's verifies,
     a slower average than the engine's own rates); at B > 1 with no request waiting, their harmonic mean (no request
@@ -241,10 +240,9 @@ class SpecPolicy:
     needed, probed one step in `interval`, or in as many as keep the probes at `probe_share` of the steps' cost where a
     probe is dearer (doubling up to `max_interval`). On at B = 1, it stays on down to G = 1 / band. Where full
     acceptance could pay, it is probed one step in `probe_every` (doubling while it keeps losing; one in 4 while
-    G >= 0.9) and at B = 1 a new sequence speculates once (at B > 1 a batch that would turn on again speculates one
-    step first, for its sequences' own acceptance); where even full acceptance cannot pay ((k + 1) * plain(B) <
-    (1 + margin) * spec(B), the spec side measured) it is off and nothing is probed: that decided-off state costs
-    nothing.
+    G >= 0.9) and at B = 1 a new sequence speculates once (at B > 1 new sequences wait for a probe); where even full
+    acceptance cannot pay ((k + 1) * plain(B) < (1 + margin) * spec(B), the spec side measured) it is off and
+    nothing is probed: that decided-off state costs nothing.
     `clock` is the runner's (ModelRunner.cost_clock). `why` says what the last decision rested on."""
 
     def __init__(self, k: int, policy: str = "auto", clock: Callable[[], float] = time.perf_counter, window: int = 16,
@@ -282,10 +280,6 @@ class SpecPolicy:
         self._t = 0  # decisions so far
         self.refresh = 64  # on at B > 1: plain steps at B are measured again after this many decisions without one
         self._plain_at: dict[int, int] = {}  # the decision count at each size's last plain step
-        # off at B > 1 near a tie (1 - margin <= G < hysteresis): the spec side at B is measured again after
-        # `refresh` decisions without a kept verify step there, or as many more as keep its cost to `probe_share`
-        self._spec_at: dict[int, int] = {}  # the decision count at each size's last kept verify step
-        self._measuring: tuple[int, int] | None = None  # (batch size, speculative steps left) of such a measuring
         self._probes: dict[bool, tuple[int | None, int, int]] = {}
         # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
         # up to this many and not past a probe or a verify, take that decision without working it out (working it
@@ -311,11 +305,7 @@ class SpecPolicy:
         if switched or seconds is None:  # the first step after a switch of kind is not kept either: it rebuilds
             costs.samples.setdefault(batch, deque(maxlen=costs.window))  # that kind's packs
             return
-        if not costs.add(batch, seconds):
-            return
-        if what == "verify":
-            self._spec_at[batch] = self._t
-        if what in self.rel and (off := self._off_step(batch)):
+        if costs.add(batch, seconds) and what in self.rel and (off := self._off_step(batch)):
             self.rel[what].add(batch, seconds / off, first=True)  # (kept as the seconds were)
 
     def _off_step(self, batch: int) -> float | None:
@@ -414,11 +404,6 @@ class SpecPolicy:
                 self.off_steps += 1
                 return False
             self._settled = None
-        if self._measuring is not None:
-            if self._measuring[0] == batch and self._measuring[1] > 0:
-                self._measuring = (batch, self._measuring[1] - 1)
-                return self._on("speculative steps measured again")
-            self._measuring = None
         if len(self._seqs) > 4 * max(batch, 8):
             self.forget(seqs)
         if self.always:
@@ -466,12 +451,11 @@ class SpecPolicy:
                                        (1 if batch == 1 else self.hysteresis))
         if self._was_on[batch] and not was and seqs and 2 * sum(s in self._seqs for s in seqs) < len(seqs):
             # on again at B > 1 on the batch's own acceptance, not the engine's (other texts' - the prior comes from
-            # the verifies made, most of them where acceptance was high): while fewer than half its sequences have
-            # verified, one step speculates for the whole batch (every sequence verifies at once: one sequence at
-            # the probe interval gave a batch of short requests no chance to turn on before it finished), then the
-            # next decision rests on their own rates, past the hysteresis
+            # the verifies made, most of them where acceptance was high): until half its sequences have verified,
+            # one of them verifies a step at the probe interval (each a probe's cost)
             self._was_on[batch] = False
-            return self._on(f"gain {gain:.2f}: one step for the batch's own acceptance")
+            return self._off(self.interval or max(self.probe_every, self._probe_steps(batch)), sooner=False,
+                             why=f"gain {gain:.2f}: the batch's own acceptance first")
         if self._was_on[batch]:
             if batch > 1 and self._t - self._plain_at.get(batch, self._t) > self.refresh:
                 # on for long at B > 1: plain(B) is measured again (its samples are of another time, and a batch
@@ -484,19 +468,6 @@ class SpecPolicy:
             if (sure and spec_known) or (p["plain"].near(batch, self.least) and p["catch_up"].near(batch, self.least)):
                 return self._on(f"gain {gain:.2f}")
             return self._off(None, why=f"gain {gain:.2f} from estimates: measuring plain steps")
-        if batch > 1 and 1 - self.margin <= gain < self.hysteresis and \
-                self._t - self._spec_at.get(batch, self._t) > self._spec_refresh(spec, plain):
-            # off at B > 1 near a tie on spec samples of long ago: measured again, as plain's are when on (a shared
-            # box's speed drifts, and spec(B) is their ratio to the plain step of their time: one kept in a slow
-            # phase against a fast one's plain step holds a gain that pays under the hysteresis, and off steps
-            # measure no verify step - nor does a probe, one sequence's - to move it): 3 speculative steps of the
-            # whole batch (the first not kept), its old samples dropped; they verify the batch's sequences too
-            self._spec_at[batch] = self._t
-            for w in ("verify", "draft"):
-                p[w].samples.pop(batch, None)
-                self.rel[w].samples.pop(batch, None)
-            self._measuring = (batch, 2)
-            return self._on(f"gain {gain:.2f}: speculative steps measured again")
         if (self.k + 1) * plain < (1 + margin) * spec:  # decided off: the next few steps at B take it as it is
             self._settled = (batch, self.recheck - 1)
             return self._off(None, why=f"gain {gain:.2f}; not even full acceptance pays")
@@ -518,12 +489,6 @@ class SpecPolicy:
         slowest sequence, and B sequences' accepted counts spread more the more there are, so a near tie per step
         loses over a batch. With nothing waiting the harmonic E weighs the slow sequences instead: `margin`."""
         return self.margin * (1 + math.log2(max(batch, 1))) if waiting else self.margin
-
-    def _spec_refresh(self, spec: float, plain: float) -> int:
-        """Decisions between two measurings of the spec side while off near a tie: `refresh`, or as many as keep
-        their loss at `probe_share` of the steps' cost, taken at its worst (3 speculative steps, each spec - plain:
-        the estimate being measured may be wrong, and a batch runs as long as its slowest sequence)."""
-        return max(self.refresh, math.ceil(3 * max(spec - plain, 0.0) / (plain * self.probe_share)))
 
     def pick(self, seqs: Sequence[object]) -> object:
         """The sequence a one-sequence probe drafts for: the one with the fewest verifies of its own."""
