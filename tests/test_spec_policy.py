@@ -290,6 +290,23 @@ def test_probes_of_a_batch_cost_a_share_of_its_steps() -> None:
     assert not p.speculate(8, waiting=True) and p.interval == 68
 
 
+def test_off_at_a_batch_near_a_tie_the_next_steps_take_the_decision_as_it_is() -> None:
+    """Off at B = 4 at G = 0.95 (not far off): the steps up to the next probe take the decision without working it out
+    (as far off ones do: at B > 1 it turns on again only past the hysteresis), so cheaper plain samples move nothing
+    until a verify makes the next step work it out anew."""
+    p = SpecPolicy(2, margin=0.0)
+    _feed(p, 4, verify=3.0, draft=1.0, plain=2.0, catch_up=0.0)
+    _accept(p, 16, 0)
+    _set_rates(p, [0.5, 0.4])  # E = 1.9: G = 1.9 * 2 / 4 = 0.95
+    assert not p.speculate(4) and p.why == "gain 0.95"
+    for _ in range(4):
+        p.record("plain", 4, 3.0)  # plain(4) 2.5 now: worked out, G 1.19, past the hysteresis
+    assert not any(p.speculate(4) for _ in range(4)) and p.why == "gain 0.95"  # taken as it was
+    p.observe(2, 1)  # a verify (a sampled request's): worked out anew
+    p.speculate(4)
+    assert p.why != "gain 0.95"
+
+
 def test_on_again_at_a_batch_rests_on_its_own_sequences_acceptance() -> None:
     """Off at B = 4, then the engine's acceptance (other sequences') says it would pay: the batch's sequences, none
     verified yet, verify one at a time first, each at the probe interval (a probe's cost); on once half of them
