@@ -281,7 +281,7 @@ class SpecPolicy:
         self.refresh = 64  # on at B > 1: plain steps at B are measured again after this many decisions without one
         self._plain_at: dict[int, int] = {}  # the decision count at each size's last plain step
         self._probes: dict[bool, tuple[int | None, int, int]] = {}
-        # decided off at a batch size (not even full acceptance pays, or B > 1 and G far below 1): its next steps,
+        # decided off at a batch size (not even full acceptance pays, or off at B > 1): its next steps,
         # up to this many and not past a probe or a verify, take that decision without working it out (working it
         # out costs a few per cent of a small model's step: docs/speculative.md)
         self.recheck = 32
