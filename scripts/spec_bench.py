@@ -99,10 +99,7 @@ class _Timed:
 
 
 def timed_run(eng, prompts: list[list[int]], new: int) -> dict:
-    from deepinfer_bench.bench.batch_run import run_batch
-
-    timed = _Timed(eng)
-    return timed.result(run_batch(eng, prompts, new), len(prompts))
+    return timed_lockstep([eng], prompts, new, 0)[0]  # (one engine in lockstep: run_batch's steps)
 
 
 def timed_lockstep(engines: list, prompts: list[list[int]], new: int, first: int) -> list[dict]:

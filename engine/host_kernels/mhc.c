@@ -563,11 +563,7 @@ int dk_hc_head(const float *x, const float *fn, const float *scale, const float 
     return rc;
 }
 
-/* ModelRunner._keep's rows written at once (engine/runner.py; its _flush is the torch path, bit for bit): for each
- * r < R, row src_row[r] of each of the L sources (src[l]: [T, n, D] fp32, contiguous) into row dst_row[r] of dst
- * and ids[r] into dst_ids[dst_row[r]]. mean: dst rows [L*D], source l's n streams summed in order from 0 and then
- * divided by n (torch.sum over the streams, then div_: dspark_proposer.Capture.tensor); else dst rows [L*n*D],
- * copied. A row kept twice: the later wins. */
+/* dk.h: the mean of n streams in torch's order (Capture.tensor), one row of dk_keep_rows or attn.c's held rows */
 void dk_stream_mean(const float *x, int64_t n, int64_t D, float *o) {
     for (int64_t d = 0; d < D; d++) o[d] = 0.0f + x[d]; /* from 0, as torch's sum: -0 + 0 is +0 */
     for (int64_t j = 1; j < n; j++)
@@ -575,6 +571,11 @@ void dk_stream_mean(const float *x, int64_t n, int64_t D, float *o) {
     for (int64_t d = 0; d < D; d++) o[d] /= (float)n;
 }
 
+/* ModelRunner._keep's rows written at once (engine/runner.py; its _flush is the torch path, bit for bit): for each
+ * r < R, row src_row[r] of each of the L sources (src[l]: [T, n, D] fp32, contiguous) into row dst_row[r] of dst
+ * and ids[r] into dst_ids[dst_row[r]]. mean: dst rows [L*D], source l's n streams summed in order from 0 and then
+ * divided by n (torch.sum over the streams, then div_: dspark_proposer.Capture.tensor); else dst rows [L*n*D],
+ * copied. A row kept twice: the later wins. */
 int dk_keep_rows(const float *const *src, int64_t L, int64_t n, int64_t D, const int64_t *src_row,
                  const int64_t *dst_row, const int64_t *ids, int64_t R, int mean, float *dst, int64_t *dst_ids) {
     const int64_t width = mean ? L * D : L * n * D;
